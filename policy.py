@@ -1,0 +1,402 @@
+"""
+The schedule policy pi(tau | x_T, c) of PAPER.md "Policy": one forward pass from the initial noise
+x_T and the prompt c to the concentrations alpha of a Dirichlet over the L+1 time increments.
+
+    python policy.py --bench    # FLOPs against one SD3.5-Medium step, parameter counts (CPU, no weights)
+
+A schedule for L steps is `times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0. The action is the
+increment vector tau ~ Dirichlet(alpha) on the simplex of dimension L+1, t_l = 1 - (tau_1 + ... + tau_l),
+so the last increment tau_{L+1} = t_L is the learnable stop margin: sampling ends at t_L.
+
+Two policies share one forward signature, forward(latent, text, text_mask, pooled) -> alpha (N, L+1):
+- SchedulePolicy: instance-level. Multi-scale conv blocks over x_T, pooled to a fixed token grid; the
+  tokens cross-attend to the prompt's token embeddings (masked); the pooled prompt embedding is added
+  through a projection; an MLP maps the mean token to L+1 numbers; softplus(.) + 1e-3 gives alpha.
+- GlobalPolicy: one learnable concentration vector, the same for every context (the ablation).
+
+Initialisation. The paper trains from scratch. Here the head's last layer starts at zero and its bias
+is set so that alpha = concentration * (initial increments), for every input:
+- init="default": the increments of a backbone's default schedule (`init_times`, e.g. what
+  Backbone.default_times(L) returns), so the policy starts exactly at the baseline schedule and
+  REINFORCE only has to improve on it. make_policy uses this whenever it is given `init_times`.
+- init="uniform": equal increments, the neutral start closest to "from scratch".
+The concentration sum(alpha) = 100 by default: every time t_l then has standard deviation
+sqrt(t_l (1 - t_l) / 101) <= 0.05 whatever L is, enough to explore and small enough that the
+schedules stay near the starting one.
+"""
+
+import argparse
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# softplus(.) + ALPHA_MIN keeps every concentration positive (PAPER.md "Policy").
+ALPHA_MIN = 1e-3
+# Smallest increment a sampled or mean schedule may have. Dirichlet draws underflow with small alpha
+# (a Gamma(0.01) draw is below 1e-30 about half of the time), and two float32 times closer than the
+# float32 spacing near 1 (1.2e-7) would be equal; 1e-6 keeps every schedule strictly decreasing.
+TAU_FLOOR = 1e-6
+
+# Width settings per backbone, each sized to about 20M parameters for the dims in PRESET_DIMS
+# (the paper: "about 20M parameters, under 1% of the sampler"). `widths` are the conv stages, each
+# halving the resolution; their outputs are pooled to a `grid` x `grid` token grid of width `dim`.
+PRESETS = {
+    "sd35m": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "sd35l": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "sdxl": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "flux-dev": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "flux-schnell": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "digits": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
+}
+# The backbone dims (Backbone.policy_dims) each preset was sized for: latents at 1024x1024 for the
+# real models (128x128 latent; Flux unpacked), text tokens (S, text_dim), pooled (pooled_dim,).
+PRESET_DIMS = {
+    "sd35m": dict(latent_channels=16, text_dim=4096, pooled_dim=2048, latent_size=128, text_len=333),
+    "sd35l": dict(latent_channels=16, text_dim=4096, pooled_dim=2048, latent_size=128, text_len=333),
+    "sdxl": dict(latent_channels=4, text_dim=2048, pooled_dim=1280, latent_size=128, text_len=77),
+    "flux-dev": dict(latent_channels=16, text_dim=4096, pooled_dim=768, latent_size=128, text_len=512),
+    "flux-schnell": dict(latent_channels=16, text_dim=4096, pooled_dim=768, latent_size=128, text_len=256),
+    "digits": dict(latent_channels=1, text_dim=32, pooled_dim=32, latent_size=8, text_len=4),
+}
+
+# -----------------------------------------------------------------------------
+# schedules <-> increments
+
+
+def times_from_increments(tau):
+    """tau (..., L+1) on the simplex -> times (..., L+1): t_0 = 1, t_l = 1 - (tau_1 + ... + tau_l).
+
+    Computed as t_l = tau_{l+1} + ... + tau_{L+1} in float64, so that t_L equals the stop margin
+    tau_{L+1} exactly (1 - cumsum would round a 1e-7 margin to 0 in float32) and t_l - t_{l+1} = tau_{l+1}.
+    """
+    remaining = tau.double().flip(-1).cumsum(-1).flip(-1)  # (..., L+1), remaining[l] = sum(tau[l:])
+    times = torch.cat([torch.ones_like(remaining[..., :1]), remaining[..., 1:]], dim=-1)
+    return times.to(tau.dtype)
+
+
+def increments_from_times(times):
+    """times (..., L+1) with t_0 = 1 -> tau (..., L+1): tau_l = t_{l-1} - t_l, the last one is t_L."""
+    return torch.cat([times[..., :-1] - times[..., 1:], times[..., -1:]], dim=-1)
+
+
+# -----------------------------------------------------------------------------
+# the Dirichlet action distribution
+
+
+@torch.no_grad()
+def sample_increments(alpha, rollouts, generator=None):
+    """alpha (N, L+1) -> tau (N, rollouts, L+1) float32, K = rollouts independent Dirichlet draws each.
+
+    Drawn in float64 on the generator's device (then moved to alpha's), so a CPU generator gives the
+    same schedules on any device. Gamma draws are taken in log space, log G(a) = log G(a+1) + log(U)/a
+    (Marsaglia & Tsang), and normalised with a softmax: a plain Gamma(1e-3) draw underflows to 0 even
+    in float64, and a row of zeros would give NaN. Increments are then floored at TAU_FLOOR and
+    renormalised so that every schedule is strictly decreasing in float32. That changes only draws
+    below 1e-6 (and rescales the rest by at most 1 + L * 1e-6), so the gradient is biased only where
+    such draws are common: P(tau_i < 1e-6) ~ 1e-6 ** alpha_i, 1e-3 at alpha_i = 0.5.
+    """
+    device = generator.device if generator is not None else alpha.device
+    concentration = alpha.detach().to(device=device, dtype=torch.float64)
+    concentration = concentration[:, None, :].expand(-1, rollouts, -1).contiguous()  # (N, K, L+1)
+    uniform = 1.0 - torch.rand(concentration.shape, generator=generator, device=device, dtype=torch.float64)
+    log_gamma = torch.log(torch._standard_gamma(concentration + 1.0, generator=generator)) + uniform.log() / concentration
+    tau = torch.softmax(log_gamma, dim=-1).clamp_min(TAU_FLOOR)
+    tau = tau / tau.sum(-1, keepdim=True)
+    return tau.to(device=alpha.device, dtype=torch.float32)
+
+
+def mean_increments(alpha):
+    """alpha (N, L+1) -> the Dirichlet mean alpha / sum(alpha) (N, L+1), the deterministic schedule.
+
+    Floored at TAU_FLOOR and renormalised like the samples, so the mean schedule is strictly decreasing
+    in float32 even where one concentration is 1e7 times smaller than the sum.
+    """
+    mean = (alpha / alpha.sum(-1, keepdim=True)).clamp_min(TAU_FLOOR)
+    return mean / mean.sum(-1, keepdim=True)
+
+
+def log_prob(alpha, tau):
+    """Joint Dirichlet log-density log pi(tau | alpha): alpha (N, L+1), tau (N, K, L+1) -> (N, K) float32.
+
+    A SUM over the L+1 components including the normaliser,
+        sum_i (alpha_i - 1) log tau_i + lgamma(sum_i alpha_i) - sum_i lgamma(alpha_i),
+    not a mean over steps: REINFORCE needs the gradient of the log-probability of the whole action.
+    Computed in float64 (lgamma(sum alpha) and sum lgamma(alpha) nearly cancel when alpha is large);
+    the gradient flows to alpha; tau is clamped at TAU_FLOOR so log tau stays finite.
+    """
+    concentration = alpha.double()[:, None, :]  # (N, 1, L+1)
+    log_tau = tau.detach().double().clamp_min(TAU_FLOOR).log()  # (N, K, L+1)
+    normaliser = torch.lgamma(concentration.sum(-1)) - torch.lgamma(concentration).sum(-1)  # (N, 1)
+    return (((concentration - 1.0) * log_tau).sum(-1) + normaliser).float()
+
+
+# -----------------------------------------------------------------------------
+# initialisation
+
+
+def initial_logits(steps, init, init_times, concentration, stop_margin):
+    """The head's output bias (L+1,) float64 on CPU such that softplus(bias) + ALPHA_MIN = alpha_init.
+
+    alpha_init = concentration * increments, the increments being equal ("uniform") or those of the
+    default schedule `init_times` ("default") with the last one, t_L, raised to at least stop_margin
+    and all renormalised: default schedules end at t_L = 0, an increment the Dirichlet cannot have.
+    With t_L = 0 this maps every default time t to (t + stop_margin) / (1 + stop_margin), so the
+    initial mean schedule is within stop_margin of the default one. Only the last increment is raised:
+    the first increments of a shifted 80-step schedule are below 0.005 and must stay as they are.
+    """
+    if init == "uniform":
+        increments = torch.full((steps + 1,), 1.0 / (steps + 1), dtype=torch.float64, device="cpu")
+    elif init == "default":
+        if init_times is None:
+            raise ValueError('init="default" needs init_times, the default schedule (L+1,)')
+        times = torch.as_tensor(init_times, dtype=torch.float64, device="cpu")
+        if times.shape != (steps + 1,) or abs(times[0].item() - 1.0) > 1e-6 or (times[1:] >= times[:-1]).any() or times[-1] < 0:
+            raise ValueError(f"init_times must be {steps + 1} strictly decreasing times from 1 down to >= 0, got {times.tolist()}")
+        increments = increments_from_times(times)
+        increments[-1] = increments[-1].clamp_min(stop_margin)
+        increments = increments / increments.sum()
+    else:
+        raise ValueError(f'init must be "default" or "uniform", got {init!r}')
+    target = concentration * increments - ALPHA_MIN  # softplus(bias) must equal this
+    if target.min() <= 0:
+        raise ValueError(f"every initial concentration must exceed {ALPHA_MIN}: concentration {concentration} x smallest "
+                         f"increment {increments.min().item():.3g}; raise concentration or stop_margin")
+    # inverse softplus log(exp(y) - 1) written as y + log(1 - exp(-y)): accurate for y = 1e-6 and for y = 1e4
+    return target + torch.log(-torch.expm1(-target))
+
+
+def json_times(init_times):
+    """init_times as a plain list of floats (or None), so that `.config` stays JSON-able."""
+    return None if init_times is None else torch.as_tensor(init_times, dtype=torch.float64).tolist()
+
+
+# -----------------------------------------------------------------------------
+# the network
+
+
+class ResBlock(nn.Module):
+    """Pre-norm residual block of two 3x3 convolutions at fixed resolution and width."""
+
+    def __init__(self, channels):
+        super().__init__()
+        groups = math.gcd(32, channels)  # 32 groups where the width allows it
+        self.norm1 = nn.GroupNorm(groups, channels)
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1)
+        self.norm2 = nn.GroupNorm(groups, channels)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        h = self.conv1(F.silu(self.norm1(x)))
+        return x + self.conv2(F.silu(self.norm2(h)))
+
+
+class CrossAttentionBlock(nn.Module):
+    """Noise tokens (queries) read the prompt tokens (keys and values, masked), then a token-wise MLP."""
+
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.norm_query = nn.LayerNorm(dim)
+        self.norm_context = nn.LayerNorm(dim)
+        self.query = nn.Linear(dim, dim)
+        self.key_value = nn.Linear(dim, 2 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.norm_mlp = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x, context, context_mask):
+        # x (N, Q, D) noise tokens; context (N, S, D) prompt tokens; context_mask (N, S) True = attend
+        batch, queries, dim = x.shape
+        head_dim = dim // self.heads
+        q = self.query(self.norm_query(x)).view(batch, queries, self.heads, head_dim).transpose(1, 2)
+        k, v = self.key_value(self.norm_context(context)).view(batch, -1, 2, self.heads, head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=context_mask[:, None, None, :])  # (N, H, Q, Dh)
+        x = x + self.out(y.transpose(1, 2).reshape(batch, queries, dim))
+        return x + self.mlp(self.norm_mlp(x))
+
+
+class SchedulePolicy(nn.Module):
+    """Instance-level policy: (x_T, prompt) -> Dirichlet concentrations alpha (N, L+1), float32.
+
+    Keep it in float32; inputs may come in any float dtype (bf16 from the backbone) and are cast.
+    """
+
+    def __init__(self, steps, latent_channels, text_dim, pooled_dim=None, widths=(16, 32), dim=64, heads=4,
+                 depth=1, grid=2, head_hidden=128, init="uniform", init_times=None, concentration=100.0,
+                 stop_margin=5e-3):
+        super().__init__()
+        self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels, text_dim=text_dim,
+                           pooled_dim=pooled_dim, widths=list(widths), dim=dim, heads=heads, depth=depth, grid=grid,
+                           head_hidden=head_hidden, init=init, init_times=json_times(init_times),
+                           concentration=concentration, stop_margin=stop_margin)
+        self.steps = steps
+        self.grid = grid
+        assert dim % heads == 0, f"dim {dim} must be a multiple of heads {heads}"
+
+        # noise: a stem at full resolution, then one stage per width, each halving the resolution
+        self.stem = nn.Conv2d(latent_channels, widths[0], 3, padding=1)
+        self.downsample = nn.ModuleList()
+        self.stages = nn.ModuleList()
+        previous = widths[0]
+        for width in widths:
+            self.downsample.append(nn.Conv2d(previous, width, 3, stride=2, padding=1))
+            self.stages.append(ResBlock(width))
+            previous = width
+        # every scale contributes to every token: pooled to the grid, projected to dim, summed
+        self.to_tokens = nn.ModuleList(nn.Conv2d(width, dim, 1) for width in widths)
+        self.position = nn.Parameter(0.02 * torch.randn(grid * grid, dim))
+
+        # prompt: T5 embeddings have large, uneven scales, so layer-norm them before projecting
+        self.text_norm = nn.LayerNorm(text_dim)
+        self.text_proj = nn.Linear(text_dim, dim)
+        # a learned token every query may attend to, so a prompt with every token masked is still valid
+        self.null_token = nn.Parameter(0.02 * torch.randn(1, 1, dim))
+        self.pooled_proj = nn.Sequential(nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, dim)) if pooled_dim else None
+        self.blocks = nn.ModuleList(CrossAttentionBlock(dim, heads) for _ in range(depth))
+
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, head_hidden), nn.SiLU(), nn.Linear(head_hidden, steps + 1))
+        # zero last layer: alpha starts at the same initial value for every input (see the module docstring)
+        with torch.no_grad():
+            self.head[-1].weight.zero_()
+            self.head[-1].bias.copy_(initial_logits(steps, init, init_times, concentration, stop_margin))
+
+    def forward(self, latent, text, text_mask, pooled=None):
+        if (pooled is None) != (self.pooled_proj is None):
+            raise ValueError(f"pooled embedding given: {pooled is not None}, policy built with pooled_dim: {self.pooled_proj is not None}")
+        latent, text = latent.float(), text.float()
+        # x_T is N(0, s^2 I) with s = 1 (flow models) or the scheduler's initial sigma; dividing by the
+        # per-sample RMS makes the features independent of that convention
+        latent = latent * torch.rsqrt(latent.pow(2).mean((1, 2, 3), keepdim=True) + 1e-6)
+
+        features = self.stem(latent)
+        tokens = 0
+        for downsample, stage, to_tokens in zip(self.downsample, self.stages, self.to_tokens):
+            features = stage(downsample(features))
+            tokens = tokens + to_tokens(F.adaptive_avg_pool2d(features, self.grid))  # (N, dim, grid, grid)
+        tokens = tokens.flatten(2).transpose(1, 2) + self.position  # (N, grid*grid, dim)
+
+        if pooled is not None:
+            tokens = tokens + self.pooled_proj(pooled.float())[:, None, :]
+
+        context = self.text_proj(self.text_norm(text))  # (N, S, dim)
+        context = torch.cat([self.null_token.expand(len(context), -1, -1), context], dim=1)  # (N, 1+S, dim)
+        context_mask = torch.cat([torch.ones_like(text_mask[:, :1], dtype=torch.bool), text_mask.bool()], dim=1)
+        for block in self.blocks:
+            tokens = block(tokens, context, context_mask)
+
+        return F.softplus(self.head(tokens.mean(1))) + ALPHA_MIN  # (N, L+1)
+
+
+class GlobalPolicy(nn.Module):
+    """One concentration vector for every context: the schedule does not depend on x_T or the prompt."""
+
+    def __init__(self, steps, init="uniform", init_times=None, concentration=100.0, stop_margin=5e-3):
+        super().__init__()
+        self.config = dict(kind="global", steps=steps, init=init, init_times=json_times(init_times),
+                           concentration=concentration, stop_margin=stop_margin)
+        self.steps = steps
+        self.logits = nn.Parameter(torch.empty(steps + 1))  # (L+1,), alpha = softplus(logits) + ALPHA_MIN
+        with torch.no_grad():
+            self.logits.copy_(initial_logits(steps, init, init_times, concentration, stop_margin))
+
+    def forward(self, latent, text=None, text_mask=None, pooled=None):
+        alpha = F.softplus(self.logits) + ALPHA_MIN  # (L+1,)
+        return alpha[None].repeat(len(latent), 1)  # (N, L+1)
+
+
+def build_policy(config):
+    """Rebuild a policy from its `.config` (then load_state_dict for its weights)."""
+    config = dict(config)
+    kind = config.pop("kind")
+    if kind == "instance":
+        return SchedulePolicy(**config)
+    if kind == "global":
+        return GlobalPolicy(**config)
+    raise ValueError(f'policy kind must be "instance" or "global", got {kind!r}')
+
+
+def make_policy(kind, backbone_dims, steps, init_times=None, preset="digits", **options):
+    """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
+
+    Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
+    `options` (concentration, stop_margin, or any width) override the preset.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown policy preset {preset!r}, choose from {sorted(PRESETS)}")
+    start = dict(init="uniform")
+    if init_times is not None:
+        start = dict(init="default", init_times=json_times(init_times))
+    if kind == "instance":
+        dims = dict(latent_channels=backbone_dims["latent_channels"], text_dim=backbone_dims["text_dim"],
+                    pooled_dim=backbone_dims.get("pooled_dim"))
+        return SchedulePolicy(steps, **dims, **{**PRESETS[preset], **start, **options})
+    if kind == "global":
+        return GlobalPolicy(steps, **{**start, **options})
+    raise ValueError(f'policy kind must be "instance" or "global", got {kind!r}')
+
+
+# -----------------------------------------------------------------------------
+# cost against the sampler
+
+
+def count_flops(module, *args, **kwargs):
+    """FLOPs (matmul, conv, attention; norms and activations are not counted) of one forward call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        module(*args, **kwargs)
+    return counter.get_total_flops()
+
+
+def bench():
+    from diffusers import SD3Transformer2DModel
+
+    started = time.time()
+    # Everything lives on the meta device: shapes only, no memory, no weights; FlopCounterMode counts
+    # from the shapes of each op. SD3.5-Medium transformer config (stabilityai/stable-diffusion-3.5-medium,
+    # transformer/config.json).
+    sd35m_config = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                        pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                        dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
+    with torch.device("meta"):
+        transformer = SD3Transformer2DModel(**sd35m_config)
+        # one step at 1024x1024 with classifier-free guidance: batch 2 (cond + uncond), 333 text tokens
+        step_flops = count_flops(transformer, torch.empty(2, 16, 128, 128), encoder_hidden_states=torch.empty(2, 333, 4096),
+                                 pooled_projections=torch.empty(2, 2048), timestep=torch.empty(2), return_dict=False)
+    backbone_params = sum(p.numel() for p in transformer.parameters())
+    print(f"SD3.5-Medium transformer: {backbone_params / 1e9:.3f}B parameters, {step_flops / 1e12:.2f} TFLOP per step "
+          "(1024x1024, batch 2 for CFG, 333 text tokens)")
+
+    print("parameters per preset (instance policy at L=20; each extra step adds head_hidden + 1):")
+    for name, dims in PRESET_DIMS.items():
+        with torch.device("meta"):
+            params = sum(p.numel() for p in make_policy("instance", dims, 20, preset=name).parameters())
+        share = f" = {params / backbone_params:.2%} of the SD3.5-Medium transformer" if name == "sd35m" else ""
+        print(f"  {name:12s} {params / 1e6:7.3f}M{share}")
+
+    dims = PRESET_DIMS["sd35m"]
+    for steps in (5, 10, 20):
+        with torch.device("meta"):
+            policy = make_policy("instance", dims, steps, preset="sd35m")
+            # the policy runs once per image, without CFG: batch 1, 1024x1024 (128x128 latent)
+            policy_flops = count_flops(policy, torch.empty(1, dims["latent_channels"], dims["latent_size"], dims["latent_size"]),
+                                       torch.empty(1, dims["text_len"], dims["text_dim"]),
+                                       torch.ones(1, dims["text_len"], dtype=torch.bool), torch.empty(1, dims["pooled_dim"]))
+        print(f"L={steps:2d}: sd35m policy {policy_flops / 1e9:.2f} GFLOP once per image; "
+              f"policy / (L x step) = {policy_flops / (steps * step_flops):.2e} = {policy_flops / (steps * step_flops):.4%}")
+    print(f"bench done in {time.time() - started:.1f}s")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--bench", action="store_true", help="count FLOPs and parameters, then exit")
+    args = parser.parse_args()
+    if args.bench:
+        bench()
+    else:
+        parser.print_help()

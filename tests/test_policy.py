@@ -1,0 +1,299 @@
+import json
+import math
+
+import pytest
+import torch
+
+from policy import (ALPHA_MIN, PRESET_DIMS, PRESETS, TAU_FLOOR, GlobalPolicy, SchedulePolicy, build_policy,
+                    increments_from_times, initial_logits, log_prob, make_policy, mean_increments,
+                    sample_increments, times_from_increments)
+
+DIGITS = PRESET_DIMS["digits"]
+
+
+def digits_inputs(batch, seed=0, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(seed)
+    latent = torch.randn(batch, 1, 8, 8, generator=generator).to(dtype)
+    text = torch.randn(batch, 4, 32, generator=generator).to(dtype)
+    text_mask = torch.ones(batch, 4, dtype=torch.bool)
+    text_mask[::2, 3] = False  # every other prompt has a padding token
+    pooled = torch.randn(batch, 32, generator=generator).to(dtype)
+    return latent, text, text_mask, pooled
+
+
+def sd3_default_times(steps, shift=3.0):
+    # SD3's default: linspace sigmas, statically shifted, ending at 0
+    sigmas = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64)
+    return shift * sigmas / (1 + (shift - 1) * sigmas)
+
+
+def reinforce_step(policy, inputs, lr=0.1, seed=0):
+    """One SGD step on a REINFORCE loss with random advantages, so the zero-initialised head moves."""
+    alpha = policy(*inputs)
+    tau = sample_increments(alpha, 2, torch.Generator().manual_seed(seed))
+    advantages = torch.randn(tau.shape[:2], generator=torch.Generator().manual_seed(seed + 1))
+    loss = -(advantages * log_prob(alpha, tau)).mean()
+    policy.zero_grad()
+    loss.backward()
+    with torch.no_grad():
+        for parameter in policy.parameters():
+            parameter -= lr * parameter.grad
+    return loss
+
+
+def assert_valid_schedule(times, steps):
+    assert times.shape[-1] == steps + 1
+    assert times.dtype == torch.float32
+    assert torch.all(times[..., 0] == 1.0)
+    assert torch.all(times[..., 1:] < times[..., :-1]), "times must be strictly decreasing"
+    assert torch.all(times > 0) and torch.all(times <= 1)
+
+
+# -----------------------------------------------------------------------------
+# schedules <-> increments
+
+
+def test_times_from_increments_by_hand():
+    tau = torch.tensor([0.5, 0.3, 0.2])
+    assert torch.allclose(times_from_increments(tau), torch.tensor([1.0, 0.5, 0.2]))
+    assert torch.allclose(increments_from_times(torch.tensor([1.0, 0.5, 0.2])), tau)
+    # the last time is the stop margin exactly, even where 1 - cumsum would round it away in float32
+    tiny = torch.tensor([0.6, 0.4 - 1e-7, 1e-7])
+    assert times_from_increments(tiny)[-1].item() == pytest.approx(1e-7, rel=1e-6)
+
+
+def test_times_and_increments_invert_each_other():
+    tau = torch.distributions.Dirichlet(torch.full((5, 21), 2.0)).sample((3,))  # (3, 5, 21)
+    times = times_from_increments(tau)
+    assert torch.allclose(increments_from_times(times), tau, atol=1e-6)
+    default = sd3_default_times(20).float()
+    assert torch.allclose(times_from_increments(increments_from_times(default)), default, atol=1e-6)
+
+
+# -----------------------------------------------------------------------------
+# the Dirichlet
+
+
+@pytest.mark.parametrize("kind", ["instance", "global"])
+def test_samples_and_means_are_valid_schedules(kind):
+    steps = 10
+    policy = make_policy(kind, DIGITS, steps)
+    alpha = policy(*digits_inputs(6))
+    assert alpha.shape == (6, steps + 1) and alpha.dtype == torch.float32
+    tau = sample_increments(alpha, 4, torch.Generator().manual_seed(0))
+    assert tau.shape == (6, 4, steps + 1)
+    assert torch.allclose(tau.sum(-1), torch.ones(6, 4), atol=1e-6)
+    assert_valid_schedule(times_from_increments(tau), steps)
+    assert_valid_schedule(times_from_increments(mean_increments(alpha)), steps)
+
+
+def test_sampling_is_generator_driven():
+    alpha = torch.rand(3, 6) * 5 + 0.1
+    first = sample_increments(alpha, 4, torch.Generator().manual_seed(7))
+    again = sample_increments(alpha, 4, torch.Generator().manual_seed(7))
+    other = sample_increments(alpha, 4, torch.Generator().manual_seed(8))
+    assert torch.equal(first, again)
+    assert not torch.allclose(first, other)
+
+
+def test_sample_mean_matches_dirichlet_mean():
+    alpha = torch.tensor([[30.0, 50.0, 19.5, 0.5], [1.0, 2.0, 3.0, 4.0]])
+    draws = 20000
+    tau = sample_increments(alpha, draws, torch.Generator().manual_seed(0))  # (2, draws, 4)
+    mean = alpha / alpha.sum(-1, keepdim=True)
+    # Var tau_i = m_i (1 - m_i) / (A + 1); the sample mean is within 5 standard errors
+    standard_error = (mean * (1 - mean) / (alpha.sum(-1, keepdim=True) + 1) / draws).sqrt()
+    assert torch.all((tau.mean(1) - mean).abs() < 5 * standard_error)
+
+
+def test_log_prob_by_hand():
+    # Dirichlet(1, 1, 1) is uniform on the 2-simplex: density 2 everywhere
+    tau = torch.tensor([[[0.2, 0.3, 0.5], [0.6, 0.1, 0.3]]])
+    assert torch.allclose(log_prob(torch.ones(1, 3), tau), torch.full((1, 2), math.log(2.0)))
+    # Dirichlet(2, 1): density Gamma(3) / Gamma(2) * tau_1 = 2 tau_1, a sum over components, not a mean
+    tau = torch.tensor([[[0.25, 0.75]]])
+    assert log_prob(torch.tensor([[2.0, 1.0]]), tau).item() == pytest.approx(math.log(0.5), abs=1e-6)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 30.0, 3000.0])
+def test_log_prob_matches_torch_dirichlet(scale):
+    generator = torch.Generator().manual_seed(0)
+    alpha = (torch.rand(4, 11, generator=generator) + 0.5) * scale
+    tau = sample_increments(alpha, 5, generator)
+    expected = torch.distributions.Dirichlet(alpha.double()[:, None, :]).log_prob(tau.double())  # (4, 5)
+    got = log_prob(alpha, tau)
+    assert got.shape == (4, 5) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("alpha_value", [1e-3, 1e4])
+def test_extreme_concentrations_at_80_steps_are_finite(alpha_value):
+    steps = 80
+    alpha = torch.full((3, steps + 1), alpha_value, requires_grad=True)
+    tau = sample_increments(alpha, 4, torch.Generator().manual_seed(0))
+    assert torch.all(torch.isfinite(tau)) and torch.all(tau >= TAU_FLOOR * (1 - 1e-3))
+    assert_valid_schedule(times_from_increments(tau), steps)
+    assert_valid_schedule(times_from_increments(mean_increments(alpha)), steps)
+    values = log_prob(alpha, tau)
+    values.sum().backward()
+    assert torch.all(torch.isfinite(values))
+    assert torch.all(torch.isfinite(alpha.grad)) and alpha.grad.abs().sum() > 0
+
+
+def test_mixed_extreme_concentrations_through_a_policy():
+    # one concentration at the softplus floor beside others at 1e4: the mean still gives a valid schedule
+    policy = GlobalPolicy(80)
+    with torch.no_grad():
+        policy.logits.fill_(1e4)
+        policy.logits[::7] = -30.0  # softplus(-30) ~ 1e-13, so alpha = ALPHA_MIN
+    alpha = policy(torch.zeros(2, 1, 8, 8))
+    assert alpha.min().item() == pytest.approx(ALPHA_MIN, rel=1e-4)
+    tau = sample_increments(alpha, 8, torch.Generator().manual_seed(0))
+    assert_valid_schedule(times_from_increments(tau), 80)
+    assert_valid_schedule(times_from_increments(mean_increments(alpha)), 80)
+    log_prob(alpha, tau).sum().backward()
+    assert torch.all(torch.isfinite(policy.logits.grad))
+
+
+# -----------------------------------------------------------------------------
+# the networks
+
+
+def test_gradients_reach_every_parameter_of_the_instance_policy():
+    policy = make_policy("instance", DIGITS, 10)
+    inputs = digits_inputs(8)
+    reinforce_step(policy, inputs)
+    # the head's last layer starts at zero, so the first step can only move it (and its bias)
+    assert policy.head[-1].weight.grad.abs().sum() > 0 and policy.head[-1].bias.grad.abs().sum() > 0
+    reinforce_step(policy, inputs, seed=1)
+    for name, parameter in policy.named_parameters():
+        assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
+        assert torch.all(torch.isfinite(parameter.grad)), name
+
+
+def test_gradients_reach_the_global_policy():
+    policy = make_policy("global", DIGITS, 10)
+    reinforce_step(policy, digits_inputs(8))
+    assert policy.logits.grad.abs().sum() > 0
+
+
+def test_preset_parameter_counts():
+    for name, dims in PRESET_DIMS.items():
+        with torch.device("meta"):
+            policy = make_policy("instance", dims, 20, preset=name)
+        params = sum(p.numel() for p in policy.parameters())
+        if name == "digits":
+            assert 50_000 <= params <= 200_000, (name, params)
+        else:
+            assert 15e6 <= params <= 25e6, (name, params)
+    assert set(PRESETS) == set(PRESET_DIMS) == {"sd35m", "sd35l", "sdxl", "flux-dev", "flux-schnell", "digits"}
+
+
+def test_real_preset_runs_on_a_small_latent():
+    # the sd3.5 preset on a 512px-sized latent (64x64) and a short prompt: shapes work for any resolution
+    policy = make_policy("instance", PRESET_DIMS["sd35m"], 5, preset="sd35m", widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32)
+    alpha = policy(torch.randn(2, 16, 64, 64), torch.randn(2, 7, 4096), torch.ones(2, 7, dtype=torch.bool), torch.randn(2, 2048))
+    assert alpha.shape == (2, 6) and torch.all(torch.isfinite(alpha))
+
+
+@pytest.mark.parametrize("kind", ["instance", "global"])
+def test_save_load_round_trip(kind):
+    policy = make_policy(kind, DIGITS, 10, init_times=torch.linspace(1, 0, 11))
+    inputs = digits_inputs(8)
+    reinforce_step(policy, inputs)
+    reinforce_step(policy, inputs, seed=1)  # now the output depends on the input
+    config = json.loads(json.dumps(policy.config))
+    assert config["kind"] == kind
+    rebuilt = build_policy(config)
+    rebuilt.load_state_dict(policy.state_dict())
+    assert rebuilt.steps == policy.steps == 10
+    assert torch.equal(rebuilt(*inputs), policy(*inputs))
+
+
+def test_instance_policy_depends_on_the_input_and_ignores_padding():
+    policy = make_policy("instance", DIGITS, 10)
+    inputs = digits_inputs(8)
+    reinforce_step(policy, inputs)
+    reinforce_step(policy, inputs, seed=1)
+    latent, text, text_mask, pooled = inputs
+    alpha = policy(latent, text, text_mask, pooled)
+    assert not torch.allclose(alpha[0], alpha[1])
+    padded = text.clone()
+    padded[~text_mask] = 1e3  # values behind the mask must not matter
+    assert torch.allclose(policy(latent, padded, text_mask, pooled), alpha, atol=1e-6)
+    # a prompt with every token masked still has the learned null token to attend to
+    assert torch.all(torch.isfinite(policy(latent, text, torch.zeros_like(text_mask), pooled)))
+    # bf16 inputs are cast at the top; all policy math is float32
+    bf16 = policy(*digits_inputs(8, dtype=torch.bfloat16))
+    assert bf16.dtype == torch.float32 and torch.all(torch.isfinite(bf16))
+
+
+def test_pooled_embedding_must_match_the_construction():
+    policy = make_policy("instance", DIGITS, 4)
+    latent, text, text_mask, _ = digits_inputs(2)
+    with pytest.raises(ValueError):
+        policy(latent, text, text_mask, None)
+    without = make_policy("instance", dict(DIGITS, pooled_dim=None), 4)
+    assert without(latent, text, text_mask, None).shape == (2, 5)
+
+
+# -----------------------------------------------------------------------------
+# initialisation
+
+
+@pytest.mark.parametrize("kind", ["instance", "global"])
+@pytest.mark.parametrize("steps", [2, 10, 80])
+def test_default_init_reproduces_the_default_schedule(kind, steps):
+    default = sd3_default_times(steps)
+    stop_margin, concentration = 5e-3, 100.0
+    policy = make_policy(kind, DIGITS, steps, init_times=default, stop_margin=stop_margin, concentration=concentration)
+    alpha = policy(*digits_inputs(4))
+    assert torch.allclose(alpha.sum(-1), torch.full((4,), concentration), rtol=1e-5)
+    times = times_from_increments(mean_increments(alpha))  # (4, L+1)
+    # the default's last increment 0 is raised to stop_margin m and the sum renormalised, which maps
+    # every time t to (t + m) / (1 + m) exactly, hence within m of the default
+    expected = ((default + stop_margin) / (1 + stop_margin)).float()
+    assert torch.allclose(times, expected.expand(4, -1), atol=1e-5)
+    assert torch.all((times - default.float()).abs() <= stop_margin + 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["instance", "global"])
+def test_uniform_init_has_equal_increments(kind):
+    policy = make_policy(kind, DIGITS, 9)
+    assert torch.allclose(mean_increments(policy(*digits_inputs(3))), torch.full((3, 10), 0.1), atol=1e-6)
+
+
+def test_initial_logits_invert_softplus_for_small_and_large_concentrations():
+    times = torch.tensor([1.0, 0.5, 1e-3, 0.0], dtype=torch.float64)  # increments 0.5, 0.499, 1e-3, 0
+    for concentration in (1.01, 100.0, 1e6):
+        logits = initial_logits(3, "default", times, concentration, stop_margin=1e-3)
+        increments = increments_from_times(times)
+        increments[-1] = 1e-3  # only the final 0 is raised to the stop margin
+        expected = concentration * increments / increments.sum()
+        assert torch.allclose(torch.nn.functional.softplus(logits) + ALPHA_MIN, expected, rtol=1e-9)
+
+
+def test_bad_arguments_raise_value_errors():
+    with pytest.raises(ValueError):
+        make_policy("autoregressive", DIGITS, 4)
+    with pytest.raises(ValueError):
+        make_policy("instance", DIGITS, 4, preset="sd4")
+    with pytest.raises(ValueError):
+        GlobalPolicy(4, init="default")  # no init_times
+    with pytest.raises(ValueError):
+        GlobalPolicy(4, init="default", init_times=[1.0, 0.5, 0.0])  # wrong length
+    with pytest.raises(ValueError):
+        GlobalPolicy(4, init="default", init_times=[1.0, 0.5, 0.5, 0.2, 0.0])  # a repeated time
+    with pytest.raises(ValueError):
+        GlobalPolicy(4, concentration=1.0, stop_margin=1e-4, init="default", init_times=[1.0, 0.8, 0.6, 0.3, 0.0])
+    with pytest.raises(ValueError):
+        build_policy(dict(kind="beta", steps=4))
+
+
+def test_instance_and_global_share_the_forward_signature():
+    inputs = digits_inputs(5)
+    for kind, cls in (("instance", SchedulePolicy), ("global", GlobalPolicy)):
+        policy = make_policy(kind, DIGITS, 7)
+        assert isinstance(policy, cls) and policy.steps == 7
+        assert policy(*inputs).shape == (5, 8)
+        assert policy(latent=inputs[0], text=inputs[1], text_mask=inputs[2], pooled=inputs[3]).shape == (5, 8)
