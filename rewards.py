@@ -1,0 +1,363 @@
+"""
+Rewards: black-box scores of a rollout's final latents, higher is better.
+
+    reward = load_reward("teacher", backbone)              # or "hpsv2", "clip"
+    scores = reward(latents, prompts, noise, cond)         # (N,) float32 on the backbone's device
+
+Every reward has that one signature, batched over N samples with one prompt each (the contexts of
+a batch repeated K times with repeat_interleave), is built once and reused, and decodes with
+`backbone.decode` itself when it needs images. `REWARDS` maps each name to its loader.
+
+- "teacher": fidelity to the same frozen backbone's accurate solution `backbone.reference(noise,
+  cond)` from the same noise and prompt: minus the per-sample mean squared error in latent space,
+  so 0 is the best possible score. No reward model, works for every backbone, the default for
+  digits. Teacher solutions are cached per context (hash of the noise bytes and the prompt): the K
+  rollouts of a context cost one reference solve and a fixed held-out set is solved once.
+- "hpsv2": Human Preference Score v2.1 (or v2.0), the paper's reward, x100 as reported: the cosine
+  similarity of HPS's open_clip ViT-H-14 image and text embeddings. Needs requirements-hps.txt and
+  the checkpoint HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2 (`checkpoint=` a local path).
+- "clip": 100 x cosine similarity of a transformers CLIPModel's image and text embeddings
+  (default openai/clip-vit-large-patch14, `checkpoint=` a hub id or local folder): a light
+  prompt-alignment reward for machines without the HPS environment.
+
+Images are quantised to 8 bits before scoring, as the reward models were trained and evaluated on
+8-bit images, and preprocessed on tensors to the same numbers as each model's own transform
+(tests/test_rewards.py, tests/test_rewards_hps.py check this against the reference code).
+
+Non-finite rewards: a NaN or inf reward would enter every baseline of its batch (the JS and
+cross-context baselines pool all rewards) and from there every gradient. Rewards are returned as
+computed and the trainer calls `check_finite(rewards)`, which raises a ValueError naming how many
+were non-finite: the run stops at the first one rather than dropping or clamping samples, which
+would bias the estimator and hide a broken backbone or reward model.
+"""
+import functools
+import hashlib
+import os
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+# OpenAI CLIP's normalisation, used by both HPS (open_clip/constants.py) and CLIPImageProcessor
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+HPS_REPO = "xswu/HPSv2"
+HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
+HPS_INSTALL = "pip install -r requirements-hps.txt && pip install --no-deps hpsv2x==1.2.0"
+CLIP_DEFAULT = "openai/clip-vit-large-patch14"
+
+
+def check_finite(rewards):
+    """Raise a ValueError if any reward is NaN or inf (the trainer's policy, see the module doc)."""
+    bad = int((~torch.isfinite(rewards)).sum())
+    if bad:
+        raise ValueError(f"{bad} of {rewards.numel()} rewards are not finite (NaN or inf); stopping before they reach the gradient")
+    return rewards
+
+
+def quantize(images):
+    """(N, 3, H, W) floats -> the same images at 8 bits, as saving them would (round, like diffusers)."""
+    return (images.float().clamp(0.0, 1.0) * 255.0).round() / 255.0
+
+
+def _normalize(images, mean=CLIP_MEAN, std=CLIP_STD):
+    mean = torch.tensor(mean, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
+    std = torch.tensor(std, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
+    return (images - mean) / std
+
+
+def _unique(prompts):
+    """Distinct prompts in order and, per sample, the index of its prompt among them."""
+    unique = list(dict.fromkeys(prompts))
+    position = {prompt: index for index, prompt in enumerate(unique)}
+    return unique, [position[prompt] for prompt in prompts]
+
+
+def _hub_file(repo, filename, hint):
+    """A hub file from the local cache (or downloaded when online); ValueError with `hint` if absent."""
+    from huggingface_hub import hf_hub_download
+
+    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
+    try:
+        return hf_hub_download(repo, filename, local_files_only=offline)
+    except Exception as error:  # not cached offline, no network, gated repo: all mean "not here"
+        raise ValueError(f"{hint} ({type(error).__name__})") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# teacher: fidelity to the backbone's own accurate solution
+
+
+def context_key(noise, prompt):
+    """A context's identity: hash of its noise (shape, dtype and bytes) and its prompt."""
+    noise = noise.detach().contiguous().cpu()
+    digest = hashlib.sha256(f"{tuple(noise.shape)}|{noise.dtype}|{prompt}|".encode())
+    digest.update(noise.reshape(-1).view(torch.uint8).numpy().tobytes())  # bytes of any dtype, bf16 too
+    return digest.hexdigest()
+
+
+class TeacherReward:
+    """-mean((latents - backbone.reference(noise, cond))^2) per sample.
+
+    The cache holds up to `cache_size` teacher solutions (least recently used evicted first) on the
+    CPU, so device memory does not grow with it; 4096 covers a held-out set plus the contexts of
+    many training batches. `hits` counts samples served without a solve (repeated contexts within
+    a call included), `misses` counts reference solves.
+    """
+
+    higher_is_better = True
+
+    def __init__(self, backbone, device=None, cache_size=4096):
+        self.backbone = backbone
+        self.device = torch.device(device or backbone.device)
+        self.cache_size = cache_size
+        self.cache = OrderedDict()  # context key -> teacher latents (CPU)
+        self.hits = 0
+        self.misses = 0
+
+    @torch.no_grad()
+    def __call__(self, latents, prompts, noise, cond):
+        noise_cpu = noise.detach().cpu()
+        keys = [context_key(noise_cpu[index], prompt) for index, prompt in enumerate(prompts)]
+        unsolved = {}  # key -> index of its first sample in this call
+        for index, key in enumerate(keys):
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                self.hits += 1
+            elif key in unsolved:
+                self.hits += 1
+            else:
+                unsolved[key] = index
+                self.misses += 1
+        if unsolved:
+            index = torch.tensor(list(unsolved.values()))
+            sub_cond = {name: value[index.to(value.device)] if torch.is_tensor(value) else value for name, value in cond.items()}
+            solved = self.backbone.reference(noise[index.to(noise.device)], sub_cond)
+            for key, target in zip(unsolved, solved.detach().cpu()):
+                self.cache[key] = target
+        targets = torch.stack([self.cache[key] for key in keys]).to(self.device, torch.float32)
+        while len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        error = (latents.detach().to(self.device, torch.float32) - targets) ** 2
+        return -error.flatten(1).mean(1)
+
+
+def load_teacher(backbone, device=None, cache_size=4096):
+    return TeacherReward(backbone, device=device, cache_size=cache_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# hpsv2: Human Preference Score v2 (Wu et al. 2023), through hpsv2x's own open_clip code
+
+
+def hps_preprocess(images, size=224):
+    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size), HPS's inference transform on tensors.
+
+    hpsv2 builds its transform with light_augmentation=True (hpsv2/src/open_clip/factory.py,
+    create_model_and_transforms), i.e. image_transform(..., resize_longest_max=True) in
+    hpsv2/src/open_clip/transform.py: ToTensor on the 8-bit image, then ResizeMaxSize: scale the
+    longest side to `size` with torchvision's bicubic resize on the float tensor (antialiased),
+    zero-pad the short side (half before, rest after), OpenAI CLIP mean/std. As ResizeMaxSize
+    does, an image whose longest side is already `size` is left as it is.
+    """
+    images = quantize(images)
+    height, width = images.shape[-2:]
+    scale = size / float(max(height, width))
+    if scale != 1.0:
+        new_height, new_width = round(height * scale), round(width * scale)  # Python round, as ResizeMaxSize
+        images = F.interpolate(images, (new_height, new_width), mode="bicubic", align_corners=False, antialias=True)
+        pad_height, pad_width = size - new_height, size - new_width
+        images = F.pad(images, (pad_width // 2, pad_width - pad_width // 2, pad_height // 2, pad_height - pad_height // 2))
+    return _normalize(images)
+
+
+def _import_hps():
+    try:
+        import torchvision  # noqa: F401  (hpsv2's transforms need it; fails beside a mismatched torch)
+        from hpsv2.src import open_clip
+    except Exception as error:  # ImportError, or RuntimeError from a torchvision built for another torch
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ImportError(f"the hpsv2 reward needs hpsv2x and a matching torchvision ({first_line}): {HPS_INSTALL}") from None
+    return open_clip
+
+
+class HPSReward:
+    """100 x cos(image, prompt) in HPS's embedding space, as hpsv2.img_score.score computes it."""
+
+    higher_is_better = True
+
+    def __init__(self, backbone, checkpoint, device=None, model_name="ViT-H-14", batch_size=16):
+        open_clip = _import_hps()
+        self.backbone = backbone
+        self.device = torch.device(device or backbone.device)
+        self.batch_size = batch_size
+        # pretrained=None: no LAION download, the HPS checkpoint below replaces every weight anyway
+        model = open_clip.create_model(model_name, pretrained=None, precision="fp32", device="cpu", output_dict=True)
+        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        model.load_state_dict(state.get("state_dict", state))  # strict, as hpsv2 loads it
+        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.tokenizer = open_clip.get_tokenizer(model_name)
+        image_size = model.visual.image_size
+        self.image_size = image_size[0] if isinstance(image_size, (tuple, list)) else image_size
+
+    @torch.no_grad()
+    def __call__(self, latents, prompts, noise, cond):
+        images = self.backbone.decode(latents)
+        unique, which = _unique(prompts)
+        tokens = self.tokenizer(unique).to(self.device)  # (P, 77)
+        # fp16 autocast on CUDA as hpsv2.img_score.score runs it; plain float32 elsewhere
+        with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.type == "cuda"):
+            text = torch.cat([self.model.encode_text(chunk, normalize=True) for chunk in tokens.split(self.batch_size)])
+            image = torch.cat([self.model.encode_image(hps_preprocess(chunk.to(self.device), self.image_size), normalize=True)
+                               for chunk in images.split(self.batch_size)])
+        which = torch.tensor(which, device=self.device)
+        return 100.0 * (image.float() * text.float()[which]).sum(-1)
+
+
+def load_hpsv2(backbone, device=None, version="v2.1", checkpoint=None, model_name="ViT-H-14", batch_size=16):
+    """`checkpoint`: a local HPS_v2*.pt; else the HF cache (downloaded when online). `model_name`:
+    an open_clip model config (the tests register a tiny one)."""
+    if version not in HPS_FILES:
+        raise ValueError(f"unknown HPS version {version!r}; known: {', '.join(HPS_FILES)}")
+    filename = HPS_FILES[version]
+    hint = (f"HPS {version} checkpoint not found: get {filename} from the hub repo {HPS_REPO} "
+            f"(huggingface-cli download {HPS_REPO} {filename}) or pass --reward-checkpoint PATH")
+    if checkpoint is None:
+        checkpoint = _hub_file(HPS_REPO, filename, hint)
+    elif not os.path.isfile(checkpoint):
+        raise ValueError(f"{hint}; no file at {checkpoint}")
+    return HPSReward(backbone, checkpoint, device=device, model_name=model_name, batch_size=batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+# clip: CLIP text-image similarity through transformers, without torchvision
+
+
+def _cubic(x, a=-0.5):
+    """Pillow's bicubic kernel (a = -0.5; torch's non-antialiased bicubic uses -0.75)."""
+    x = abs(x)
+    if x < 1.0:
+        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
+    if x < 2.0:
+        return (((x - 5.0) * x + 8.0) * x - 4.0) * a
+    return 0.0
+
+
+@functools.lru_cache(maxsize=16)
+def _pil_resize_weights(in_size, out_size):
+    """(out, in) fixed-point weights of Pillow's bicubic resize along one axis, times 2^22.
+
+    A line-by-line port of Pillow's src/libImaging/Resample.c (precompute_coeffs, then
+    normalize_coeffs_8bpc), in Python floats (C doubles) and in the same order of operations, so
+    every weight rounds to the same 22-bit integer: the kernel is stretched by the downscale
+    factor (antialiasing), taps outside the image are dropped, the weights are renormalised.
+    """
+    scale = in_size / out_size
+    stretch = max(scale, 1.0)
+    support = 2.0 * stretch
+    inverse = 1.0 / stretch
+    weights = torch.zeros(out_size, in_size, dtype=torch.float64)
+    for out in range(out_size):
+        center = (out + 0.5) * scale
+        first = max(int(center - support + 0.5), 0)
+        last = min(int(center + support + 0.5), in_size)
+        taps = [_cubic((position - center + 0.5) * inverse) for position in range(first, last)]
+        total = 0.0
+        for tap in taps:
+            total += tap
+        for offset, tap in enumerate(taps):
+            tap = tap / total * (1 << 22)
+            weights[out, first + offset] = int(tap - 0.5) if tap < 0 else int(tap + 0.5)
+    return weights
+
+
+def pil_bicubic_resize(images, size):
+    """(N, C, H, W) 8-bit values as floats in [0, 255] -> (N, C, *size), equal to Pillow's
+    Image.resize(..., BICUBIC) on the 8-bit image: a horizontal then a vertical pass, each rounded
+    and clipped to 8 bits, in float64 so the fixed-point sums are exact."""
+    new_height, new_width = size
+    height, width = images.shape[-2:]
+    images = images.double()
+    half, one = float(1 << 21), float(1 << 22)
+    if new_width != width:
+        weights = _pil_resize_weights(width, new_width).to(images.device)
+        images = ((images @ weights.T + half) / one).floor().clamp(0, 255)
+    if new_height != height:
+        weights = _pil_resize_weights(height, new_height).to(images.device)
+        images = ((weights @ images + half) / one).floor().clamp(0, 255)
+    return images
+
+
+def clip_preprocess(images, size=224):
+    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size): CLIPImageProcessor's steps on tensors.
+
+    As transformers' CLIPImageProcessor (PIL backend, the preprocessing CLIP was trained with) does
+    to an 8-bit image: shortest side to `size` (long side int(size * long / short)) with Pillow's
+    bicubic, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std.
+    """
+    pixels = (quantize(images) * 255.0).round().double()  # the 8-bit values as integers
+    height, width = pixels.shape[-2:]
+    if height <= width:
+        new_height, new_width = size, int(size * width / height)
+    else:
+        new_height, new_width = int(size * height / width), size
+    pixels = pil_bicubic_resize(pixels, (new_height, new_width))
+    top, left = (new_height - size) // 2, (new_width - size) // 2
+    pixels = pixels[..., top:top + size, left:left + size]
+    return _normalize((pixels / 255.0).float())
+
+
+class CLIPReward:
+    """100 x cos(image, prompt) in a CLIP model's projected embedding space."""
+
+    higher_is_better = True
+
+    def __init__(self, backbone, checkpoint=CLIP_DEFAULT, device=None, batch_size=32):
+        from transformers import AutoTokenizer, CLIPModel
+
+        self.backbone = backbone
+        self.device = torch.device(device or backbone.device)
+        self.batch_size = batch_size
+        try:
+            self.model = CLIPModel.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
+            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        except OSError as error:
+            raise ValueError(f"CLIP model {checkpoint!r} not found ({type(error).__name__}): download it with "
+                             f"`huggingface-cli download {checkpoint}` or pass --reward-checkpoint PATH to a local copy") from None
+        self.image_size = self.model.config.vision_config.image_size
+        self.max_length = self.model.config.text_config.max_position_embeddings
+
+    def _text(self, prompts):
+        tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
+        pooled = self.model.text_model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).pooler_output
+        return F.normalize(self.model.text_projection(pooled), dim=-1)
+
+    def _image(self, images):
+        pooled = self.model.vision_model(pixel_values=clip_preprocess(images.to(self.device), self.image_size)).pooler_output
+        return F.normalize(self.model.visual_projection(pooled), dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, latents, prompts, noise, cond):
+        images = self.backbone.decode(latents)
+        unique, which = _unique(prompts)
+        text = torch.cat([self._text(unique[start:start + self.batch_size]) for start in range(0, len(unique), self.batch_size)])
+        image = torch.cat([self._image(chunk) for chunk in images.split(self.batch_size)])
+        which = torch.tensor(which, device=self.device)
+        return 100.0 * (image.float() * text.float()[which]).sum(-1)
+
+
+def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
+    return CLIPReward(backbone, checkpoint=checkpoint or CLIP_DEFAULT, device=device, batch_size=batch_size)
+
+
+# ----------------------------------------------------------------------------------------------
+
+REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip}
+
+
+def load_reward(name, backbone, device=None, **options):
+    """Build the reward `name` once for `backbone`; options go to its loader (e.g. checkpoint=)."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+    return REWARDS[name](backbone, device=device, **options)

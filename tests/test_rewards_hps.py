@@ -1,0 +1,148 @@
+"""The HPSv2 reward against hpsv2x's own code, with a tiny open_clip model of random weights saved
+as an HPS-style checkpoint ({"state_dict": ...}) and loaded the way the real one is.
+
+Needs the HPS environment (torchvision + hpsv2x): `bash tests/hps_env.sh` builds it and runs this
+file there. In the core environment the file skips; under HPS_TESTS_REQUIRED=1 (set by
+hps_env.sh) a missing package fails instead.
+"""
+import json
+import os
+
+import pytest
+import torch
+from PIL import Image
+
+if os.environ.get("HPS_TESTS_REQUIRED"):
+    import torchvision  # noqa: F401
+    from hpsv2.src import open_clip
+else:
+    pytest.importorskip("torchvision", reason="needs the HPS environment: bash tests/hps_env.sh")
+    open_clip = pytest.importorskip("hpsv2.src.open_clip", reason="needs the HPS environment: bash tests/hps_env.sh")
+
+import rewards
+import rollout
+
+TINY = "hps-test-tiny"  # an open_clip config registered under this name by the fixture below
+
+
+class ImageBackbone:
+    """Stand-in whose latents are the images themselves: the HPS reward only calls decode."""
+
+    device = torch.device("cpu")
+
+    def decode(self, latents):
+        return latents.float().clamp(0.0, 1.0)
+
+
+def to_pil(image):
+    """(3, H, W) in [0, 1] -> the 8-bit PIL image that hpsv2 scores."""
+    pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8)
+    return Image.fromarray(pixels.permute(1, 2, 0).numpy())
+
+
+@pytest.fixture(scope="module")
+def tiny_hps(tmp_path_factory):
+    """Register a tiny ViT config with open_clip and save random weights as an HPS checkpoint.
+
+    Same code as ViT-H-14 (open_clip CLIP, 224 px input, the real 49408-token vocabulary and
+    77-token context, so hpsv2's own tokenizer applies), only narrow and shallow."""
+    folder = tmp_path_factory.mktemp("hps")
+    config = dict(embed_dim=16,
+                  vision_cfg=dict(image_size=224, layers=2, width=32, head_width=16, patch_size=32),
+                  text_cfg=dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=2))
+    (folder / f"{TINY}.json").write_text(json.dumps(config))
+    open_clip.add_model_config(folder / f"{TINY}.json")
+    torch.manual_seed(0)
+    model = open_clip.create_model(TINY, pretrained=None, output_dict=True)
+    checkpoint = folder / "HPS_v2.1_compressed.pt"
+    torch.save({"state_dict": model.state_dict()}, checkpoint)
+    return str(checkpoint)
+
+
+@pytest.fixture(scope="module")
+def hps_reference(tiny_hps, tmp_path_factory):
+    """hpsv2.img_score.score itself, on the tiny model: its model cache is pre-filled with the
+    tiny model and the transform create_model_and_transforms makes for it, exactly as
+    img_score.initialize_model builds them for ViT-H-14; score() then loads the checkpoint."""
+    from hpsv2 import img_score
+
+    model, _, preprocess_val = open_clip.create_model_and_transforms(
+        TINY, None, precision="amp", device=img_score.device, light_augmentation=True, output_dict=True)
+    saved = dict(img_score.model_dict)
+    img_score.model_dict.update(model=model, preprocess_val=preprocess_val)
+    root = img_score.root_path
+    img_score.root_path = str(tmp_path_factory.mktemp("hps-root"))  # score() creates this folder
+    yield lambda image, prompt: 100.0 * float(img_score.score(to_pil(image), prompt, cp=tiny_hps, hps_version="v2.1")[0])
+    img_score.model_dict.clear()
+    img_score.model_dict.update(saved)
+    img_score.root_path = root
+
+
+@pytest.mark.parametrize("height,width", [(8, 8), (48, 80), (300, 200), (1024, 1024), (224, 224), (224, 100)])
+def test_preprocess_matches_hps_transform(tiny_hps, height, width):
+    # the transform hpsv2 scores with: create_model_and_transforms(..., light_augmentation=True)
+    _, _, preprocess_val = open_clip.create_model_and_transforms(TINY, None, light_augmentation=True)
+    images = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(height + width))
+    ours = rewards.hps_preprocess(images, 224)
+    reference = torch.stack([preprocess_val(to_pil(image)) for image in images])
+    assert ours.shape == reference.shape
+    assert torch.allclose(ours, reference, rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast:FutureWarning")  # inside hpsv2.img_score
+def test_reward_matches_hpsv2_score(tiny_hps, hps_reference):
+    reward = rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=tiny_hps, model_name=TINY, batch_size=3)
+    assert reward.higher_is_better and reward.image_size == 224
+    images = torch.rand(5, 3, 40, 56, generator=torch.Generator().manual_seed(1))
+    prompts = ["a red cube on a table", "a dog", "a red cube on a table", "two cats, oil painting", "a handwritten 3"]
+    scores = reward(images, prompts, None, None)
+    assert scores.dtype == torch.float32 and scores.shape == (5,)
+    expected = torch.tensor([hps_reference(image, prompt) for image, prompt in zip(images, prompts)])
+    assert torch.allclose(scores, expected, rtol=0, atol=1e-4)
+
+
+def test_prompts_follow_images(tiny_hps):
+    reward = rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=tiny_hps, model_name=TINY)
+    images = torch.rand(4, 3, 64, 64, generator=torch.Generator().manual_seed(2))
+    prompts = ["a red cube", "a dog", "two cats", "a handwritten 3"]
+    scores = reward(images, prompts, None, None)
+    order = [3, 0, 2, 1]
+    assert torch.allclose(reward(images[order], [prompts[i] for i in order], None, None), scores[order], atol=1e-5)
+    mismatched = reward(images, prompts[1:] + prompts[:1], None, None)
+    assert (mismatched - scores).abs().min() > 1e-3
+
+
+def test_digits_end_to_end(tiny_hps):
+    digits = rollout.load_backbone("digits")
+    reward = rewards.load_reward("hpsv2", digits, checkpoint=tiny_hps, model_name=TINY)
+    noise = digits.sample_noise(4, torch.Generator().manual_seed(3))
+    cond = digits.encode_prompts(digits.prompts[:4])
+    latents = digits.sample(noise, cond, digits.default_times(3).expand(4, -1))
+    scores = rewards.check_finite(reward(latents, digits.prompts[:4], noise, cond))
+    assert scores.shape == (4,) and scores.dtype == torch.float32 and scores.device == digits.device
+    assert scores.abs().max() <= 100.0  # x100 cosine similarity
+
+
+def test_checkpoint_found_in_hub_cache(tiny_hps, tmp_path, monkeypatch):
+    """Without checkpoint=, the file comes from the HF cache (offline: local_files_only)."""
+    import huggingface_hub.constants
+
+    commit = "0" * 40
+    snapshot = tmp_path / "models--xswu--HPSv2" / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (snapshot / "HPS_v2.1_compressed.pt").write_bytes(open(tiny_hps, "rb").read())
+    (tmp_path / "models--xswu--HPSv2" / "refs").mkdir()
+    (tmp_path / "models--xswu--HPSv2" / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    from_cache = rewards.load_reward("hpsv2", ImageBackbone(), model_name=TINY)
+    from_path = rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=tiny_hps, model_name=TINY)
+    images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    assert torch.equal(from_cache(images, ["a", "b"], None, None), from_path(images, ["a", "b"], None, None))
+
+
+def test_checkpoint_loads_strictly(tiny_hps, tmp_path):
+    state = torch.load(tiny_hps, weights_only=True)["state_dict"]
+    state.pop("text_projection")
+    torch.save({"state_dict": state}, tmp_path / "incomplete.pt")
+    with pytest.raises(RuntimeError, match="text_projection"):
+        rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=str(tmp_path / "incomplete.pt"), model_name=TINY)
