@@ -1,0 +1,125 @@
+"""sample.py on the digits backbone: the files it promises, what they hold, and its errors."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import evaluate
+import rollout
+import sample
+from test_evaluate import ENV, ROOT, STEPS, tiny_flux_loader, write_checkpoint, write_flux_checkpoint
+from test_evaluate import one_thread  # noqa: F401 (an autouse fixture: one intra-op thread here too)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("run") / "ckpt.pt"))
+
+
+def run_sample(args, cwd):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt):
+    # what `python train.py` leaves behind: out/ckpt.pt in the working directory
+    (tmp_path / "out").mkdir()
+    shutil.copy(ckpt, tmp_path / "out" / "ckpt.pt")
+    result = run_sample([], tmp_path)
+    assert result.returncode == 0, result.stderr
+    samples = tmp_path / "out" / "samples"
+    assert str(samples) in result.stdout
+    images = sorted(path.name for path in samples.glob("0*.png"))
+    assert len(images) == 2 * 10  # one context per class, default and learned
+    assert images[:2] == ["000_a-handwritten-0_seed0_default.png", "000_a-handwritten-0_seed0_learned.png"]
+    assert Image.open(samples / images[0]).size == (128, 128)  # 8x8 upscaled with nearest neighbours
+    grid = Image.open(samples / "grid.png")
+    assert grid.height >= 4 * grid.width  # ten rows of two square columns
+    assert (samples / "schedules.png").stat().st_size > 0
+    saved = json.loads((samples / "schedules.json").read_text())
+    assert saved["default"] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
+    assert [c["prompt"] for c in saved["contexts"]] == [f"a handwritten {d}" for d in range(10)]
+
+
+def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
+    out = tmp_path / "samples"
+    sample.main(["--ckpt", ckpt, "--prompt", "a handwritten 3", "--prompt", "a handwritten 8", "--seeds", "5", "6",
+                 "--out-dir", str(out)])
+    backbone = rollout.load_backbone("digits")
+    _, policy = evaluate.load_checkpoint(ckpt)
+    prompts, seeds = ["a handwritten 3"] * 2 + ["a handwritten 8"] * 2, [5, 6, 5, 6]
+    noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
+    cond = backbone.encode_prompts(prompts)
+    learned_times = evaluate.policy_schedule(policy, backbone)(noise, cond)
+    expected = {"default": backbone.default_times(STEPS).expand(4, -1), "learned": learned_times}
+    saved = json.loads((out / "schedules.json").read_text())
+    torch.testing.assert_close(torch.tensor([c["learned"] for c in saved["contexts"]]), learned_times)
+    for name, times in expected.items():
+        images = backbone.decode(backbone.sample(noise, cond, times))
+        for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
+            written = np.asarray(Image.open(out / f"{index:03d}_{sample.slug(prompt)}_seed{seed}_{name}.png"))
+            assert np.array_equal(written, np.asarray(sample.to_pil(images[index])))
+    default = np.asarray(Image.open(out / "000_a-handwritten-3_seed5_default.png"))
+    learned = np.asarray(Image.open(out / "000_a-handwritten-3_seed5_learned.png"))
+    assert not np.array_equal(default, learned)
+
+
+def test_stochastic_schedules_are_draws_reproducible_by_seed(tmp_path, ckpt):
+    def learned_times(name, *extra):
+        sample.main(["--ckpt", ckpt, "--prompt", "a handwritten 1", "--seeds", "0", "1", "--out-dir", str(tmp_path / name), *extra])
+        return torch.tensor([c["learned"] for c in json.loads((tmp_path / name / "schedules.json").read_text())["contexts"]])
+
+    mean = learned_times("mean")
+    first, again = learned_times("a", "--stochastic"), learned_times("b", "--stochastic")
+    other = learned_times("c", "--stochastic", "--draw-seed", "1")
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    assert not torch.equal(first, other) and not torch.equal(first, mean)
+    # sum(alpha) is about 100 at initialisation: a draw's times have std below 0.05 around the mean
+    assert (first - mean).abs().max() < 0.25
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "5"], "was trained for L=4 steps, not L=5"),
+    (["--backbone", "flux-dev"], "was trained on backbone 'digits', not 'flux-dev'"),
+])
+def test_mismatched_checkpoint_fails_in_one_line_before_loading(monkeypatch, ckpt, args, message):
+    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
+    with pytest.raises(SystemExit, match=message) as error:
+        sample.main(["--ckpt", ckpt, *args])
+    assert "\n" not in str(error.value)
+
+
+def test_missing_checkpoint_and_missing_prompts(tmp_path, monkeypatch):
+    sd35m = write_checkpoint(str(tmp_path / "sd35m.pt"), backbone_name="sd35m")
+    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
+    with pytest.raises(SystemExit, match="needs --prompt TEXT or --prompts FILE"):
+        sample.main(["--ckpt", sd35m])
+    result = run_sample(["--ckpt", "nowhere/ckpt.pt"], tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == ["sample.py: error: no checkpoint at nowhere/ckpt.pt (train one with `python train.py`)"]
+
+
+def test_tiny_flux_backbone(tmp_path, monkeypatch):
+    monkeypatch.setattr(rollout, "load_backbone", tiny_flux_loader)
+    ckpt = write_flux_checkpoint(str(tmp_path / "ckpt.pt"))
+    sample.main(["--ckpt", ckpt, "--prompt", "a cat", "--seeds", "0", "1"])
+    out = tmp_path / "samples"
+    default = Image.open(out / "000_a-cat_seed0_default.png")
+    assert default.size == (128, 128)  # 32 px upscaled 4x
+    assert not np.array_equal(np.asarray(default), np.asarray(Image.open(out / "000_a-cat_seed0_learned.png")))
+    assert (out / "grid.png").is_file() and (out / "schedules.png").is_file()
+    saved = json.loads((out / "schedules.json").read_text())
+    assert len(saved["default"]) == 3 and saved["default"][-1] == 0.0
+    assert all(len(c["learned"]) == 3 and c["learned"][-1] > 0 for c in saved["contexts"])  # ends at the stop margin
+
+
+def test_a_prompt_digits_does_not_know_fails_in_one_line(ckpt):
+    with pytest.raises(SystemExit, match="digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got 'a cat'"):
+        sample.main(["--ckpt", ckpt, "--prompt", "a handwritten 3", "--prompt", "a cat"])
