@@ -1,0 +1,170 @@
+"""The embedded digits backbone: its velocity is the exact flow of the mixture, and the loop runs schedules exactly."""
+import math
+
+import pytest
+import torch
+
+from rollout import BACKBONES, load_backbone, run_schedule
+
+
+@pytest.fixture(scope="module")
+def digits():
+    return load_backbone("digits")
+
+
+def contexts(backbone, count, seed=0):
+    prompts = [backbone.prompts[i % 10] for i in range(count)]
+    noise = backbone.sample_noise(count, torch.Generator().manual_seed(seed))
+    return noise, backbone.encode_prompts(prompts)
+
+
+def rms(a, b):
+    return (a.double() - b.double()).pow(2).mean().sqrt().item()
+
+
+def log_density(backbone, x, t, label):
+    """log p_t(x) of x_t = (1 - t) x_0 + t noise for one flattened sample x (64,), by brute force."""
+    centres, padding = backbone.mixture(torch.tensor([label]), torch.float64)
+    mu = centres[0, padding[0, :, 0] == 0, :64]  # (M_class, 64)
+    variance = (1 - t) ** 2 * backbone.std**2 + t**2
+    squared = ((x[None, :] - (1 - t) * mu) ** 2).sum(1)
+    return torch.logsumexp(-squared / (2 * variance), 0) - 32 * math.log(2 * math.pi * variance) - math.log(len(mu))
+
+
+def test_velocity_matches_finite_difference_score(digits):
+    # For x_t = (1 - t) x_0 + t noise: E[noise | x_t] = -t * score(x_t) (Tweedie) and
+    # E[x_0 | x_t] = (x_t - t E[noise | x_t]) / (1 - t); the velocity is their difference.
+    generator = torch.Generator().manual_seed(1)
+    step = 1e-5
+    for label, t in [(3, 0.9), (7, 0.5), (0, 0.2), (5, 0.05)]:
+        centres, _ = digits.mixture(torch.tensor([label]), torch.float64)
+        data = centres[0, 0, :64] + digits.std * torch.randn(64, generator=generator, dtype=torch.float64)
+        x = (1 - t) * data + t * torch.randn(64, generator=generator, dtype=torch.float64)
+        score = torch.stack([
+            (log_density(digits, x + step * e, t, label) - log_density(digits, x - step * e, t, label)) / (2 * step)
+            for e in torch.eye(64, dtype=torch.float64)
+        ])
+        expected_noise = -t * score
+        expected_data = (x - t * expected_noise) / (1 - t)
+        expected = expected_noise - expected_data
+        velocity = digits.velocity(x[None], torch.tensor([t]), digits.mixture(torch.tensor([label]), torch.float64))[0]
+        # central differences in float64: truncation ~ step^2 |f'''| ~ 1e-10 * 1/variance^2, roundoff ~ 1e-16 / step
+        assert torch.allclose(velocity, expected, rtol=1e-6, atol=1e-6), (t, (velocity - expected).abs().max())
+
+
+def test_velocity_at_the_ends(digits):
+    noise, cond = contexts(digits, 10)
+    mixture = digits.mixture(cond["label"], torch.float64)
+    x = noise.double()
+    # t = 1: the posterior over components is uniform, E[x_0 | x_1] is the class mean, E[noise | x_1] = x
+    centres, padding = mixture
+    real = (padding[..., 0] == 0).double()  # (N, M)
+    class_mean = (centres[..., :64] * real[..., None]).sum(1) / real.sum(1, keepdim=True)
+    at_one = digits.velocity(x, torch.ones(10), mixture)
+    assert torch.allclose(at_one, x - class_mean.view(10, 1, 8, 8), atol=1e-12)
+    # t = 0: x_0 = x is known, so the velocity is -x
+    assert torch.allclose(digits.velocity(x, torch.zeros(10), mixture), -x, atol=1e-12)
+
+
+def test_fidelity_error_goes_to_zero_as_steps_grow(digits):
+    noise, cond = contexts(digits, 16)
+    reference = digits.reference(noise, cond)
+    errors = [rms(digits.sample(noise, cond, digits.default_times(steps).expand(16, -1)), reference)
+              for steps in (4, 16, 64, 256)]
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[0] > 0.1 and errors[-1] < 0.01, errors
+
+
+def test_reference_is_converged(digits):
+    noise, cond = contexts(digits, 16, seed=2)
+    reference = digits.reference(noise, cond)
+    finer = digits.reference(noise, cond, steps=128)
+    coarse_error = rms(digits.sample(noise, cond, digits.default_times(4).expand(16, -1)), reference)
+    assert rms(reference, finer) < 1e-5
+    assert rms(reference, finer) < 1e-4 * coarse_error
+
+
+def test_exactly_steps_calls_and_schedule_matters(digits):
+    noise, cond = contexts(digits, 8)
+    calls = []
+    original = digits.velocity
+
+    def counted(x, t, mixture):
+        calls.append(t.clone())
+        return original(x, t, mixture)
+
+    digits.velocity = counted
+    try:
+        default = digits.sample(noise, cond, digits.default_times(4).expand(8, -1))
+        custom_times = torch.tensor([1.0, 0.9, 0.6, 0.2, 0.05]).expand(8, -1)
+        custom = digits.sample(noise, cond, custom_times)
+    finally:
+        del digits.velocity
+    assert len(calls) == 8
+    assert torch.equal(calls[5], torch.full((8,), 0.9))  # the model sees the given times, unshifted
+    assert rms(default, custom) > 1e-2
+
+
+def test_first_order_update_by_hand(digits):
+    noise, cond = contexts(digits, 4)
+    times = torch.tensor([[1.0, 0.3], [1.0, 0.5], [0.8, 0.1], [1.0, 0.0]])
+    mixture = digits.mixture(cond["label"], torch.float64)
+    velocity = digits.velocity(noise, times[:, 0], mixture).float()
+    expected = noise + (times[:, 1] - times[:, 0]).view(-1, 1, 1, 1) * velocity
+    assert torch.allclose(digits.sample(noise, cond, times), expected, atol=1e-6)
+
+
+def test_per_sample_schedules_equal_one_by_one(digits):
+    noise, cond = contexts(digits, 6)
+    generator = torch.Generator().manual_seed(3)
+    inner = torch.sort(torch.rand(6, 4, generator=generator) * 0.98 + 0.01, dim=1, descending=True).values
+    times = torch.cat([torch.ones(6, 1), inner, torch.full((6, 1), 0.005)], dim=1)  # (6, 6), L = 5
+    batched = digits.sample(noise, cond, times)
+    for i in range(6):
+        single = digits.sample(noise[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()}, times[i : i + 1])
+        assert torch.allclose(batched[i : i + 1], single, atol=1e-6)
+
+
+def test_run_schedule_integrates_a_linear_ode_exactly():
+    # dx/ds = 1 integrates exactly under any schedule and level map: x_L = x_0 + s(t_L) - s(t_0)
+    times = torch.tensor([[1.0, 0.6, 0.1], [1.0, 0.2, 0.0]])
+    state = torch.zeros(2, 3)
+    out = run_schedule(lambda x, t: torch.ones_like(x), state, times, level=lambda t: 2 * t**2)
+    assert torch.allclose(out, torch.tensor([[-1.98] * 3, [-2.0] * 3]))
+
+
+def test_prompts_conditioning_and_policy_inputs(digits):
+    assert digits.prompts == [f"a handwritten {d}" for d in range(10)]
+    cond = digits.encode_prompts(["a handwritten 3", "a handwritten 8"])
+    repeated = {k: v.repeat_interleave(3, 0) for k, v in cond.items()}
+    assert repeated["label"].tolist() == [3, 3, 3, 8, 8, 8]
+    noise = digits.sample_noise(6, torch.Generator().manual_seed(0))
+    inputs = digits.policy_inputs(noise, repeated)
+    dims = digits.policy_dims
+    assert inputs["latent"].shape == (6, dims["latent_channels"], 8, 8) and inputs["latent"].dtype == torch.float32
+    assert inputs["text"].shape == (6, 4, dims["text_dim"]) and inputs["pooled"].shape == (6, dims["pooled_dim"])
+    assert inputs["text_mask"].dtype == torch.bool and inputs["text_mask"][0].tolist() == [True, True, True, False]
+    assert not torch.allclose(cond["text"][0], cond["text"][1])  # the digit token differs
+    assert torch.equal(cond["text"][0, :2], cond["text"][1, :2])  # the shared words do not
+    # fixed across constructions: the text encoder is seeded
+    assert torch.equal(load_backbone("digits").encode_prompts(["a handwritten 3"])["text"], cond["text"][:1])
+    with pytest.raises(ValueError, match="a handwritten 0"):
+        digits.encode_prompts(["a photo of a cat"])
+
+
+def test_noise_and_decode(digits):
+    a = digits.sample_noise(5, torch.Generator().manual_seed(4))
+    b = digits.sample_noise(5, torch.Generator().manual_seed(4))
+    assert a.shape == (5, 1, 8, 8) and torch.equal(a, b)
+    images = digits.decode(torch.linspace(-2, 2, 5 * 64).view(5, 1, 8, 8))
+    assert images.shape == (5, 3, 8, 8) and images.dtype == torch.float32
+    assert images.min() == 0.0 and images.max() == 1.0
+    assert torch.equal(images[:, 0], images[:, 2])
+    assert torch.allclose(digits.decode(torch.zeros(1, 1, 8, 8)), torch.full((1, 3, 8, 8), 0.5))
+
+
+def test_default_times_and_names(digits):
+    assert torch.allclose(digits.default_times(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    assert set(BACKBONES) == {"sd35m", "sd35l", "sdxl", "flux-dev", "flux-schnell", "digits"}
+    with pytest.raises(ValueError, match="sd35m, sd35l, sdxl, flux-dev, flux-schnell, digits"):
+        load_backbone("sd4")
