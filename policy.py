@@ -152,9 +152,12 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
     elif init == "default":
         if init_times is None:
             raise ValueError('init="default" needs init_times, the default schedule (L+1,)')
-        times = torch.as_tensor(init_times, dtype=torch.float64, device="cpu")
-        if times.shape != (steps + 1,) or abs(times[0].item() - 1.0) > 1e-6 or (times[1:] >= times[:-1]).any() or times[-1] < 0:
-            raise ValueError(f"init_times must be {steps + 1} strictly decreasing times from 1 down to >= 0, got {times.tolist()}")
+        times = torch.as_tensor(init_times, dtype=torch.float64, device="cpu").clone()
+        # Learned schedules always start from pure noise, t_0 = 1. SD-XL's "leading" spacing starts
+        # its default below that (t_0 = 981/999 at 50 steps): its first step then starts from 1.
+        times[0] = 1.0
+        if times.shape != (steps + 1,) or (times[1:] >= times[:-1]).any() or times[-1] < 0:
+            raise ValueError(f"init_times must be {steps + 1} strictly decreasing times down to >= 0, got {times.tolist()}")
         increments = increments_from_times(times)
         increments[-1] = increments[-1].clamp_min(stop_margin)
         increments = increments / increments.sum()

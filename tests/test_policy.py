@@ -257,6 +257,16 @@ def test_default_init_reproduces_the_default_schedule(kind, steps):
     assert torch.all((times - default.float()).abs() <= stop_margin + 1e-5)
 
 
+def test_default_init_starting_below_one_starts_from_one():
+    # SD-XL's "leading" spacing at 2 steps runs timesteps [501, 1] -> times [501/999, 1/999, 0]
+    default = torch.tensor([501 / 999, 1 / 999, 0.0])
+    policy = make_policy("global", DIGITS, 2, init_times=default, stop_margin=5e-3)
+    times = times_from_increments(mean_increments(policy(*digits_inputs(1))))[0]
+    expected = (torch.tensor([1.0, 1 / 999, 0.0]) + 5e-3) / (1 + 5e-3)
+    assert times[0] == 1.0
+    assert torch.allclose(times[1:], expected[1:].float(), atol=1e-6)
+
+
 @pytest.mark.parametrize("kind", ["instance", "global"])
 def test_uniform_init_has_equal_increments(kind):
     policy = make_policy(kind, DIGITS, 9)
