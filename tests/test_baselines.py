@@ -1,0 +1,268 @@
+import math
+
+import pytest
+import torch
+
+from baselines import BASELINES, _cross_context, _james_stein, _rloo, _shrinkage, cross_context, james_stein, rloo, shrinkage
+
+# Hand example used below, B = 3 contexts, K = 2 rollouts.
+#   context means 2, 4, 6 (grand mean 4); within variances (1-3)^2/2 = 2, (2-6)^2/2 = 8, (4-8)^2/2 = 8
+#   s2 = (2 + 8 + 8) / 3 = 6
+#   b_xctx = (24 - r) / 5; mean_i b_xctx[c, i] = (24 - rbar_c) / 5 = 4.4, 4.0, 3.6
+#   1/(B-1) sum_c (rbar_c - mean_i b_xctx)^2 = (2.4^2 + 0 + 2.4^2) / 2 = 5.76
+#   d2 = 5.76 - s2/K = 2.76;  a = (6/1) / (6 + 2.76) = 6 / 8.76 = 50/73
+HAND = torch.tensor([[1.0, 3.0], [2.0, 6.0], [4.0, 8.0]], dtype=torch.float64)
+HAND_WEIGHT = 50 / 73
+
+
+def random_rewards(contexts, rollouts, seed=0, spread=2.0):
+    generator = torch.Generator().manual_seed(seed)
+    means = spread * torch.randn((contexts, 1), generator=generator, dtype=torch.float64)
+    return means + torch.randn((contexts, rollouts), generator=generator, dtype=torch.float64)
+
+
+# -----------------------------------------------------------------------------
+# hand-computed values
+
+
+def test_rloo_hand_values():
+    # [1, 2, 6]: others' means (2+6)/2 = 4, (1+6)/2 = 3.5, (1+2)/2 = 1.5
+    assert torch.allclose(rloo(torch.tensor([[1.0, 2.0, 6.0]])), torch.tensor([[4.0, 3.5, 1.5]]))
+    # K = 2: the other rollout
+    assert torch.equal(rloo(HAND), torch.tensor([[3.0, 1.0], [6.0, 2.0], [8.0, 4.0]], dtype=torch.float64))
+
+
+def test_cross_context_hand_values():
+    # total 24, B*K - 1 = 5: (24 - r) / 5
+    expected = torch.tensor([[23.0, 21.0], [22.0, 18.0], [20.0, 16.0]], dtype=torch.float64) / 5
+    assert torch.allclose(cross_context(HAND), expected)
+    # [[1, 2], [3, 6]]: total 12, B*K - 1 = 3
+    assert torch.allclose(cross_context(torch.tensor([[1.0, 2.0], [3.0, 6.0]])), torch.tensor([[11 / 3, 10 / 3], [3.0, 2.0]]))
+
+
+def test_james_stein_hand_values():
+    assert shrinkage(HAND).item() == pytest.approx(HAND_WEIGHT, rel=1e-12)
+    assert shrinkage(HAND).shape == ()
+    # b = (23/73) * rloo + (50/73) * xctx, e.g. b[0, 0] = (23*3 + 50*4.6) / 73 = 299/73
+    expected = torch.tensor([[299.0, 233.0], [358.0, 226.0], [384.0, 252.0]], dtype=torch.float64) / 73
+    assert torch.allclose(james_stein(HAND), expected, rtol=1e-12)
+
+
+def test_james_stein_follows_the_written_formula():
+    # the paper's d2 uses deviations from mean_i b_xctx[c, i]; _weight uses the equivalent
+    # (BK/(BK-1))^2 * sum (rbar_c - rbar)^2; check the two agree on random data
+    rewards = random_rewards(7, 3, seed=1)
+    contexts, rollouts = rewards.shape
+    within = rewards.var(dim=1).mean()
+    spread = (rewards.mean(dim=1) - cross_context(rewards).mean(dim=1)).square().sum() / (contexts - 1)
+    between = torch.clamp(spread - within / rollouts, min=0)
+    weight = (within / (rollouts - 1)) / (within / (rollouts - 1) + between)
+    assert shrinkage(rewards).item() == pytest.approx(weight.item(), rel=1e-12)
+    assert torch.allclose(james_stein(rewards), (1 - weight) * rloo(rewards) + weight * cross_context(rewards), rtol=1e-12)
+
+
+def test_unbiased_hand_values():
+    rewards = torch.cat([HAND, torch.tensor([[0.0, 2.0]], dtype=torch.float64)])  # B = 4
+    # a_c is the plug-in weight of the other three contexts (K = 2, so (BK/(BK-1))^2 = (6/5)^2 = 1.44):
+    #   without 0: means 4, 6, 1, s2 = (8+8+2)/3 = 6, sum sq = 38/3, spread 1.44*19/3 = 9.12, d2 = 6.12, a = 6/12.12 = 50/101
+    #   without 1: means 2, 6, 1, s2 = 4, sum sq = 14, spread 10.08, d2 = 8.08, a = 4/12.08 = 50/151
+    #   without 2: means 2, 4, 1, s2 = 4, sum sq = 14/3, spread 3.36, d2 = 1.36, a = 4/5.36 = 50/67
+    #   without 3: the hand example above, 50/73
+    expected_weights = torch.tensor([50 / 101, 50 / 151, 50 / 67, 50 / 73], dtype=torch.float64)
+    assert torch.allclose(shrinkage(rewards, unbiased=True), expected_weights, rtol=1e-12)
+    # b[3, 0] = (23/73) * r[3, 1] + (50/73) * (26 - 0) / 7 = 46/73 + 1300/511 = 1622/511
+    assert james_stein(rewards, unbiased=True)[3, 0].item() == pytest.approx(1622 / 511, rel=1e-12)
+
+
+def test_unbiased_weight_is_the_weight_without_that_context():
+    rewards = random_rewards(9, 4, seed=2)
+    weights = shrinkage(rewards, unbiased=True)
+    for context in range(rewards.shape[0]):
+        others = torch.cat([rewards[:context], rewards[context + 1:]])
+        assert weights[context].item() == pytest.approx(shrinkage(others).item(), rel=1e-10)
+
+
+# -----------------------------------------------------------------------------
+# leave-one-out properties
+
+
+@pytest.mark.parametrize("name", ["rloo", "xctx", "js-unbiased"])
+def test_baseline_of_a_rollout_ignores_its_own_reward(name):
+    rewards = random_rewards(5, 3, seed=3)
+    baseline = BASELINES[name](rewards)
+    for context in range(5):
+        for rollout in range(3):
+            changed = rewards.clone()
+            changed[context, rollout] += 7.5
+            assert BASELINES[name](changed)[context, rollout].item() == pytest.approx(baseline[context, rollout].item(), rel=1e-12, abs=1e-12)
+
+
+def test_plug_in_james_stein_does_use_its_own_reward():
+    # the property above is not automatic: the plug-in weight sees r[c, i]
+    rewards = random_rewards(5, 3, seed=3)
+    changed = rewards.clone()
+    changed[0, 0] += 7.5
+    assert abs(james_stein(changed)[0, 0] - james_stein(rewards)[0, 0]).item() > 1e-3
+
+
+def test_unbiased_weight_ignores_every_reward_of_its_context():
+    # a_c must not move when any reward of context c moves; what depends on context c is only
+    # b_rloo[c, i] and b_xctx[c, i], both free of r[c, i]
+    rewards = random_rewards(6, 2, seed=4)
+    weights = shrinkage(rewards, unbiased=True)
+    for context in range(6):
+        changed = rewards.clone()
+        changed[context] = torch.tensor([40.0, -13.0], dtype=torch.float64)
+        changed_weights = shrinkage(changed, unbiased=True)
+        assert changed_weights[context].item() == pytest.approx(weights[context].item(), rel=1e-12)
+        others = [c for c in range(6) if c != context]
+        assert (changed_weights[others] - weights[others]).abs().min() > 1e-4  # the others' weights do see it
+        weight = changed_weights[context]
+        expected = (1 - weight) * rloo(changed)[context] + weight * cross_context(changed)[context]
+        assert torch.allclose(james_stein(changed, unbiased=True)[context], expected, rtol=1e-12)
+
+
+# -----------------------------------------------------------------------------
+# limits, invariances, types
+
+
+def test_weight_goes_to_zero_when_contexts_differ_a_lot():
+    rewards = random_rewards(8, 2, seed=5) + 1000.0 * torch.arange(8, dtype=torch.float64)[:, None]
+    assert shrinkage(rewards).item() < 1e-4
+    assert shrinkage(rewards, unbiased=True).max().item() < 1e-4
+    assert torch.allclose(james_stein(rewards), rloo(rewards), atol=1e-2)
+
+
+def test_weight_is_one_when_contexts_do_not_differ():
+    # every context has mean 5: the between-context spread is 0, d2 = 0, a = 1, and JS is XCTX
+    rewards = torch.tensor([[4.0, 6.0], [3.0, 7.0], [5.0, 5.0], [0.0, 10.0]])
+    assert shrinkage(rewards).item() == 1.0
+    assert torch.allclose(shrinkage(rewards, unbiased=True), torch.ones(4))
+    assert torch.allclose(james_stein(rewards), cross_context(rewards))
+
+
+def test_degenerate_batches():
+    # all rewards equal: a = 1 by convention, every baseline equals the reward
+    constant = torch.full((4, 2), 3.0)
+    assert shrinkage(constant).item() == 1.0
+    assert torch.equal(james_stein(constant), constant)
+    # identical rollouts within each context but different contexts: s2 = 0, so a = 0 and JS is RLOO
+    rewards = torch.tensor([[1.0, 1.0], [2.0, 2.0], [5.0, 5.0]])
+    assert shrinkage(rewards).item() == 0.0
+    assert torch.equal(james_stein(rewards), rloo(rewards))
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_shift_and_scale_equivariance(name):
+    rewards = random_rewards(6, 3, seed=6)
+    assert torch.allclose(BASELINES[name](2.5 * rewards - 40.0), 2.5 * BASELINES[name](rewards) - 40.0, atol=1e-10)
+
+
+def test_weight_is_shift_and_scale_invariant():
+    rewards = random_rewards(6, 3, seed=6)
+    assert shrinkage(0.1 * rewards + 30.0).item() == pytest.approx(shrinkage(rewards).item(), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_dtype_shape_and_detached(name):
+    rewards = random_rewards(5, 2, seed=7).float().requires_grad_(True)
+    baseline = BASELINES[name](rewards)
+    assert baseline.shape == (5, 2) and baseline.dtype == torch.float32 and not baseline.requires_grad
+    assert BASELINES[name](torch.tensor([[1, 2], [3, 5], [4, 4], [0, 9]])).dtype == torch.get_default_dtype()
+
+
+def test_float32_rewards_near_30_are_handled_in_float64():
+    # HPSv2-like rewards: level 30, differences of 0.1; float32 arithmetic alone would lose digits in s2 and d2
+    rewards64 = 30.0 + 0.1 * random_rewards(16, 2, seed=8, spread=0.7)
+    rewards32 = rewards64.float()
+    assert shrinkage(rewards32).item() == pytest.approx(shrinkage(rewards32.double()).item(), rel=1e-6)
+    assert torch.allclose(james_stein(rewards32).double(), james_stein(rewards32.double()), atol=1e-5)
+
+
+def test_batched_forms_match_the_public_functions():
+    batches = torch.stack([random_rewards(5, 3, seed=s) for s in range(4)])  # (4, 5, 3)
+    for index in range(4):
+        assert torch.allclose(_rloo(batches)[index], rloo(batches[index]))
+        assert torch.allclose(_cross_context(batches)[index], cross_context(batches[index]))
+        assert torch.allclose(_james_stein(batches)[index], james_stein(batches[index]))
+        assert torch.allclose(_james_stein(batches, unbiased=True)[index], james_stein(batches[index], unbiased=True))
+        assert torch.allclose(_shrinkage(batches)[index], shrinkage(batches[index]))
+
+
+# -----------------------------------------------------------------------------
+# statistics under the random-effects model r = mu_c + eps, mu_c = mu_0 + xi
+
+
+def simulate(batches, contexts, rollouts, sigma2, delta2, seed):
+    generator = torch.Generator().manual_seed(seed)
+    means = 1.0 + math.sqrt(delta2) * torch.randn((batches, contexts, 1), generator=generator, dtype=torch.float64)
+    return means, means + math.sqrt(sigma2) * torch.randn((batches, contexts, rollouts), generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("rollouts, delta2", [(2, 1.0), (4, 0.25)])
+def test_weight_is_consistent(rollouts, delta2):
+    # One batch of B = 20000 contexts, sigma^2 = 1, true a = (1/(K-1)) / (1/(K-1) + delta^2).
+    # With s2 (estimates 1) and T, the spread (estimates Var rbar_c = delta^2 + 1/K), the weight is
+    # a = (s2/(K-1)) / (s2/(K(K-1)) + T); at the truth the denominator is delta^2 + 1/(K-1).
+    # Delta method: da/ds2 = T/(K-1)/den^2, da/dT = -1/(K-1)/den^2, SD(s2) = sqrt(2/(B(K-1))),
+    # SD(T) = T sqrt(2/(B-1)), s2 and T independent for normal data. The (BK/(BK-1))^2 factor in T
+    # moves a by under 1e-4. Tolerance: 5 SD.
+    contexts = 20000
+    _, rewards = simulate(1, contexts, rollouts, 1.0, delta2, seed=9)
+    true = (1 / (rollouts - 1)) / (1 / (rollouts - 1) + delta2)
+    spread = delta2 + 1 / rollouts
+    squared_denominator = (delta2 + 1 / (rollouts - 1)) ** 2
+    sd_from_within = spread / (rollouts - 1) / squared_denominator * math.sqrt(2 / (contexts * (rollouts - 1)))
+    sd_from_spread = 1 / (rollouts - 1) / squared_denominator * spread * math.sqrt(2 / (contexts - 1))
+    sd = math.hypot(sd_from_within, sd_from_spread)
+    assert sd < 0.01  # a tolerance that can tell a from neighbouring values
+    assert abs(shrinkage(rewards[0]).item() - true) < 5 * sd
+    assert abs(shrinkage(rewards[0], unbiased=True).mean().item() - true) < 5 * sd
+
+
+@pytest.mark.parametrize("contexts, rollouts, delta2", [(3, 2, 1.0), (4, 4, 0.3), (16, 2, 3.0), (32, 8, 0.1)])
+def test_james_stein_beats_rloo_as_an_estimate_of_mu(contexts, rollouts, delta2):
+    # paired over the same 4000 simulated batches: mean of (JS error - RLOO error) must be below 0 by
+    # more than 4 standard errors of that mean
+    means, rewards = simulate(4000, contexts, rollouts, 1.0, delta2, seed=10)
+    js_error = (_james_stein(rewards) - means).square().mean(dim=(1, 2))
+    rloo_error = (_rloo(rewards) - means).square().mean(dim=(1, 2))
+    difference = js_error - rloo_error
+    assert difference.mean() + 4 * difference.std() / math.sqrt(4000) < 0
+
+
+# -----------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_shape_errors(name):
+    with pytest.raises(ValueError, match=r"shape \(contexts, rollouts\).*reshape"):
+        BASELINES[name](torch.ones(8))
+    with pytest.raises(ValueError, match=r"shape \(contexts, rollouts\)"):
+        BASELINES[name](torch.ones(2, 4, 2))
+    with pytest.raises(ValueError, match="at least 2 rollouts per context, got K=1"):
+        BASELINES[name](torch.ones(8, 1))
+
+
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_non_finite_errors(name):
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        rewards = torch.ones(5, 2)
+        rewards[1, 1] = bad
+        with pytest.raises(ValueError, match="NaN or inf; check the reward model"):
+            BASELINES[name](rewards)
+
+
+def test_context_count_errors():
+    with pytest.raises(ValueError, match="james_stein: needs at least 3 contexts per batch, got B=2; use more contexts or the rloo baseline"):
+        james_stein(torch.rand(2, 4))
+    with pytest.raises(ValueError, match=r"james_stein\(unbiased=True\): needs at least 4 contexts per batch, got B=3"):
+        james_stein(torch.rand(3, 4), unbiased=True)
+    with pytest.raises(ValueError, match="shrinkage: needs at least 3 contexts"):
+        shrinkage(torch.rand(2, 2))
+    with pytest.raises(ValueError, match=r"shrinkage\(unbiased=True\): needs at least 4 contexts"):
+        shrinkage(torch.rand(3, 2), unbiased=True)
+    # RLOO and XCTX work from one context
+    assert torch.equal(rloo(torch.tensor([[1.0, 2.0]])), torch.tensor([[2.0, 1.0]]))
+    assert torch.equal(cross_context(torch.tensor([[1.0, 2.0]])), torch.tensor([[2.0, 1.0]]))
