@@ -267,11 +267,16 @@ def check_prompts(backbone, prompts):
 
 
 def load_prompt_file(path):
-    """Prompts from a text file, one per line (blank lines skipped)."""
+    """Prompts from a text file, one per line (blank lines skipped), or from a .json list of prompts
+    or of records with a "prompt" field (the layout of HPDv2's train.json)."""
     if not os.path.isfile(path):
         raise ValueError(f"prompt file {path} does not exist")
     with open(path) as handle:
-        prompts = [line.strip() for line in handle if line.strip()]
+        if path.endswith(".json"):
+            prompts = [item["prompt"] if isinstance(item, dict) else item for item in json.load(handle)]
+        else:
+            prompts = list(handle)
+    prompts = [prompt.strip() for prompt in prompts if prompt.strip()]
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
