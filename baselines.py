@@ -39,6 +39,10 @@ from functools import partial
 
 import torch
 
+# Contexts per batch each baseline needs: James-Stein estimates a between-context variance from B - 1
+# degrees of freedom (B >= 3, Thm. 3.2), the unbiased form from the B - 1 other contexts (B >= 4).
+MIN_CONTEXTS = {"js": 3, "js-unbiased": 4, "rloo": 1, "xctx": 1}
+
 # -----------------------------------------------------------------------------
 # the estimators, over independent batches (..., B, K)
 
@@ -174,7 +178,7 @@ def james_stein(rewards: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
     within 10% of the plug-in JS at B = 16 and 32. Prefer it at B >= 16.
     """
     name = "james_stein(unbiased=True)" if unbiased else "james_stein"
-    checked = _checked(rewards, name, min_contexts=4 if unbiased else 3)
+    checked = _checked(rewards, name, min_contexts=MIN_CONTEXTS["js-unbiased" if unbiased else "js"])
     return _james_stein(checked, unbiased=unbiased).to(_output_dtype(rewards))
 
 
@@ -182,7 +186,7 @@ def shrinkage(rewards: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
     """rewards (B, K) -> the JS weight a on the cross-context mean, for logging: a scalar tensor, or
     (B,) with unbiased=True (a_c, fitted without context c). 0 means pure RLOO, 1 the pooled mean."""
     name = "shrinkage(unbiased=True)" if unbiased else "shrinkage"
-    checked = _checked(rewards, name, min_contexts=4 if unbiased else 3)
+    checked = _checked(rewards, name, min_contexts=MIN_CONTEXTS["js-unbiased" if unbiased else "js"])
     weight = _unbiased_shrinkage(checked) if unbiased else _shrinkage(checked)
     return weight.to(_output_dtype(rewards))
 

@@ -13,7 +13,6 @@ Continue a killed run from its last checkpoint:
 
 import dataclasses
 import json
-import math
 import os
 import time
 import types
@@ -22,12 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
-from baselines import BASELINES, shrinkage
+from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from evaluate import (
     context_noise, default_schedule, evaluate, format_table, heldout_contexts, load_prompt_file, policy_schedule, summarize,
 )
-from policy import build_policy, log_prob, make_policy, sample_increments, times_from_increments
+from policy import log_prob, make_policy, sample_increments, times_from_increments
 from rewards import REWARDS, check_finite, load_reward
 from rollout import BACKBONES, load_backbone
 
@@ -84,7 +84,6 @@ BACKBONE_DEFAULTS = {
     "flux-dev": dict(contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
     "flux-schnell": dict(contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
 }
-MIN_CONTEXTS = {"js": 3, "js-unbiased": 4, "rloo": 1, "xctx": 2}
 
 
 def parse_config(argv=None):
@@ -235,8 +234,6 @@ def main(config):
             f"{contexts_per_rank} contexts each | baseline {config.baseline} | reward {config.reward}"
         )
 
-    from tqdm import tqdm
-
     progress = tqdm(range(start, config.iterations), initial=start, total=config.iterations, disable=not master)
     K, B = config.rollouts, config.contexts
     for iteration in progress:
@@ -362,7 +359,13 @@ def plot(config, backbone, policy, default_times, heldout_prompts, seeds):
     with open(os.path.join(config.out_dir, "metrics.jsonl")) as file:
         rows = [json.loads(line) for line in file]
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.plot([row["iteration"] for row in rows], [row["reward"] for row in rows], lw=1)
+    iterations, batch_means = [row["iteration"] for row in rows], [row["reward"] for row in rows]
+    smoothed = [batch_means[0]]
+    for value in batch_means[1:]:  # exponential moving average over about 20 iterations
+        smoothed.append(0.95 * smoothed[-1] + 0.05 * value)
+    left.plot(iterations, batch_means, lw=0.5, alpha=0.4, label="batch mean")
+    left.plot(iterations, smoothed, lw=1.5, label="moving average")
+    left.legend()
     left.set(xlabel="iteration", ylabel=f"mean reward ({config.reward})", title="training reward")
     shown = min(8, len(seeds))
     with torch.no_grad():
