@@ -1,5 +1,5 @@
 """
-Baselines for REINFORCE with K rollouts per context (PAPER.md, "REINFORCE and baselines").
+Baselines for REINFORCE with K rollouts per context (the paper, Sec. 3).
 
 A batch holds B contexts (prompt + initial noise) with K sampled schedules each; its rewards are a
 tensor of shape (B, K). Every estimator here returns a detached baseline b of the same shape, and the
@@ -18,7 +18,7 @@ of a near-deterministic policy is about mu_c (Prop. 3.1). RLOO estimates it with
 variance sigma^2/(K-1); the cross-context mean has little variance but is off by mu_c - mu_0. The
 posterior mean of mu_c given the other K-1 rollouts mixes the two with the weight
 a = (sigma^2/(K-1)) / (sigma^2/(K-1) + delta^2); JS plugs in estimates of sigma^2 and delta^2 from
-the batch (empirical Bayes). PAPER.md quotes Thm. 3.2: a lower mean squared error than RLOO for
+the batch (empirical Bayes). The paper's Thm. 3.2 states: a lower mean squared error than RLOO for
 B >= 3. toy_js.py measures this per-rollout form: lower in every setting with B >= 6 it tries, and far
 lower when contexts are alike; with few contexts, many rollouts and contexts far apart it sits just
 above RLOO (B = 4, K = 8, delta^2 >= 10 sigma^2: by up to 0.25% of RLOO's MSE; B = 3, K = 8,
@@ -62,7 +62,7 @@ def _cross_context(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def _weight(within: torch.Tensor, squares: torch.Tensor, contexts: int, rollouts: int) -> torch.Tensor:
-    """The James-Stein weight a from two batch statistics (PAPER.md, JS), shapes (...) -> (...).
+    """The James-Stein weight a from two batch statistics (the paper, JS), shapes (...) -> (...).
 
     within  = s2, the pooled unbiased within-context variance (the estimate of sigma^2),
     squares = sum_c (rbar_c - rbar)^2 over the `contexts` contexts used.
@@ -112,7 +112,7 @@ def _unbiased_shrinkage(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def _james_stein(rewards: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
-    """(..., B, K) -> (..., B, K): b_js = (1 - a) * b_rloo + a * b_xctx (PAPER.md, JS); see james_stein."""
+    """(..., B, K) -> (..., B, K): b_js = (1 - a) * b_rloo + a * b_xctx (the paper, JS); see james_stein."""
     if unbiased:
         weight = _unbiased_shrinkage(rewards)[..., None]  # (..., B, 1): one weight per context
     else:
@@ -143,22 +143,22 @@ def _output_dtype(rewards: torch.Tensor) -> torch.dtype:
 
 
 def rloo(rewards: torch.Tensor) -> torch.Tensor:
-    """rewards (B, K) -> baseline (B, K): b[c, i] = mean_{j != i} r[c, j] (PAPER.md, RLOO). Needs K >= 2."""
+    """rewards (B, K) -> baseline (B, K): b[c, i] = mean_{j != i} r[c, j] (the paper, RLOO). Needs K >= 2."""
     return _rloo(_checked(rewards, "rloo", min_contexts=1)).to(_output_dtype(rewards))
 
 
 def cross_context(rewards: torch.Tensor) -> torch.Tensor:
-    """rewards (B, K) -> baseline (B, K): b[c, i] = mean of all rewards but r[c, i] (PAPER.md, XCTX). Needs K >= 2."""
+    """rewards (B, K) -> baseline (B, K): b[c, i] = mean of all rewards but r[c, i] (the paper, XCTX). Needs K >= 2."""
     return _cross_context(_checked(rewards, "cross_context", min_contexts=1)).to(_output_dtype(rewards))
 
 
 def james_stein(rewards: torch.Tensor, unbiased: bool = False) -> torch.Tensor:
-    """rewards (B, K) -> baseline (B, K): b = (1 - a) * b_rloo + a * b_xctx (PAPER.md, JS; Thm. 3.2).
+    """rewards (B, K) -> baseline (B, K): b = (1 - a) * b_rloo + a * b_xctx (the paper, JS; Thm. 3.2).
 
     unbiased=False: a is the paper's plug-in weight, one per batch, estimated from all B*K rewards
     (see _weight). It depends on r[c, i], so the gradient is unbiased only up to O(1/(BK)). Needs B >= 3.
 
-    unbiased=True: leave one context out, as PAPER.md suggests. Unbiasedness needs exactly one thing:
+    unbiased=True: leave one context out, as the paper suggests. Unbiasedness needs exactly one thing:
     b[c, i] must not depend on r[c, i], the one reward that is a function of tau[c, i]; r[c, j]
     (j != i) and the other contexts' rewards are independent of tau[c, i] given the context. b_rloo
     and b_xctx already leave r[c, i] out; the plug-in JS breaks the rule only through a. So each

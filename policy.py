@@ -1,5 +1,5 @@
 """
-The schedule policy pi(tau | x_T, c) of PAPER.md "Policy": one forward pass from the initial noise
+The schedule policy pi(tau | x_T, c) of the paper: one forward pass from the initial noise
 x_T and the prompt c to the concentrations alpha of a Dirichlet over the L+1 time increments.
 
     python policy.py --bench    # FLOPs against one SD3.5-Medium step, parameter counts (CPU, no weights)
@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# softplus(.) + ALPHA_MIN keeps every concentration positive (PAPER.md "Policy").
+# softplus(.) + ALPHA_MIN keeps every concentration positive (the paper's policy head).
 ALPHA_MIN = 1e-3
 # Smallest increment a sampled or mean schedule may have. Dirichlet draws underflow with small alpha
 # (a Gamma(0.01) draw is below 1e-30 about half of the time), and two float32 times closer than the

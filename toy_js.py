@@ -7,7 +7,7 @@ Why James-Stein shrinkage helps REINFORCE, on problems small enough to know the 
     python toy_js.py --contexts-grid 3 4 6 8 --ratios 1 3 10 30 100 1000 --rewards-per-cell 4194304 \
         --max-rewards-per-cell 33554432 --out-dir out/toy_js_small_b   # where JS and RLOO nearly tie (~1 min)
 
-Part A, estimation. Rewards come from the random-effects model of PAPER.md, r[c, i] = mu_c + eps
+Part A, estimation. Rewards come from the random-effects model of the paper, r[c, i] = mu_c + eps
 (Var sigma^2), mu_c = mu_0 + xi (Var delta^2), over a grid of delta^2/sigma^2, K and B. Each baseline
 b[c, i] is an estimate of mu_c made without r[c, i]; the table gives its mean squared error next to
   oracle: the posterior mean of mu_c for someone who knows sigma^2 and delta^2 but, like every

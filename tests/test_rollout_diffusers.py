@@ -233,7 +233,7 @@ def _pipeline_vae_input(pipe, backbone, latents):
 
 
 # ----------------------------------------------------------------------------------------------
-# default schedules, as PAPER.md states them
+# default schedules: the values diffusers itself is known to produce
 
 
 def test_default_times_match_the_library_facts():
