@@ -11,6 +11,7 @@ Continue a killed run from its last checkpoint:
     python train.py --out-dir out --resume
 """
 
+import argparse
 import dataclasses
 import json
 import os
@@ -84,12 +85,13 @@ BACKBONE_DEFAULTS = {
     "flux-dev": dict(contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
     "flux-schnell": dict(contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
 }
+# The global policy is one vector of logits: at the instance policy's learning rate it barely moves
+# in 300 digits iterations (5% better than default, against 30% at 30x the rate).
+GLOBAL_LR_FACTOR = 30
 
 
 def parse_config(argv=None):
     """argparse built from the dataclass fields: --field-name value, booleans as flags."""
-    import argparse
-
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     for field in dataclasses.fields(Config):
         flag = "--" + field.name.replace("_", "-")
@@ -101,7 +103,10 @@ def parse_config(argv=None):
             kind = next(arg for arg in kind.__args__ if arg is not type(None))
         parser.add_argument(flag, type=kind, default=field.default)
     config = Config(**vars(parser.parse_args(argv)))
-    for key, value in BACKBONE_DEFAULTS.get(config.backbone, {}).items():
+    defaults = dict(BACKBONE_DEFAULTS.get(config.backbone, {}))
+    if config.policy == "global" and "lr" in defaults:  # bare logits, no network in front: larger steps
+        defaults["lr"] *= GLOBAL_LR_FACTOR
+    for key, value in defaults.items():
         if getattr(config, key) is None:
             setattr(config, key, value)
     return config
