@@ -233,6 +233,13 @@ def _decode_chunks(vae, latents, processed):
     return torch.cat(images)
 
 
+def _policy_inputs(latent, cond):
+    """What the policy sees of a diffusers backbone's context, in float32: the noise as an image-shaped
+    latent (N, C, H, W), the prompt's token embeddings with their mask, and the pooled embedding."""
+    return dict(latent=latent.float(), text=cond["prompt_embeds"].float(), text_mask=cond["text_mask"],
+                pooled=cond["pooled_prompt_embeds"].float())
+
+
 def _guided(prediction, guidance):
     """Classifier-free guidance over a batch stacked [uncond; cond], as the pipelines write it."""
     uncond, cond = prediction.chunk(2)
@@ -275,8 +282,7 @@ class SD3Backbone:
         return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
 
     def policy_inputs(self, noise, cond):
-        return dict(latent=noise.float(), text=cond["prompt_embeds"].float(), text_mask=cond["text_mask"],
-                    pooled=cond["pooled_prompt_embeds"].float())
+        return _policy_inputs(noise, cond)
 
     def default_times(self, steps):
         # SD3Pipeline passes no sigmas: the scheduler's own spacing and its static shift (3.0 for SD3.5)
@@ -352,8 +358,7 @@ class FluxBackbone:
         return self.pack(torch.randn(shape, generator=generator)).to(self.device)  # (N, tokens, 4 C)
 
     def policy_inputs(self, noise, cond):
-        return dict(latent=self.unpack(noise).float(), text=cond["prompt_embeds"].float(),
-                    text_mask=cond["text_mask"], pooled=cond["pooled_prompt_embeds"].float())
+        return _policy_inputs(self.unpack(noise), cond)  # the policy sees tokens unpacked to an image
 
     def default_times(self, steps):
         # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens); schnell's config has no shift
@@ -451,8 +456,7 @@ class SDXLBackbone:
         return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
 
     def policy_inputs(self, noise, cond):
-        return dict(latent=noise.float(), text=cond["prompt_embeds"].float(), text_mask=cond["text_mask"],
-                    pooled=cond["pooled_prompt_embeds"].float())
+        return _policy_inputs(noise, cond)
 
     def default_times(self, steps):
         # the pipeline's EulerDiscreteScheduler spacing ("leading" for SD-XL: 981, 961, ..., 1 at 50

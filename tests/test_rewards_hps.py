@@ -10,7 +10,6 @@ import os
 
 import pytest
 import torch
-from PIL import Image
 
 if os.environ.get("HPS_TESTS_REQUIRED"):
     import torchvision  # noqa: F401
@@ -25,19 +24,7 @@ import rollout
 TINY = "hps-test-tiny"  # an open_clip config registered under this name by the fixture below
 
 
-class ImageBackbone:
-    """Stand-in whose latents are the images themselves: the HPS reward only calls decode."""
-
-    device = torch.device("cpu")
-
-    def decode(self, latents):
-        return latents.float().clamp(0.0, 1.0)
-
-
-def to_pil(image):
-    """(3, H, W) in [0, 1] -> the 8-bit PIL image that hpsv2 scores."""
-    pixels = (image.clamp(0, 1) * 255).round().to(torch.uint8)
-    return Image.fromarray(pixels.permute(1, 2, 0).numpy())
+from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-bit PIL conversion
 
 
 @pytest.fixture(scope="module")
