@@ -28,7 +28,7 @@ from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from evaluate import (
     context_noise, default_schedule, evaluate, format_table, heldout_contexts, load_prompt_file, policy_schedule, summarize,
 )
-from policy import log_prob, make_policy, sample_increments, times_from_increments
+from policy import log_prob, make_policy, mean_increments, sample_increments, times_from_increments
 from rewards import REWARDS, check_finite, load_reward
 from rollout import BACKBONES, load_backbone
 
@@ -290,7 +290,6 @@ def main(config):
         # ---------------- checkpoint and log ----------------
         done = iteration + 1
         if master:
-            mean_times = times_from_increments(alpha.detach() / alpha.detach().sum(-1, keepdim=True)).mean(0)
             row = {
                 "iteration": done,
                 "reward": all_rewards.mean().item(),
@@ -299,7 +298,7 @@ def main(config):
                 "loss": loss.item(),
                 "grad_norm": grad_norm.item(),
                 "concentration": alpha.detach().sum(-1).mean().item(),
-                "stop_margin": mean_times[-1].item(),
+                "stop_margin": mean_increments(alpha.detach())[:, -1].mean().item(),  # t_L of the mean schedule
                 "rollout_s": t_rollout,
                 "step_s": time.time() - t0,
             }
