@@ -215,18 +215,25 @@ class HPSReward:
         return 100.0 * (image.float() * text.float()[which]).sum(-1)
 
 
-def load_hpsv2(backbone, device=None, version="v2.1", checkpoint=None, model_name="ViT-H-14", batch_size=16):
-    """`checkpoint`: a local HPS_v2*.pt; else the HF cache (downloaded when online). `model_name`:
-    an open_clip model config (the tests register a tiny one)."""
+def hps_checkpoint(version="v2.1", checkpoint=None):
+    """The path of the HPS checkpoint: `checkpoint` (a local HPS_v2*.pt) if given, else the HF cache
+    (downloaded when online). ValueError with one line saying how to get it."""
     if version not in HPS_FILES:
         raise ValueError(f"unknown HPS version {version!r}; known: {', '.join(HPS_FILES)}")
     filename = HPS_FILES[version]
     hint = (f"HPS {version} checkpoint not found: get {filename} from the hub repo {HPS_REPO} "
             f"(huggingface-cli download {HPS_REPO} {filename}) or pass --reward-checkpoint PATH")
     if checkpoint is None:
-        checkpoint = _hub_file(HPS_REPO, filename, hint)
-    elif not os.path.isfile(checkpoint):
+        return _hub_file(HPS_REPO, filename, hint)
+    if not os.path.isfile(checkpoint):
         raise ValueError(f"{hint}; no file at {checkpoint}")
+    return checkpoint
+
+
+def load_hpsv2(backbone, device=None, version="v2.1", checkpoint=None, model_name="ViT-H-14", batch_size=16):
+    """`checkpoint`: a local HPS_v2*.pt; else the HF cache (downloaded when online). `model_name`:
+    an open_clip model config (the tests register a tiny one)."""
+    checkpoint = hps_checkpoint(version, checkpoint)
     return HPSReward(backbone, checkpoint, device=device, model_name=model_name, batch_size=batch_size)
 
 
@@ -354,6 +361,23 @@ def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
 # ----------------------------------------------------------------------------------------------
 
 REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip}
+
+
+def check_reward(name, checkpoint=None):
+    """Fail fast, before a backbone is loaded: ValueError (one line) if the reward `name` is unknown
+    or its packages or weights are not on this machine. Loads nothing heavy."""
+    if name not in REWARDS:
+        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+    if name == "hpsv2":
+        try:
+            _import_hps()
+        except ImportError as error:
+            raise ValueError(str(error)) from None
+        hps_checkpoint(checkpoint=checkpoint)
+    if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
+        model = checkpoint or CLIP_DEFAULT
+        _hub_file(model, "config.json", f"CLIP model {model!r} not found: download it with "
+                  f"`huggingface-cli download {model}` or pass --reward-checkpoint PATH to a local copy")
 
 
 def load_reward(name, backbone, device=None, **options):

@@ -29,7 +29,7 @@ from evaluate import (
     context_noise, default_schedule, evaluate, format_table, heldout_contexts, load_prompt_file, policy_schedule, summarize,
 )
 from policy import log_prob, make_policy, mean_increments, sample_increments, times_from_increments
-from rewards import REWARDS, check_finite, load_reward
+from rewards import REWARDS, check_finite, check_reward, load_reward
 from rollout import BACKBONES, load_backbone
 
 # -----------------------------------------------------------------------------
@@ -198,12 +198,16 @@ def main(config):
     torch.manual_seed(config.seed)
 
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    backbone = load_backbone(
-        config.backbone, path=config.model_path, device=device, dtype=dtype,
-        resolution=config.resolution, guidance=config.guidance,
-    )
-    prompts = prompts or backbone.prompts
     reward_options = {"checkpoint": config.reward_checkpoint} if config.reward_checkpoint else {}
+    try:  # missing or gated weights, a missing reward package: one line, before the heavy loading
+        check_reward(config.reward, config.reward_checkpoint)
+        backbone = load_backbone(
+            config.backbone, path=config.model_path, device=device, dtype=dtype,
+            resolution=config.resolution, guidance=config.guidance,
+        )
+    except ValueError as error:
+        raise SystemExit(f"error: {error}")
+    prompts = prompts or backbone.prompts
     reward = load_reward(config.reward, backbone, device=device, **reward_options)
     default_times = backbone.default_times(config.steps)
 

@@ -284,3 +284,19 @@ def test_hps_preprocess_pads_the_short_side():
     # a square image at the model's size is only normalised (ResizeMaxSize leaves it alone)
     square = torch.rand(2, 3, 224, 224, generator=torch.Generator().manual_seed(5))
     assert torch.allclose(rewards.hps_preprocess(square, 224), (rewards.quantize(square) - torch.tensor(rewards.CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(rewards.CLIP_STD).view(1, 3, 1, 1))
+
+
+def test_check_reward_fails_fast_in_one_line(tmp_path):
+    rewards.check_reward("teacher")  # needs nothing
+    with pytest.raises(ValueError, match="unknown reward 'beauty'"):
+        rewards.check_reward("beauty")
+    with pytest.raises(ValueError, match=r"CLIP model 'openai/clip-vit-large-patch14' not found: download it") as error:
+        rewards.check_reward("clip")  # offline, not cached
+    assert "\n" not in str(error.value)
+    rewards.check_reward("clip", checkpoint=str(tmp_path))  # a local folder is taken as is
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # the core environment: the HPS packages are missing
+        with pytest.raises(ValueError, match="requirements-hps.txt") as error:
+            rewards.check_reward("hpsv2")
+        assert "\n" not in str(error.value)

@@ -230,3 +230,14 @@ def test_trains_a_real_backbone_family_from_a_local_folder(tmp_path, backbone):
     assert checkpoint["config"]["backbone"] == backbone and checkpoint["policy_config"]["steps"] == 2
     methods = {row["method"]: row for row in json.loads((out / "eval.json").read_text())["rows"]}
     assert methods["limit (teacher)"]["mean"] == 0.0 and methods["default"]["mean"] < 0.0
+
+
+def test_missing_weights_exit_in_one_line_before_loading(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in snow\n")
+    result = run(["--backbone", "sd35m", "--reward", "teacher", "--prompts", str(prompts)], tmp_path)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: sd35m: the weights of stabilityai/stable-diffusion-3.5-medium")
+    assert "--model-path" in lines[0]
+    assert not (tmp_path / "out").exists()
