@@ -123,6 +123,10 @@ def check_config(config, world_size):
         raise SystemExit(f"error: unknown baseline {config.baseline!r}; choose one of {', '.join(BASELINES)}")
     if config.policy not in ("instance", "global"):
         raise SystemExit(f"error: --policy must be instance or global, not {config.policy!r}")
+    if config.init not in ("default", "uniform"):
+        raise SystemExit(f"error: --init must be default or uniform, not {config.init!r}")
+    if config.dtype not in (None, "bfloat16", "float16", "float32"):
+        raise SystemExit(f"error: --dtype must be bfloat16, float16 or float32, not {config.dtype!r}")
     if config.steps < 1:
         raise SystemExit(f"error: --steps must be at least 1 (got {config.steps})")
     if config.rollouts < 2:
