@@ -16,7 +16,7 @@ import os
 import statistics
 
 import train
-from evaluate import evaluate, heldout_contexts
+from evaluate import evaluate, fixed_schedule, heldout_contexts
 from rewards import load_reward
 from rollout import load_backbone
 
@@ -46,13 +46,9 @@ def shift_grid(backbone, reward, steps, contexts):
     """Teacher reward of every shifted uniform schedule on validation contexts; the best shift."""
     prompts, seeds = heldout_contexts(backbone, contexts, seed=VALIDATION_SEED)
     uniform = backbone.default_times(steps)
-    methods = {shift: default_schedule_of(shifted(uniform, shift)) for shift in SHIFTS}
+    methods = {shift: fixed_schedule(shifted(uniform, shift)) for shift in SHIFTS}
     scores = evaluate(backbone, reward, prompts, seeds, methods)
     return max(SHIFTS, key=lambda shift: scores[shift].mean().item()), {s: scores[s].mean().item() for s in SHIFTS}
-
-
-def default_schedule_of(times):
-    return lambda noise, cond: times.to(noise.device).expand(noise.shape[0], -1)
 
 
 def main(args):
@@ -79,7 +75,7 @@ def main(args):
     reward = load_reward("teacher", backbone)
     best, grid = shift_grid(backbone, reward, args.steps, contexts=256)
     prompts, seeds = heldout_contexts(backbone, 256)
-    best_scores = evaluate(backbone, reward, prompts, seeds, {"shift": default_schedule_of(shifted(backbone.default_times(args.steps), best))})
+    best_scores = evaluate(backbone, reward, prompts, seeds, {"shift": fixed_schedule(shifted(backbone.default_times(args.steps), best))})
     print("shift grid on validation contexts (mean teacher reward): " + ", ".join(f"{s}: {v:+.5f}" for s, v in grid.items()))
 
     table = [("default (uniform)", [default]), (f"best shift ({best}, global)", [best_scores["shift"].mean().item()])]

@@ -103,14 +103,18 @@ def policy_schedule(policy, backbone, mode="mean", generator=None):
     return times_fn
 
 
-def default_schedule(backbone, steps):
-    """A method callable giving the backbone's default schedule for L = steps to every context."""
-    default_times = backbone.default_times(steps)
+def fixed_schedule(times):
+    """A method callable giving the same schedule times (L+1,) to every context."""
 
     def times_fn(noise, cond):
-        return default_times.to(noise.device).expand(noise.shape[0], -1)
+        return times.to(noise.device).expand(noise.shape[0], -1)
 
     return times_fn
+
+
+def default_schedule(backbone, steps):
+    """A method callable giving the backbone's default schedule for L = steps to every context."""
+    return fixed_schedule(backbone.default_times(steps))
 
 
 def _take(noise, cond, prompts, positions):
