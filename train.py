@@ -27,6 +27,7 @@ from tqdm import tqdm
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from evaluate import (
     context_noise, default_schedule, evaluate, format_table, heldout_contexts, load_prompt_file, policy_schedule, summarize,
+    write_json_atomic,
 )
 from policy import log_prob, make_policy, mean_increments, sample_increments, times_from_increments
 from rewards import REWARDS, check_finite, check_reward, load_reward
@@ -356,8 +357,9 @@ def report(config, backbone, reward, policy, default_times):
     rows = summarize(scores, baseline="default")
     print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {config.reward}, L = {config.steps}")
     print(format_table(rows))
-    with open(os.path.join(config.out_dir, "eval.json"), "w") as file:
-        json.dump({"rows": rows, "steps": config.steps, "contexts": len(seeds), "reward": config.reward}, file, indent=1)
+    # atomic: ablation.py takes an existing eval.json as a finished run
+    write_json_atomic(os.path.join(config.out_dir, "eval.json"),
+                      {"rows": rows, "steps": config.steps, "contexts": len(seeds), "reward": config.reward})
     plot(config, backbone, policy, default_times, heldout_prompts, seeds)
 
 
