@@ -262,6 +262,13 @@ def load_checkpoint(path, backbone=None, steps=None):
     return ckpt, policy.eval()
 
 
+def load_trained_backbone(config, device):
+    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
+    dtype = getattr(torch, config["dtype"]) if config.get("dtype") else None
+    return rollout.load_backbone(config["backbone"], path=config["model_path"], device=device, dtype=dtype,
+                                 resolution=config["resolution"], guidance=config["guidance"])
+
+
 def check_prompts(backbone, prompts):
     """A backbone with a fixed prompt set (digits) knows no other prompts: say so before sampling."""
     unknown = [prompt for prompt in prompts if backbone.prompts is not None and prompt not in backbone.prompts]
@@ -439,13 +446,10 @@ def main(argv=None):
     batch_size = args.batch_size or (200 if config["backbone"] == "digits" else 8)
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, config["dtype"]) if config.get("dtype") else None
 
     # --- backbone, rewards and methods ---
     try:
-        backbone = rollout.load_backbone(config["backbone"], path=config["model_path"], device=device,
-                                         dtype=dtype, resolution=config["resolution"],
-                                         guidance=config["guidance"])
+        backbone = load_trained_backbone(config, device)
         check_prompts(backbone, prompt_list or [])
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
@@ -483,7 +487,7 @@ def main(argv=None):
     if args.schnell:
         try:
             schnell = rollout.load_backbone("flux-schnell", path=args.schnell_path, device=device,
-                                            dtype=dtype, resolution=config["resolution"])
+                                            dtype=backbone.dtype, resolution=config["resolution"])
             for schnell_steps in sorted({4, steps}):
                 methods[f"schnell-{schnell_steps}"] = (schnell, default_schedule(schnell, schnell_steps))
                 methods_meta[f"schnell-{schnell_steps}"] = dict(backbone="flux-schnell", steps=schnell_steps)

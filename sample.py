@@ -24,8 +24,9 @@ import sys
 
 import torch
 
-import rollout
-from evaluate import check_prompts, context_noise, default_schedule, load_checkpoint, load_prompt_file, policy_schedule
+from evaluate import (
+    check_prompts, context_noise, default_schedule, load_checkpoint, load_prompt_file, load_trained_backbone, policy_schedule,
+)
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -134,10 +135,7 @@ def main(argv=None):
         prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
         if not prompts and config["backbone"] != "digits":
             raise ValueError(f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE")
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = getattr(torch, config["dtype"]) if config.get("dtype") else None
-        backbone = rollout.load_backbone(config["backbone"], path=config["model_path"], device=device, dtype=dtype,
-                                         resolution=config["resolution"], guidance=config["guidance"])
+        backbone = load_trained_backbone(config, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         check_prompts(backbone, prompts)
         contexts = [(prompt, seed) for prompt in (prompts or backbone.prompts) for seed in args.seeds]
     except ValueError as error:
