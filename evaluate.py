@@ -368,6 +368,17 @@ def plot_scores(path, scores_per_reward, baseline="default"):
     plt.close(fig)
 
 
+def draw_schedules(ax, learned_times, default_times, label="learned"):
+    """Time per step index on `ax`: one line per context (learned_times (N, L+1)), the default in black."""
+    steps = range(default_times.shape[0])
+    for index, times in enumerate(learned_times):
+        ax.plot(steps, times, "-", marker=".", color="tab:blue", alpha=0.5, label=label if index == 0 else None)
+    ax.plot(steps, default_times, "k--o", markersize=4, label="default")
+    ax.set_xlabel("step index l")
+    ax.set_ylabel("time t_l (1 = noise, 0 = data)")
+    ax.legend(fontsize=8)
+
+
 def plot_schedules(path, learned_times, default_times):
     """Where the learned schedules put their steps: mean time per step index with a 10-90% band
     across contexts, against the default times (left), and the same as a shift from the default

@@ -25,7 +25,7 @@ import sys
 import torch
 
 from evaluate import (
-    check_prompts, context_noise, default_schedule, load_checkpoint, load_prompt_file, load_trained_backbone, policy_schedule,
+    check_prompts, context_noise, default_schedule, draw_schedules, load_checkpoint, load_prompt_file, load_trained_backbone, policy_schedule,
 )
 
 # -----------------------------------------------------------------------------
@@ -114,14 +114,8 @@ def save_schedule_plot(path, learned_times, default_times, label):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = range(default_times.shape[0])
     fig, ax = plt.subplots(figsize=(5.5, 4))
-    for index, times in enumerate(learned_times):
-        ax.plot(steps, times, "-", marker=".", color="tab:blue", alpha=0.5, label=label if index == 0 else None)
-    ax.plot(steps, default_times, "k--o", markersize=4, label="default")
-    ax.set_xlabel("step index l")
-    ax.set_ylabel("time t_l (1 = noise, 0 = data)")
-    ax.legend(fontsize=8)
+    draw_schedules(ax, learned_times, default_times, label)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from evaluate import (
-    context_noise, default_schedule, evaluate, format_table, heldout_contexts, load_prompt_file, policy_schedule, summarize,
-    write_json_atomic,
+    context_noise, default_schedule, draw_schedules, evaluate, format_table, heldout_contexts, load_prompt_file,
+    policy_schedule, summarize, write_json_atomic,
 )
 from policy import log_prob, make_policy, mean_increments, sample_increments, times_from_increments
 from rewards import REWARDS, check_finite, check_reward, load_reward
@@ -385,12 +385,8 @@ def plot(config, backbone, policy, default_times, heldout_prompts, seeds):
     with torch.no_grad():
         noise = context_noise(backbone, seeds[:shown])
         times = policy_schedule(policy, backbone, mode="mean")(noise, backbone.encode_prompts(heldout_prompts[:shown]))
-    steps = range(config.steps + 1)
-    for i in range(shown):
-        right.plot(steps, times[i].cpu(), color="tab:blue", alpha=0.5, marker=".", label="learned" if i == 0 else None)
-    right.plot(steps, default_times.cpu(), color="black", marker="o", label="default")
-    right.set(xlabel="step l", ylabel="time t_l", title="schedules (held-out contexts)")
-    right.legend()
+    draw_schedules(right, times.cpu(), default_times.cpu(), label="learned (mean)")
+    right.set_title("schedules (held-out contexts)")
     figure.tight_layout()
     figure.savefig(os.path.join(config.out_dir, "train.png"), dpi=120)
     plt.close(figure)
