@@ -16,7 +16,8 @@ import os
 import statistics
 
 import train
-from evaluate import evaluate, fixed_schedule, heldout_contexts
+from evaluate import evaluate, fixed_schedule
+from prompts import heldout_contexts
 from rewards import load_reward
 from rollout import load_backbone
 
@@ -44,7 +45,7 @@ def shifted(times, shift):
 
 def shift_grid(backbone, reward, steps, contexts):
     """Teacher reward of every shifted uniform schedule on validation contexts; the best shift."""
-    prompts, seeds = heldout_contexts(backbone, contexts, seed=VALIDATION_SEED)
+    prompts, seeds = heldout_contexts(backbone.prompts, contexts, seed=VALIDATION_SEED)
     uniform = backbone.default_times(steps)
     methods = {shift: fixed_schedule(shifted(uniform, shift)) for shift in SHIFTS}
     scores = evaluate(backbone, reward, prompts, seeds, methods)
@@ -74,7 +75,7 @@ def main(args):
     backbone = load_backbone("digits")
     reward = load_reward("teacher", backbone)
     best, grid = shift_grid(backbone, reward, args.steps, contexts=256)
-    prompts, seeds = heldout_contexts(backbone, 256)
+    prompts, seeds = heldout_contexts(backbone.prompts, 256)
     best_scores = evaluate(backbone, reward, prompts, seeds, {"shift": fixed_schedule(shifted(backbone.default_times(args.steps), best))})
     print("shift grid on validation contexts (mean teacher reward): " + ", ".join(f"{s}: {v:+.5f}" for s, v in grid.items()))
 

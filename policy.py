@@ -2,8 +2,6 @@
 The schedule policy pi(tau | x_T, c) of the paper: one forward pass from the initial noise
 x_T and the prompt c to the concentrations alpha of a Dirichlet over the L+1 time increments.
 
-    python policy.py --bench    # FLOPs against one SD3.5-Medium step, parameter counts (CPU, no weights)
-
 A schedule for L steps is `times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0. The action is the
 increment vector tau ~ Dirichlet(alpha) on the simplex of dimension L+1, t_l = 1 - (tau_1 + ... + tau_l),
 so the last increment tau_{L+1} = t_L is the learnable stop margin: sampling ends at t_L.
@@ -25,9 +23,7 @@ sqrt(t_l (1 - t_l) / 101) <= 0.05 whatever L is, enough to explore and small eno
 schedules stay near the starting one.
 """
 
-import argparse
 import math
-import time
 
 import torch
 import torch.nn as nn
@@ -40,26 +36,13 @@ ALPHA_MIN = 1e-3
 # float32 spacing near 1 (1.2e-7) would be equal; 1e-6 keeps every schedule strictly decreasing.
 TAU_FLOOR = 1e-6
 
-# Width settings per backbone, each sized to about 20M parameters for the dims in PRESET_DIMS
-# (the paper: "about 20M parameters, under 1% of the sampler"). `widths` are the conv stages, each
-# halving the resolution; their outputs are pooled to a `grid` x `grid` token grid of width `dim`.
+# Network sizes, named in rollout.BACKBONES. "real": about 20M parameters for the real models' latents
+# and text widths (the paper: "about 20M parameters, under 1% of the sampler"; bench.py counts them);
+# "embedded": about 100k for the 8x8 embedded backbones. `widths` are the conv stages, each halving the
+# resolution; their outputs are pooled to a `grid` x `grid` token grid of width `dim`.
 PRESETS = {
-    "sd35m": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
-    "sd35l": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
-    "sdxl": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
-    "flux-dev": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
-    "flux-schnell": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
-    "digits": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
-}
-# The backbone dims (Backbone.policy_dims) each preset was sized for: latents at 1024x1024 for the
-# real models (128x128 latent; Flux unpacked), text tokens (S, text_dim), pooled (pooled_dim,).
-PRESET_DIMS = {
-    "sd35m": dict(latent_channels=16, text_dim=4096, pooled_dim=2048, latent_size=128, text_len=333),
-    "sd35l": dict(latent_channels=16, text_dim=4096, pooled_dim=2048, latent_size=128, text_len=333),
-    "sdxl": dict(latent_channels=4, text_dim=2048, pooled_dim=1280, latent_size=128, text_len=77),
-    "flux-dev": dict(latent_channels=16, text_dim=4096, pooled_dim=768, latent_size=128, text_len=512),
-    "flux-schnell": dict(latent_channels=16, text_dim=4096, pooled_dim=768, latent_size=128, text_len=256),
-    "digits": dict(latent_channels=1, text_dim=32, pooled_dim=32, latent_size=8, text_len=4),
+    "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
 }
 
 # -----------------------------------------------------------------------------
@@ -310,96 +293,23 @@ class GlobalPolicy(nn.Module):
         return alpha[None].repeat(len(latent), 1)  # (N, L+1)
 
 
+POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy}
+
+
 def build_policy(config):
     """Rebuild a policy from its `.config` (then load_state_dict for its weights)."""
     config = dict(config)
-    kind = config.pop("kind")
-    if kind == "instance":
-        return SchedulePolicy(**config)
-    if kind == "global":
-        return GlobalPolicy(**config)
-    raise ValueError(f'policy kind must be "instance" or "global", got {kind!r}')
+    return POLICIES[config.pop("kind")](**config)
 
 
-def make_policy(kind, backbone_dims, steps, init_times=None, preset="digits", **options):
+def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", **options):
     """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
 
     Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
     `options` (concentration, stop_margin, or any width) override the preset.
     """
-    if preset not in PRESETS:
-        raise ValueError(f"unknown policy preset {preset!r}, choose from {sorted(PRESETS)}")
-    start = dict(init="uniform")
-    if init_times is not None:
-        start = dict(init="default", init_times=json_times(init_times))
+    start = dict(init="uniform") if init_times is None else dict(init="default", init_times=json_times(init_times))
     if kind == "instance":
-        dims = dict(latent_channels=backbone_dims["latent_channels"], text_dim=backbone_dims["text_dim"],
-                    pooled_dim=backbone_dims.get("pooled_dim"))
-        return SchedulePolicy(steps, **dims, **{**PRESETS[preset], **start, **options})
-    if kind == "global":
-        return GlobalPolicy(steps, **{**start, **options})
-    raise ValueError(f'policy kind must be "instance" or "global", got {kind!r}')
-
-
-# -----------------------------------------------------------------------------
-# cost against the sampler
-
-
-def count_flops(module, *args, **kwargs):
-    """FLOPs (matmul, conv, attention; norms and activations are not counted) of one forward call."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    counter = FlopCounterMode(display=False)
-    with counter, torch.no_grad():
-        module(*args, **kwargs)
-    return counter.get_total_flops()
-
-
-def bench():
-    from diffusers import SD3Transformer2DModel
-
-    started = time.time()
-    # Everything lives on the meta device: shapes only, no memory, no weights; FlopCounterMode counts
-    # from the shapes of each op. SD3.5-Medium transformer config (stabilityai/stable-diffusion-3.5-medium,
-    # transformer/config.json).
-    sd35m_config = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                        num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                        pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                        dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-    with torch.device("meta"):
-        transformer = SD3Transformer2DModel(**sd35m_config)
-        # one step at 1024x1024 with classifier-free guidance: batch 2 (cond + uncond), 333 text tokens
-        step_flops = count_flops(transformer, torch.empty(2, 16, 128, 128), encoder_hidden_states=torch.empty(2, 333, 4096),
-                                 pooled_projections=torch.empty(2, 2048), timestep=torch.empty(2), return_dict=False)
-    backbone_params = sum(p.numel() for p in transformer.parameters())
-    print(f"SD3.5-Medium transformer: {backbone_params / 1e9:.3f}B parameters, {step_flops / 1e12:.2f} TFLOP per step "
-          "(1024x1024, batch 2 for CFG, 333 text tokens)")
-
-    print("parameters per preset (instance policy at L=20; each extra step adds head_hidden + 1):")
-    for name, dims in PRESET_DIMS.items():
-        with torch.device("meta"):
-            params = sum(p.numel() for p in make_policy("instance", dims, 20, preset=name).parameters())
-        share = f" = {params / backbone_params:.2%} of the SD3.5-Medium transformer" if name == "sd35m" else ""
-        print(f"  {name:12s} {params / 1e6:7.3f}M{share}")
-
-    dims = PRESET_DIMS["sd35m"]
-    for steps in (5, 10, 20):
-        with torch.device("meta"):
-            policy = make_policy("instance", dims, steps, preset="sd35m")
-            # the policy runs once per image, without CFG: batch 1, 1024x1024 (128x128 latent)
-            policy_flops = count_flops(policy, torch.empty(1, dims["latent_channels"], dims["latent_size"], dims["latent_size"]),
-                                       torch.empty(1, dims["text_len"], dims["text_dim"]),
-                                       torch.ones(1, dims["text_len"], dtype=torch.bool), torch.empty(1, dims["pooled_dim"]))
-        print(f"L={steps:2d}: sd35m policy {policy_flops / 1e9:.2f} GFLOP once per image; "
-              f"policy / (L x step) = {policy_flops / (steps * step_flops):.2e} = {policy_flops / (steps * step_flops):.4%}")
-    print(f"bench done in {time.time() - started:.1f}s")
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bench", action="store_true", help="count FLOPs and parameters, then exit")
-    args = parser.parse_args()
-    if args.bench:
-        bench()
-    else:
-        parser.print_help()
+        options = {**PRESETS[preset], **options, "latent_channels": backbone_dims["latent_channels"],
+                   "text_dim": backbone_dims["text_dim"], "pooled_dim": backbone_dims.get("pooled_dim")}
+    return POLICIES[kind](steps, **start, **options)

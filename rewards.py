@@ -24,13 +24,9 @@ Images are quantised to 8 bits before scoring, as the reward models were trained
 8-bit images, and preprocessed on tensors to the same numbers as each model's own transform
 (tests/test_rewards.py, tests/test_rewards_hps.py check this against the reference code).
 
-Non-finite rewards: a NaN or inf reward would enter every baseline of its batch (the JS and
-cross-context baselines pool all rewards) and from there every gradient. Rewards are returned as
-computed and the trainer calls `check_finite(rewards)`, which raises a ValueError naming how many
-were non-finite: the run stops at the first one rather than dropping or clamping samples, which
-would bias the estimator and hide a broken backbone or reward model.
+Rewards are returned as computed, NaN included: the trainer stops at a non-finite reward rather
+than dropping or clamping samples, which would bias the estimator and hide a broken model.
 """
-import functools
 import hashlib
 import os
 from collections import OrderedDict
@@ -46,14 +42,6 @@ HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
 HPS_INSTALL = "pip install -r requirements-hps.txt && pip install --no-deps hpsv2x==1.2.0"
 CLIP_DEFAULT = "openai/clip-vit-large-patch14"
-
-
-def check_finite(rewards):
-    """Raise a ValueError if any reward is NaN or inf (the trainer's policy, see the module doc)."""
-    bad = int((~torch.isfinite(rewards)).sum())
-    if bad:
-        raise ValueError(f"{bad} of {rewards.numel()} rewards are not finite (NaN or inf); stopping before they reach the gradient")
-    return rewards
 
 
 def quantize(images):
@@ -106,7 +94,6 @@ class TeacherReward:
     a call included), `misses` counts reference solves.
     """
 
-    higher_is_better = True
 
     def __init__(self, backbone, device=None, cache_size=4096):
         self.backbone = backbone
@@ -185,7 +172,6 @@ def _import_hps():
 class HPSReward:
     """100 x cos(image, prompt) in HPS's embedding space, as hpsv2.img_score.score computes it."""
 
-    higher_is_better = True
 
     def __init__(self, backbone, checkpoint, device=None, model_name="ViT-H-14", batch_size=16):
         open_clip = _import_hps()
@@ -241,84 +227,32 @@ def load_hpsv2(backbone, device=None, version="v2.1", checkpoint=None, model_nam
 # clip: CLIP text-image similarity through transformers, without torchvision
 
 
-def _cubic(x, a=-0.5):
-    """Pillow's bicubic kernel (a = -0.5; torch's non-antialiased bicubic uses -0.75)."""
-    x = abs(x)
-    if x < 1.0:
-        return ((a + 2.0) * x - (a + 3.0)) * x * x + 1.0
-    if x < 2.0:
-        return (((x - 5.0) * x + 8.0) * x - 4.0) * a
-    return 0.0
-
-
-@functools.lru_cache(maxsize=16)
-def _pil_resize_weights(in_size, out_size):
-    """(out, in) fixed-point weights of Pillow's bicubic resize along one axis, times 2^22.
-
-    A line-by-line port of Pillow's src/libImaging/Resample.c (precompute_coeffs, then
-    normalize_coeffs_8bpc), in Python floats (C doubles) and in the same order of operations, so
-    every weight rounds to the same 22-bit integer: the kernel is stretched by the downscale
-    factor (antialiasing), taps outside the image are dropped, the weights are renormalised.
-    """
-    scale = in_size / out_size
-    stretch = max(scale, 1.0)
-    support = 2.0 * stretch
-    inverse = 1.0 / stretch
-    weights = torch.zeros(out_size, in_size, dtype=torch.float64)
-    for out in range(out_size):
-        center = (out + 0.5) * scale
-        first = max(int(center - support + 0.5), 0)
-        last = min(int(center + support + 0.5), in_size)
-        taps = [_cubic((position - center + 0.5) * inverse) for position in range(first, last)]
-        total = 0.0
-        for tap in taps:
-            total += tap
-        for offset, tap in enumerate(taps):
-            tap = tap / total * (1 << 22)
-            weights[out, first + offset] = int(tap - 0.5) if tap < 0 else int(tap + 0.5)
-    return weights
-
-
-def pil_bicubic_resize(images, size):
-    """(N, C, H, W) 8-bit values as floats in [0, 255] -> (N, C, *size), equal to Pillow's
-    Image.resize(..., BICUBIC) on the 8-bit image: a horizontal then a vertical pass, each rounded
-    and clipped to 8 bits, in float64 so the fixed-point sums are exact."""
-    new_height, new_width = size
-    height, width = images.shape[-2:]
-    images = images.double()
-    half, one = float(1 << 21), float(1 << 22)
-    if new_width != width:
-        weights = _pil_resize_weights(width, new_width).to(images.device)
-        images = ((images @ weights.T + half) / one).floor().clamp(0, 255)
-    if new_height != height:
-        weights = _pil_resize_weights(height, new_height).to(images.device)
-        images = ((weights @ images + half) / one).floor().clamp(0, 255)
-    return images
-
-
 def clip_preprocess(images, size=224):
-    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size): CLIPImageProcessor's steps on tensors.
+    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size): CLIPImageProcessor's steps, with Pillow itself.
 
     As transformers' CLIPImageProcessor (PIL backend, the preprocessing CLIP was trained with) does
     to an 8-bit image: shortest side to `size` (long side int(size * long / short)) with Pillow's
-    bicubic, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std.
+    bicubic resize, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std. The resize runs
+    per image on the CPU; next to a CLIP forward pass it costs little.
     """
-    pixels = (quantize(images) * 255.0).round().double()  # the 8-bit values as integers
-    height, width = pixels.shape[-2:]
+    import numpy as np
+    from PIL import Image
+
+    pixels = (quantize(images) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3)
+    height, width = images.shape[-2:]
     if height <= width:
         new_height, new_width = size, int(size * width / height)
     else:
         new_height, new_width = int(size * height / width), size
-    pixels = pil_bicubic_resize(pixels, (new_height, new_width))
+    resized = [np.asarray(Image.fromarray(array).resize((new_width, new_height), Image.BICUBIC)) for array in pixels]
     top, left = (new_height - size) // 2, (new_width - size) // 2
-    pixels = pixels[..., top:top + size, left:left + size]
-    return _normalize((pixels / 255.0).float())
+    cropped = torch.from_numpy(np.stack(resized))[:, top:top + size, left:left + size]  # (N, size, size, 3)
+    return _normalize(cropped.permute(0, 3, 1, 2).float().div(255.0).to(images.device))
 
 
 class CLIPReward:
     """100 x cos(image, prompt) in a CLIP model's projected embedding space."""
 
-    higher_is_better = True
 
     def __init__(self, backbone, checkpoint=CLIP_DEFAULT, device=None, batch_size=32):
         from transformers import AutoTokenizer, CLIPModel
@@ -364,10 +298,8 @@ REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip}
 
 
 def check_reward(name, checkpoint=None):
-    """Fail fast, before a backbone is loaded: ValueError (one line) if the reward `name` is unknown
-    or its packages or weights are not on this machine. Loads nothing heavy."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+    """Fail fast, before a backbone is loaded: ValueError (one line) if the packages or weights of the
+    reward `name` are not on this machine. Loads nothing heavy."""
     if name == "hpsv2":
         try:
             _import_hps()
@@ -380,8 +312,9 @@ def check_reward(name, checkpoint=None):
                   f"`huggingface-cli download {model}` or pass --reward-checkpoint PATH to a local copy")
 
 
-def load_reward(name, backbone, device=None, **options):
-    """Build the reward `name` once for `backbone`; options go to its loader (e.g. checkpoint=)."""
-    if name not in REWARDS:
-        raise ValueError(f"unknown reward {name!r}; known: {', '.join(REWARDS)}")
+def load_reward(name, backbone, device=None, checkpoint=None, **options):
+    """Build the reward `name` once for `backbone`; `checkpoint` (local weights, for the rewards that
+    have a model) and options go to its loader."""
+    if checkpoint is not None:
+        options["checkpoint"] = checkpoint
     return REWARDS[name](backbone, device=device, **options)

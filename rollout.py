@@ -2,9 +2,9 @@
 Frozen backbones and the one sampling loop that executes a schedule exactly.
 
 A schedule for L steps is a tensor `times` of shape (N, L+1), 1 >= t_0 > t_1 > ... > t_L >= 0, in
-the backbone's own noise level: the flow-matching sigma for SD3.5, Flux and digits; for SD-XL a
-continuous timestep t * 999 whose sigma is interpolated from the model's noise table (t = 0 is
-sigma 0). The frozen model is called at t_0 .. t_{L-1}; first-order steps go to t_1 .. t_L:
+the backbone's own noise level: the flow-matching sigma for SD3.5, Flux and the embedded backbones;
+for SD-XL a continuous timestep t * 999 whose sigma is interpolated from the model's noise table
+(t = 0 is sigma 0). The frozen model is called at t_0 .. t_{L-1}; first-order steps go to t_1 .. t_L:
 
     x <- x + (s(t_{l+1}) - s(t_l)) * derivative(x, t_l)      s = sigma (identity for flows)
 
@@ -12,7 +12,7 @@ No scheduler shift is applied on top of the given times. `default_times(L)` retu
 diffusers pipeline runs with num_inference_steps=L, and with those times `sample` reproduces the
 pipeline's own latents (tests/test_rollout_diffusers.py).
 
-    backbone = load_backbone("digits")                  # or sd35m, sd35l, sdxl, flux-dev, flux-schnell
+    backbone = load_backbone("digits")                  # or any name in BACKBONES
     cond = backbone.encode_prompts(backbone.prompts)    # once per prompt, then repeat_interleave
     noise = backbone.sample_noise(10, torch.Generator().manual_seed(0))
     latents = backbone.sample(noise, cond, backbone.default_times(4).expand(10, -1))
@@ -20,22 +20,66 @@ pipeline's own latents (tests/test_rollout_diffusers.py).
 """
 import inspect
 import os
-import re
 
 import torch
 
-# name -> what the backbone is. guidance: the true-CFG scale for SD3.5 and SD-XL, the distilled guidance
-# embedding for Flux-Dev, None for Flux-Schnell (no guidance input). Values as recommended: the SD3.5
-# model cards (Medium 4.5 at 40 steps, Large 3.5 at 28 steps), the SD-XL and Flux-Dev pipelines'
-# defaults (5.0, 3.5). Resolution: each model's native 1024^2, also the pipelines' default.
+# Every per-backbone fact. family: the class that runs it; hub_id: its diffusers weights; resolution:
+# the image side; guidance: the true-CFG scale (SD3.5, SD-XL), the distilled guidance embedding
+# (Flux-Dev) or None (no guidance input); the values recommended by the SD3.5 model cards (Medium 4.5,
+# Large 3.5) and the SD-XL and Flux-Dev pipelines' defaults (5.0, 3.5). policy: the size in
+# policy.PRESETS. contexts: the paper's B (K = 2). iterations, lr, reward, rollout_batch (samples per
+# backbone call, for memory): this project's defaults for train.py; the paper states none of them.
 BACKBONES = {
-    "sd35m": dict(family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", resolution=1024, guidance=4.5),
-    "sd35l": dict(family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", resolution=1024, guidance=3.5),
-    "sdxl": dict(family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024, guidance=5.0),
-    "flux-dev": dict(family="flux", hub_id="black-forest-labs/FLUX.1-dev", resolution=1024, guidance=3.5),
-    "flux-schnell": dict(family="flux", hub_id="black-forest-labs/FLUX.1-schnell", resolution=1024, guidance=None),
-    "digits": dict(family="digits", hub_id=None, resolution=8, guidance=None),
+    "sd35m": dict(family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", resolution=1024, guidance=4.5,
+                  policy="real", contexts=32, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=16),
+    "sd35l": dict(family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", resolution=1024, guidance=3.5,
+                  policy="real", contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
+    "sdxl": dict(family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024, guidance=5.0,
+                 policy="real", contexts=32, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=16),
+    "flux-dev": dict(family="flux", hub_id="black-forest-labs/FLUX.1-dev", resolution=1024, guidance=3.5,
+                     policy="real", contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
+    "flux-schnell": dict(family="flux", hub_id="black-forest-labs/FLUX.1-schnell", resolution=1024, guidance=None,
+                         policy="real", contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
+    # (spread, std, shift) of each sub-population of a digit class: see MixtureBackbone
+    "digits": dict(family="mixture", hub_id=None, resolution=8, guidance=None, populations=[[(1.0, 0.1, 0.0)]] * 10,
+                   policy="embedded", contexts=32, iterations=300, lr=3e-3, reward="teacher", rollout_batch=None),
 }
+
+
+class Backbone:
+    """What every backbone offers; train.py, evaluate.py and the rewards use nothing else.
+
+    Attributes: name, device, dtype (of the frozen model), resolution (image side), guidance,
+    prompts (the built-in prompt list, or None: real models take any prompt), latent_shape, and
+    policy_dims (latent_channels, text_dim, pooled_dim: what policy.make_policy needs).
+    Methods:
+      check_prompts(prompts): a one-line ValueError for a prompt it cannot take, before any work
+      encode_prompts(prompts) -> cond: a dict of batch-first tensors (prompt_embeds (N, S, D),
+          pooled_prompt_embeds (N, P), text_mask (N, S) True = a real token, and what the model needs)
+      sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
+      policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
+      default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
+      sample(noise, cond, times) -> final latents; times (N, L+1), each row run exactly
+      reference(noise, cond) -> an accurate solution from the same noise: the teacher
+      decode(latents) -> images (N, 3, H, W) in [0, 1]
+    """
+
+    reference_steps = 50  # the teacher of the diffusers backbones: the default schedule at this many steps
+
+    def check_prompts(self, prompts):
+        pass  # a text encoder takes any prompt
+
+    def sample_noise(self, n, generator=None):
+        return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
+
+    def policy_inputs(self, noise, cond):
+        """The noise as an image-shaped latent (N, C, H, W), the prompt's token embeddings with their
+        mask, and the pooled embedding."""
+        return dict(latent=noise.float(), text=cond["prompt_embeds"].float(), text_mask=cond["text_mask"],
+                    pooled=cond["pooled_prompt_embeds"].float())
+
+    def reference(self, noise, cond):
+        return self.sample(noise, cond, self.default_times(self.reference_steps).expand(noise.shape[0], -1))
 
 
 def run_schedule(derivative, state, times, level=None):
@@ -60,123 +104,120 @@ def _check_times(times, batch):
 
 
 # ----------------------------------------------------------------------------------------------
-# digits: an exact flow-matching sampler for a Gaussian mixture over scikit-learn's 8x8 digits
+# embedded backbones: exact flow-matching samplers for Gaussian mixtures over scikit-learn's 8x8 digits
 
-DIGIT_STD = 0.1  # std of each mixture component around its digit image (pixels in [-1, 1])
 DIGIT_TOKENS = 4  # prompt tokens: "a", "handwritten", the digit, one padding token (masked out)
 DIGIT_WIDTH = 32  # width of the token embeddings
 DIGIT_VOCAB = ["<pad>", "a", "handwritten"] + [str(d) for d in range(10)]
-DIGIT_REFERENCE_STEPS = 64  # RK4 steps of the reference solve
 
 
-class DigitsBackbone:
-    """The embedded backbone: a class-conditional Gaussian mixture whose flow is known in closed form.
+class MixtureBackbone(Backbone):
+    """An embedded backbone: a class-conditional Gaussian mixture whose flow is known in closed form.
 
     Why it exists: it runs the same code path as the real models (prompts -> token embeddings,
     noise -> `run_schedule` -> latents -> decode -> reward), its optimum is known (the exact ODE
-    solution, `reference`), and a whole training run takes seconds on a laptop CPU.
+    solution, `reference`), and a whole training run takes a minute on a laptop CPU.
 
     Data: the 1,797 8x8 handwritten digits shipped with scikit-learn, pixels 0..16 rescaled to
-    [-1, 1]; the data distribution for "a handwritten d" is the uniform mixture of N(image, std^2 I)
-    over all images of class d. With x_t = (1 - t) x_0 + t noise the marginal given component m is
-    N((1 - t) mu_m, v_t I), v_t = (1 - t)^2 std^2 + t^2, and the velocity E[noise - x_0 | x_t] is
+    [-1, 1]. For "a handwritten d", with y_i the images of class d and m_d their mean, each
+    sub-population (spread k, std s, shift b) of `populations[d]` puts one component N(mu_i, s^2 I)
+    at mu_i = m_d + k (y_i - m_d) + b for every y_i; all components of a class weigh the same.
+    With x_t = (1 - t) x_0 + t noise the marginal given component m is N((1 - t) mu_m, v_m I),
+    v_m = (1 - t)^2 s_m^2 + t^2, and the velocity E[noise - x_0 | x_t] is
 
-        v(x, t) = c_t (x - (1 - t) mean_w) - mean_w,    c_t = (t - (1 - t) std^2) / v_t,
+        v(x, t) = sum_m w_m [c_m (x - (1 - t) mu_m) - mu_m],    c_m = (t - (1 - t) s_m^2) / v_m,
 
-    mean_w = sum_m w_m mu_m with posterior weights w = softmax_m(-|x - (1 - t) mu_m|^2 / (2 v_t)).
+    with posterior weights w = softmax_m(-|x - (1 - t) mu_m|^2 / (2 v_m) - (d/2) log v_m), d = 64.
     """
 
-    def __init__(self, device=None, std=DIGIT_STD):
+    reference_steps = 64  # RK4 steps of the teacher solve
+
+    def __init__(self, name="digits", populations=BACKBONES["digits"]["populations"], device=None):
         from sklearn.datasets import load_digits  # the data ships inside scikit-learn, no download
 
         digits = load_digits()
-        self.name = "digits"
-        self.device = torch.device(device or "cpu")
-        self.dtype = torch.float32
-        self.std = std
-        self.resolution = 8
-        self.guidance = None
+        self.name, self.device, self.dtype = name, torch.device(device or "cpu"), torch.float32
+        self.resolution, self.guidance, self.latent_shape = 8, None, (1, 8, 8)
         self.prompts = [f"a handwritten {d}" for d in range(10)]
         self.policy_dims = dict(latent_channels=1, text_dim=DIGIT_WIDTH, pooled_dim=DIGIT_WIDTH)
         pixels = torch.tensor(digits.images.reshape(-1, 64), dtype=torch.float64) / 8.0 - 1.0
         labels = torch.tensor(digits.target)
-        # Centres grouped by class and padded to the largest class, each row [mu, |mu|^2 / 2], so one
-        # batched matmul gives every sample the logits of its own class only.
-        size = int(torch.bincount(labels).max())
-        centres = torch.zeros(10, size, 65, dtype=torch.float64)
-        padding = torch.full((10, size), -1e30, dtype=torch.float64)  # log-weight: 0 real, -1e30 padding
+        classes = []  # per class: centres (M_d, 64) and stds (M_d,)
         for digit in range(10):
             members = pixels[labels == digit]
-            centres[digit, : len(members), :64] = members
-            centres[digit, : len(members), 64] = (members**2).sum(1) / 2
-            padding[digit, : len(members)] = 0.0
-        self.class_centres = centres.to(self.device)  # (10, M, 65)
-        self.class_padding = padding.to(self.device)  # (10, M)
+            mean = members.mean(0)
+            classes.append((torch.cat([mean + spread * (members - mean) + shift for spread, _, shift in populations[digit]]),
+                            torch.cat([torch.full((len(members),), float(std)) for _, std, _ in populations[digit]])))
+        # Grouped by class and padded to the largest, so one batched matmul gives every sample the
+        # logits of its own class only; padding has log-weight -1e30 (and a harmless std of 1).
+        size = max(len(centres) for centres, _ in classes)
+        self.centres = torch.zeros(10, size, 64, dtype=torch.float64)
+        self.variances = torch.ones(10, size, dtype=torch.float64)  # s_m^2
+        self.log_weights = torch.full((10, size), -1e30, dtype=torch.float64)
+        for digit, (centres, stds) in enumerate(classes):
+            self.centres[digit, : len(centres)] = centres
+            self.variances[digit, : len(centres)] = stds**2
+            self.log_weights[digit, : len(centres)] = 0.0
         # A fixed tiny text encoder: seeded word and position embeddings, so prompts are token
         # sequences that the policy cross-attends to, as with the real models.
         generator = torch.Generator().manual_seed(0)
         self.word_embeddings = torch.randn(len(DIGIT_VOCAB), DIGIT_WIDTH, generator=generator)
         self.position_embeddings = 0.1 * torch.randn(DIGIT_TOKENS, DIGIT_WIDTH, generator=generator)
 
+    def check_prompts(self, prompts):
+        unknown = [prompt for prompt in prompts if prompt not in self.prompts]
+        if unknown:
+            raise ValueError(f"{self.name} knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got {unknown[0]!r}")
+
     def encode_prompts(self, prompts):
-        ids, labels = [], []
-        for prompt in prompts:
-            match = re.fullmatch(r"a handwritten (\d)", prompt)
-            if match is None:
-                raise ValueError(f"digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', "
-                                 f"got {prompt!r}")
-            ids.append([DIGIT_VOCAB.index(word) for word in prompt.split()] + [0])
-            labels.append(int(match.group(1)))
-        ids = torch.tensor(ids)  # (N, S)
+        self.check_prompts(prompts)
+        ids = torch.tensor([[DIGIT_VOCAB.index(word) for word in prompt.split()] + [0] for prompt in prompts])  # (N, S)
         text_mask = ids != 0  # (N, S) True = token
         text = self.word_embeddings[ids] + self.position_embeddings  # (N, S, D)
         pooled = (text * text_mask[..., None]).sum(1) / text_mask.sum(1, keepdim=True)
-        return dict(text=text.to(self.device), text_mask=text_mask.to(self.device),
-                    pooled=pooled.to(self.device), label=torch.tensor(labels, device=self.device))
-
-    def sample_noise(self, n, generator=None):
-        return torch.randn((n, 1, 8, 8), generator=generator).to(self.device)
-
-    def policy_inputs(self, noise, cond):
-        return dict(latent=noise.float(), text=cond["text"].float(), text_mask=cond["text_mask"],
-                    pooled=cond["pooled"].float())
+        label = torch.tensor([self.prompts.index(prompt) for prompt in prompts])
+        return dict(prompt_embeds=text.to(self.device), text_mask=text_mask.to(self.device),
+                    pooled_prompt_embeds=pooled.to(self.device), label=label.to(self.device))
 
     def default_times(self, steps):
         return torch.linspace(1.0, 0.0, steps + 1)
 
-    def mixture(self, label, dtype):
-        """The components of each sample's class: (N, M, 65) rows [mu, |mu|^2 / 2], (N, M, 1) log-weight."""
-        return self.class_centres[label].to(dtype), self.class_padding[label, :, None].to(dtype)
+    def mixture(self, label):
+        """The components of each sample's class, float64: centres (N, M, 64), their squared norms,
+        variances s_m^2 and log-weights (N, M) (padding: -1e30)."""
+        centres = self.centres.to(label.device)[label]
+        return (centres, centres.square().sum(2), self.variances.to(label.device)[label],
+                self.log_weights.to(label.device)[label])
 
     def velocity(self, state, t, mixture):
-        """Exact E[noise - x_0 | x_t = state] at per-sample t (N,), in the dtype of `mixture`."""
-        centres, padding = mixture
-        x = state.reshape(state.shape[0], 64).to(centres.dtype)
-        t = t.to(centres.dtype)[:, None]  # (N, 1)
+        """Exact E[noise - x_0 | x_t = state] at per-sample times t (N,), in float64 (float32 logits
+        would be off by about 1e-4); differentiable in state and t."""
+        centres, norms, variances, log_weights = mixture
+        x = state.reshape(state.shape[0], 64).double()
+        t = t.double()[:, None]  # (N, 1)
         scale = 1.0 - t
-        variance = scale**2 * self.std**2 + t**2
-        # -|x - scale mu|^2 / (2 v) up to a per-sample constant (|x|^2 drops out of the softmax)
-        query = torch.cat([x * (scale / variance), -(scale**2) / variance], dim=1)  # (N, 65)
-        logits = torch.baddbmm(padding, centres, query[:, :, None]).squeeze(2)  # (N, M)
-        weights = torch.softmax(logits, dim=1)
-        mean = torch.bmm(weights[:, None, :], centres[:, :, :64]).squeeze(1)  # (N, 64) posterior mean centre
-        coefficient = (t - scale * self.std**2) / variance
-        return (coefficient * (x - scale * mean) - mean).reshape(state.shape)
+        total = scale**2 * variances + t**2  # (N, M) v_m
+        distance = x.square().sum(1, keepdim=True) - 2 * scale * torch.bmm(centres, x[:, :, None]).squeeze(2) + scale**2 * norms
+        weights = torch.softmax(log_weights - distance / (2 * total) - 32 * total.log(), dim=1)  # (N, M) posterior
+        coefficient = weights * (t - scale * variances) / total  # (N, M) w_m c_m
+        mixed = torch.bmm(torch.stack([coefficient, weights], 1), centres)  # (N, 2, 64)
+        velocity = coefficient.sum(1, keepdim=True) * x - scale * mixed[:, 0] - mixed[:, 1]
+        return velocity.reshape(state.shape)
 
-    @torch.no_grad()
     def sample(self, noise, cond, times):
+        """Differentiable in the times when they require grad (the oracle schedules of ablation.py)."""
         _check_times(times, noise.shape[0])
-        mixture = self.mixture(cond["label"], torch.float64)  # float32 logits would be off by ~1e-4
+        mixture = self.mixture(cond["label"])
         return run_schedule(lambda x, t: self.velocity(x, t, mixture), noise.float(), times)
 
     @torch.no_grad()
-    def reference(self, noise, cond, steps=DIGIT_REFERENCE_STEPS):
-        """Classical RK4 in float64 from t = 1 to 0 on a uniform grid. Its RMS error against a solve
-        with 4096 steps is about 1e-6, while uniform Euler steps are off by about 0.2 (L = 4) and
-        2e-3 (L = 256); grids denser near t = 0 did worse at equal cost."""
-        mixture = self.mixture(cond["label"], torch.float64)
+    def reference(self, noise, cond):
+        """Classical RK4 in float64 from t = 1 to 0 on a uniform grid. On digits its RMS error against
+        a solve with 4096 steps is about 1e-6, far below any L-step sampler's; grids denser near t = 0
+        did worse at equal cost."""
+        steps = self.reference_steps
         grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64, device=self.device)
-        state = noise.double()
+        state, mixture = noise.double(), self.mixture(cond["label"])
         field = lambda x, t: self.velocity(x, t.expand(x.shape[0]), mixture)
         for step in range(steps):
             t, h = grid[step], grid[step + 1] - grid[step]
@@ -187,9 +228,8 @@ class DigitsBackbone:
             state = state + h / 6 * (k1 + 2 * k2 + 2 * k3 + k4)
         return state.float()
 
-    @torch.no_grad()
     def decode(self, latents):
-        images = ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+        images = ((latents.detach().float() + 1.0) / 2.0).clamp(0.0, 1.0)
         return images.expand(-1, 3, -1, -1).contiguous()
 
 
@@ -199,11 +239,30 @@ class DigitsBackbone:
 DECODE_CHUNK = 4  # images per VAE decode call (a 1024^2 decode is memory-hungry)
 
 
-def _freeze(pipe):
-    for component in pipe.components.values():
-        if isinstance(component, torch.nn.Module):
-            component.eval().requires_grad_(False)
-    pipe.set_progress_bar_config(disable=True)
+class PipelineBackbone(Backbone):
+    """What the three diffusers families share: the frozen pipeline, its model's device and dtype, the
+    guidance (the pipeline's own default unless given), the resolution (the model's native one) and
+    the chunked VAE decode; `vae_input(latents)` is each family's latent -> VAE input."""
+
+    def __init__(self, pipe, model, name, resolution, guidance, multiple):
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval().requires_grad_(False)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe, self.model, self.name, self.prompts = pipe, model, name, None
+        self.device, self.dtype = model.device, model.dtype
+        self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
+        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        if self.resolution % multiple:
+            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {self.resolution}")
+
+    @torch.no_grad()
+    def decode(self, latents):
+        images = []
+        for chunk in latents.split(DECODE_CHUNK):  # a 1024^2 decode is memory-hungry
+            pixels = self.pipe.vae.decode(self.vae_input(chunk).to(self.pipe.vae.dtype), return_dict=False)[0]
+            images.append((pixels.float() / 2 + 0.5).clamp(0, 1))  # as VaeImageProcessor.denormalize
+        return torch.cat(images)
 
 
 def _call_default(pipe, argument):
@@ -219,25 +278,9 @@ def _token_mask(tokenizer, prompts, length):
     return tokens.attention_mask.bool()
 
 
-def _check_resolution(resolution, multiple, name):
-    if resolution % multiple:
-        raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {resolution}")
-
-
-def _decode_chunks(vae, latents, processed):
-    """VAE decode in chunks of DECODE_CHUNK; processed(chunk) maps stored latents to the VAE's input."""
-    images = []
-    for chunk in latents.split(DECODE_CHUNK):
-        pixels = vae.decode(processed(chunk).to(vae.dtype), return_dict=False)[0]
-        images.append((pixels.float() / 2 + 0.5).clamp(0, 1))  # as VaeImageProcessor.denormalize
-    return torch.cat(images)
-
-
-def _policy_inputs(latent, cond):
-    """What the policy sees of a diffusers backbone's context, in float32: the noise as an image-shaped
-    latent (N, C, H, W), the prompt's token embeddings with their mask, and the pooled embedding."""
-    return dict(latent=latent.float(), text=cond["prompt_embeds"].float(), text_mask=cond["text_mask"],
-                pooled=cond["pooled_prompt_embeds"].float())
+def _cfg_batch(cond, *keys):
+    """The tensors `keys` of cond stacked [negative; positive], as the pipelines batch true CFG."""
+    return [torch.cat([cond["negative_" + key], cond[key]]) for key in keys]
 
 
 def _guided(prediction, guidance):
@@ -246,20 +289,15 @@ def _guided(prediction, guidance):
     return uncond + guidance * (cond - uncond)
 
 
-class SD3Backbone:
+class SD3Backbone(PipelineBackbone):
     """Stable Diffusion 3 / 3.5 (rectified flow, MMDiT); t is the flow sigma, true CFG in one batch."""
 
     def __init__(self, pipe, name="sd3", resolution=None, guidance=None):
-        _freeze(pipe)
-        self.pipe, self.name, self.prompts = pipe, name, None
-        self.transformer = pipe.transformer
-        self.device, self.dtype = self.transformer.device, self.transformer.dtype
-        self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
+        multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+        super().__init__(pipe, pipe.transformer, name, resolution, guidance, multiple)
         self.cfg = self.guidance > 1  # the pipeline's do_classifier_free_guidance
         self.text_length = _call_default(pipe, "max_sequence_length")
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-        _check_resolution(self.resolution, pipe.vae_scale_factor * self.transformer.config.patch_size, name)
-        config = self.transformer.config
+        config = self.model.config
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
         self.policy_dims = dict(latent_channels=config.in_channels, text_dim=config.joint_attention_dim,
                                 pooled_dim=config.pooled_projection_dim)
@@ -278,12 +316,6 @@ class SD3Backbone:
             cond.update(negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled)
         return cond
 
-    def sample_noise(self, n, generator=None):
-        return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
-
-    def policy_inputs(self, noise, cond):
-        return _policy_inputs(noise, cond)
-
     def default_times(self, steps):
         # SD3Pipeline passes no sigmas: the scheduler's own spacing and its static shift (3.0 for SD3.5)
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
@@ -295,12 +327,11 @@ class SD3Backbone:
         _check_times(times, noise.shape[0])
         text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if self.cfg:
-            text = torch.cat([cond["negative_prompt_embeds"], text])
-            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
+            text, pooled = _cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
         copies = 2 if self.cfg else 1
 
         def velocity(state, t):
-            prediction = self.transformer(
+            prediction = self.model(
                 hidden_states=state.to(self.dtype).repeat(copies, 1, 1, 1),
                 timestep=(t * 1000).repeat(copies),  # the pipeline's timesteps = sigmas * 1000
                 encoder_hidden_states=text, pooled_projections=pooled, return_dict=False)[0]
@@ -308,34 +339,24 @@ class SD3Backbone:
 
         return run_schedule(velocity, noise.float(), times)
 
-    def reference(self, noise, cond):
-        return self.sample(noise, cond, self.default_times(50).expand(noise.shape[0], -1))
-
-    @torch.no_grad()
-    def decode(self, latents):
+    def vae_input(self, latents):
         config = self.pipe.vae.config
-        return _decode_chunks(self.pipe.vae, latents, lambda x: x / config.scaling_factor + config.shift_factor)
+        return latents / config.scaling_factor + config.shift_factor
 
 
-class FluxBackbone:
+class FluxBackbone(PipelineBackbone):
     """FLUX.1 dev / schnell (rectified flow, packed 2x2 latent tokens); t is the flow sigma.
     Flux-Dev takes the distilled guidance embedding, Flux-Schnell no guidance; no CFG batch."""
 
     def __init__(self, pipe, name="flux", resolution=None, guidance=None):
-        _freeze(pipe)
-        self.pipe, self.name, self.prompts = pipe, name, None
-        self.transformer = pipe.transformer
-        self.device, self.dtype = self.transformer.device, self.transformer.dtype
-        config = self.transformer.config
-        # a transformer without a guidance embedding (schnell) ignores any guidance value
-        self.guidance = None
-        if config.guidance_embeds:
-            self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
+        super().__init__(pipe, pipe.transformer, name, resolution, guidance, pipe.vae_scale_factor * 2)
+        config = self.model.config
+        if not config.guidance_embeds:  # schnell: no guidance input, any value is ignored
+            self.guidance = None
         self.text_length = _call_default(pipe, "max_sequence_length")
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-        _check_resolution(self.resolution, pipe.vae_scale_factor * 2, name)
         self.latent_size = self.resolution // pipe.vae_scale_factor  # unpacked latent height = width
         self.latent_channels = config.in_channels // 4
+        self.latent_shape = (self.latent_channels, self.latent_size, self.latent_size)  # as the policy sees it
         self.policy_dims = dict(latent_channels=self.latent_channels, text_dim=config.joint_attention_dim,
                                 pooled_dim=config.pooled_projection_dim)
 
@@ -354,11 +375,10 @@ class FluxBackbone:
         return self.pipe._unpack_latents(tokens, self.resolution, self.resolution, self.pipe.vae_scale_factor)
 
     def sample_noise(self, n, generator=None):
-        shape = (n, self.latent_channels, self.latent_size, self.latent_size)
-        return self.pack(torch.randn(shape, generator=generator)).to(self.device)  # (N, tokens, 4 C)
+        return self.pack(torch.randn((n,) + self.latent_shape, generator=generator)).to(self.device)  # (N, tokens, 4 C)
 
     def policy_inputs(self, noise, cond):
-        return _policy_inputs(self.unpack(noise), cond)  # the policy sees tokens unpacked to an image
+        return super().policy_inputs(self.unpack(noise), cond)  # the policy sees tokens unpacked to an image
 
     def default_times(self, steps):
         # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens); schnell's config has no shift
@@ -383,48 +403,37 @@ class FluxBackbone:
         guidance = None if self.guidance is None else torch.full((count,), float(self.guidance), device=self.device)
 
         def velocity(state, t):
-            return self.transformer(
+            return self.model(
                 hidden_states=state.to(self.dtype), timestep=t.to(self.dtype), guidance=guidance,
                 pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=cond["prompt_embeds"],
                 txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
 
         return run_schedule(velocity, noise.float(), times)
 
-    def reference(self, noise, cond):
-        return self.sample(noise, cond, self.default_times(50).expand(noise.shape[0], -1))
-
-    @torch.no_grad()
-    def decode(self, latents):
+    def vae_input(self, latents):
         config = self.pipe.vae.config
-        return _decode_chunks(self.pipe.vae, latents,
-                              lambda x: self.unpack(x) / config.scaling_factor + config.shift_factor)
+        return self.unpack(latents) / config.scaling_factor + config.shift_factor
 
 
-class SDXLBackbone:
+class SDXLBackbone(PipelineBackbone):
     """Stable Diffusion XL (discrete-time, epsilon prediction) integrated as the Euler sampler does:
     the state is x = x_0 + sigma * noise, the model sees x / sqrt(sigma^2 + 1) at timestep t * 999,
     dx / dsigma = predicted noise, sigma(t) interpolated linearly in the model's noise table,
     sigma(0) = 0. True CFG in one batch; add_time_ids (size, crop, target size) ride in cond."""
 
     def __init__(self, pipe, name="sdxl", resolution=None, guidance=None):
-        _freeze(pipe)
-        self.pipe, self.name, self.prompts = pipe, name, None
-        self.unet = pipe.unet
-        self.device, self.dtype = self.unet.device, self.unet.dtype
-        self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
+        multiple = pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
+        super().__init__(pipe, pipe.unet, name, resolution, guidance, multiple)
         self.cfg = self.guidance > 1
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-        unet_downsampling = 2 ** (len(self.unet.config.block_out_channels) - 1)
-        _check_resolution(self.resolution, pipe.vae_scale_factor * unet_downsampling, name)
         config = pipe.scheduler.config
         linear = config.interpolation_type == "linear" and not config.get("use_karras_sigmas")
         if config.prediction_type != "epsilon" or not linear:
             raise ValueError(f"{name}: only epsilon prediction with linear sigma interpolation is supported")
         alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
         self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigma per timestep
-        self.latent_shape = (self.unet.config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        self.policy_dims = dict(latent_channels=self.unet.config.in_channels,
-                                text_dim=self.unet.config.cross_attention_dim,
+        self.latent_shape = (self.model.config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        self.policy_dims = dict(latent_channels=self.model.config.in_channels,
+                                text_dim=self.model.config.cross_attention_dim,
                                 pooled_dim=pipe.text_encoder_2.config.projection_dim)
 
     def sigma(self, times):
@@ -452,12 +461,6 @@ class SDXLBackbone:
             cond.update(negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled)
         return cond
 
-    def sample_noise(self, n, generator=None):
-        return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
-
-    def policy_inputs(self, noise, cond):
-        return _policy_inputs(noise, cond)
-
     def default_times(self, steps):
         # the pipeline's EulerDiscreteScheduler spacing ("leading" for SD-XL: 981, 961, ..., 1 at 50
         # steps, so t_0 < 1), then the final sigma 0
@@ -471,8 +474,7 @@ class SDXLBackbone:
         _check_times(times, noise.shape[0])
         text, pooled, time_ids = cond["prompt_embeds"], cond["pooled_prompt_embeds"], cond["time_ids"]
         if self.cfg:
-            text = torch.cat([cond["negative_prompt_embeds"], text])
-            pooled = torch.cat([cond["negative_pooled_prompt_embeds"], pooled])
+            text, pooled = _cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
             time_ids = torch.cat([time_ids, time_ids])
         copies = 2 if self.cfg else 1
         view = (-1, 1, 1, 1)
@@ -480,7 +482,7 @@ class SDXLBackbone:
         def epsilon(state, t):
             sigma = self.sigma(t).view(view)
             model_input = (state / (sigma**2 + 1) ** 0.5).to(self.dtype)  # scheduler.scale_model_input
-            prediction = self.unet(
+            prediction = self.model(
                 model_input.repeat(copies, 1, 1, 1), (t * 999).repeat(copies), encoder_hidden_states=text,
                 added_cond_kwargs=dict(text_embeds=pooled, time_ids=time_ids), return_dict=False)[0]
             return _guided(prediction, self.guidance) if self.cfg else prediction
@@ -490,26 +492,22 @@ class SDXLBackbone:
         scale = (first**2 + 1) ** 0.5 if self.pipe.scheduler.config.timestep_spacing == "leading" else first
         return run_schedule(epsilon, noise.float() * scale, times, level=self.sigma)
 
-    def reference(self, noise, cond):
-        return self.sample(noise, cond, self.default_times(50).expand(noise.shape[0], -1))
-
-    @torch.no_grad()
-    def decode(self, latents):
+    def vae_input(self, latents):
         config = self.pipe.vae.config
         if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
             mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1).to(latents.device)
             std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device)
-            return _decode_chunks(self.pipe.vae, latents, lambda x: x * std / config.scaling_factor + mean)
-        return _decode_chunks(self.pipe.vae, latents, lambda x: x / config.scaling_factor)
+            return latents * std / config.scaling_factor + mean
+        return latents / config.scaling_factor
 
 
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
-PIPELINE_FAMILIES = {"StableDiffusion3Pipeline": "sd3", "FluxPipeline": "flux", "StableDiffusionXLPipeline": "sdxl"}
+PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "sdxl": "StableDiffusionXLPipeline"}
 
 
 def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
     """Wrap an already built diffusers pipeline (how the tests inject tiny random ones)."""
-    family = family or PIPELINE_FAMILIES.get(type(pipe).__name__)
+    family = family or {pipeline: key for key, pipeline in PIPELINES.items()}.get(type(pipe).__name__)
     if family not in FAMILIES:
         raise ValueError(f"cannot tell the family of {type(pipe).__name__}; pass family= one of {', '.join(FAMILIES)}")
     return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)
@@ -547,17 +545,15 @@ def _locate_weights(name, hub_id, path):
 def load_backbone(name, path=None, device=None, dtype=None, resolution=None, guidance=None):
     """Build a backbone by name; `path` is a local diffusers folder replacing the hub id.
     Real models load in bfloat16 on CUDA (float32 on CPU), frozen, in eval mode."""
-    if name not in BACKBONES:
-        raise ValueError(f"unknown backbone {name!r}; known: {', '.join(BACKBONES)}")
     spec = BACKBONES[name]
-    if spec["family"] == "digits":
-        return DigitsBackbone(device=device)
+    if spec["family"] == "mixture":
+        return MixtureBackbone(name, spec["populations"], device=device)
     location = _locate_weights(name, spec["hub_id"], path)
     import diffusers
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    pipeline_class = getattr(diffusers, {v: k for k, v in PIPELINE_FAMILIES.items()}[spec["family"]])
+    pipeline_class = getattr(diffusers, PIPELINES[spec["family"]])
     try:
         pipe = pipeline_class.from_pretrained(location, dtype=dtype)
     except OSError as error:  # a partial download or a file the hub refuses

@@ -24,9 +24,8 @@ import sys
 
 import torch
 
-from evaluate import (
-    check_prompts, context_noise, default_schedule, draw_schedules, load_checkpoint, load_prompt_file, load_trained_backbone, policy_schedule,
-)
+from evaluate import default_schedule, load_checkpoint, policy_schedule, trained_backbone
+from prompts import context_noise, load_prompt_file
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -36,7 +35,7 @@ parser.add_argument("--ckpt", default="out/ckpt.pt", help="checkpoint written by
 parser.add_argument("--out-dir", default=None, help="output folder; default: samples/ next to --ckpt")
 # contexts
 parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-parser.add_argument("--prompts", default=None, help="text file, one prompt per line")
+parser.add_argument("--prompts", default=None, help="prompt file (.txt, .json, .jsonl)")
 parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="noise seeds; every prompt is sampled with each")
 # schedule
 parser.add_argument("--stochastic", action="store_true", help="draw one schedule from the Dirichlet instead of its mean")
@@ -85,6 +84,43 @@ def sample_contexts(backbone, policy, prompts, seeds, stochastic=False, draw_see
     return {name: (torch.cat(images), torch.cat(times)) for name, (images, times) in results.items()}
 
 
+def draw_schedules(ax, learned_times, default_times, label="learned"):
+    """Time per step index on `ax`: one line per context (learned_times (N, L+1)), the default in black."""
+    steps = range(default_times.shape[0])
+    for index, times in enumerate(learned_times):
+        ax.plot(steps, times, "-", marker=".", color="tab:blue", alpha=0.5, label=label if index == 0 else None)
+    ax.plot(steps, default_times, "k--o", markersize=4, label="default")
+    ax.set(xlabel="step index l", ylabel="time t_l (1 = noise, 0 = data)", xticks=list(steps))
+    ax.legend(fontsize=8)
+
+
+def plot_training(out_dir, backbone, policy, steps, prompts, seeds, reward_name):
+    """train.png: the batch reward per iteration (metrics.jsonl) with its moving average over about 20
+    iterations, and the learned schedules of held-out contexts against the default."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
+        rows = [json.loads(line) for line in file]
+    iterations, batch_means = [row["iteration"] for row in rows], [row["reward"] for row in rows]
+    smoothed = [batch_means[0]]
+    for value in batch_means[1:]:
+        smoothed.append(0.95 * smoothed[-1] + 0.05 * value)
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(iterations, batch_means, lw=0.5, alpha=0.4, label="batch mean")
+    left.plot(iterations, smoothed, lw=1.5, label="moving average")
+    left.set(xlabel="iteration", ylabel=f"mean reward ({reward_name})", title="training reward")
+    left.legend()
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    draw_schedules(right, policy_schedule(policy, backbone)(noise, cond).cpu(), backbone.default_times(steps).cpu(), "learned (mean)")
+    right.set_title("schedules (held-out contexts)")
+    figure.tight_layout()
+    figure.savefig(os.path.join(out_dir, "train.png"), dpi=120)
+    plt.close(figure)
+
+
 def save_grid(path, contexts, results):
     """Rows = contexts, columns = methods, each cell labelled."""
     import matplotlib
@@ -129,8 +165,8 @@ def main(argv=None):
         prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
         if not prompts and config["backbone"] != "digits":
             raise ValueError(f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE")
-        backbone = load_trained_backbone(config, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        check_prompts(backbone, prompts)
+        backbone = trained_backbone(config, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        backbone.check_prompts(prompts)
         contexts = [(prompt, seed) for prompt in (prompts or backbone.prompts) for seed in args.seeds]
     except ValueError as error:
         sys.exit(f"sample.py: error: {error}")

@@ -1,7 +1,73 @@
+"""Shared runs of train.py itself: the checkpoints that evaluate.py and sample.py are tested on."""
 import os
+import subprocess
 import sys
 
 # Every test is offline: a missing hub file must fail in milliseconds, not after retries.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# The embedded backbones' tensors are tiny: a second intra-op thread only adds contention.
+torch.set_num_threads(1)
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+
+
+def run_script(script, args, cwd, timeout=300):
+    """A script of the repository in a fresh process, as a user runs it."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=ENV, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def train_in_process(out_dir, *args):
+    """train.py's main in this process; the embedded teacher solves 16 RK4 steps instead of 64 (RMS
+    error 2e-4 on digits against 1e-6, both far below a 4-step sampler's 0.2), which keeps tests fast."""
+    import rollout
+    import train
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollout.MixtureBackbone, "reference_steps", 16)
+        train.main(train.parse_config(["--out-dir", str(out_dir), *args]))
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def digits_run(tmp_path_factory):
+    """A short digits training (L = 4, 60 iterations, 128 held-out contexts): its out dir."""
+    return train_in_process(tmp_path_factory.mktemp("digits") / "out", "--iterations", "60", "--ckpt-interval", "30",
+                            "--eval-contexts", "128", "--log-interval", "20")
+
+
+@pytest.fixture(scope="session")
+def digits_global_run(tmp_path_factory):
+    return train_in_process(tmp_path_factory.mktemp("digits_global") / "out", "--policy", "global", "--iterations", "3",
+                            "--eval-contexts", "4")
+
+
+@pytest.fixture(scope="session")
+def tiny_runs(tmp_path_factory):
+    """train.py on saved tiny random SD3, SD-XL and Flux-Dev pipelines (from_pretrained from a local
+    folder), two iterations each with the teacher reward; the teacher solves 4 default steps instead of
+    50, which keeps the test fast and the code path the same. Returns backbone -> out dir, and the
+    folders of the saved pipelines (flux-schnell too, for evaluate.py --schnell)."""
+    import rollout
+    from bench import TINY_RESOLUTION, tiny_pipeline
+
+    folder = tmp_path_factory.mktemp("tiny")
+    for family in ("sd3", "sdxl", "flux-dev", "flux-schnell"):
+        tiny_pipeline(family).save_pretrained(folder / family)
+    prompts = folder / "prompts.txt"
+    prompts.write_text("a red fox in snow\na blue car\na bowl of soup\n")
+    runs = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollout.Backbone, "reference_steps", 4)
+        for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
+            runs[backbone] = train_in_process(
+                folder / f"out_{backbone}", "--backbone", backbone, "--model-path", str(folder / family), "--resolution",
+                str(TINY_RESOLUTION), "--prompts", str(prompts), "--eval-prompts", str(prompts), "--reward", "teacher",
+                "--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4", "--rollout-batch", "3")
+    return runs, folder

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from baselines import BASELINES, _cross_context, _james_stein, _rloo, _shrinkage, cross_context, james_stein, rloo, shrinkage
+from baselines import BASELINES, cross_context, james_stein, rloo, shrinkage
 
 # Hand example used below, B = 3 contexts, K = 2 rollouts.
 #   context means 2, 4, 6 (grand mean 4); within variances (1-3)^2/2 = 2, (2-6)^2/2 = 8, (4-8)^2/2 = 8
@@ -179,14 +179,13 @@ def test_float32_rewards_near_30_are_handled_in_float64():
     assert torch.allclose(james_stein(rewards32).double(), james_stein(rewards32.double()), atol=1e-5)
 
 
-def test_batched_forms_match_the_public_functions():
+def test_a_stack_of_batches_equals_each_batch_alone():
     batches = torch.stack([random_rewards(5, 3, seed=s) for s in range(4)])  # (4, 5, 3)
     for index in range(4):
-        assert torch.allclose(_rloo(batches)[index], rloo(batches[index]))
-        assert torch.allclose(_cross_context(batches)[index], cross_context(batches[index]))
-        assert torch.allclose(_james_stein(batches)[index], james_stein(batches[index]))
-        assert torch.allclose(_james_stein(batches, unbiased=True)[index], james_stein(batches[index], unbiased=True))
-        assert torch.allclose(_shrinkage(batches)[index], shrinkage(batches[index]))
+        for name, baseline in BASELINES.items():
+            assert torch.allclose(baseline(batches)[index], baseline(batches[index])), name
+        assert torch.allclose(shrinkage(batches)[index], shrinkage(batches[index]))
+        assert torch.allclose(shrinkage(batches, unbiased=True)[index], shrinkage(batches[index], unbiased=True))
 
 
 # -----------------------------------------------------------------------------
@@ -225,8 +224,8 @@ def test_james_stein_beats_rloo_as_an_estimate_of_mu(contexts, rollouts, delta2)
     # paired over the same 4000 simulated batches: mean of (JS error - RLOO error) must be below 0 by
     # more than 4 standard errors of that mean
     means, rewards = simulate(4000, contexts, rollouts, 1.0, delta2, seed=10)
-    js_error = (_james_stein(rewards) - means).square().mean(dim=(1, 2))
-    rloo_error = (_rloo(rewards) - means).square().mean(dim=(1, 2))
+    js_error = (james_stein(rewards) - means).square().mean(dim=(1, 2))
+    rloo_error = (rloo(rewards) - means).square().mean(dim=(1, 2))
     difference = js_error - rloo_error
     assert difference.mean() + 4 * difference.std() / math.sqrt(4000) < 0
 
@@ -237,31 +236,20 @@ def test_james_stein_beats_rloo_as_an_estimate_of_mu(contexts, rollouts, delta2)
 
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_shape_errors(name):
-    with pytest.raises(ValueError, match=r"shape \(contexts, rollouts\).*reshape"):
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., contexts, rollouts >= 2\), got \(8,\)"):
         BASELINES[name](torch.ones(8))
-    with pytest.raises(ValueError, match=r"shape \(contexts, rollouts\)"):
-        BASELINES[name](torch.ones(2, 4, 2))
-    with pytest.raises(ValueError, match="at least 2 rollouts per context, got K=1"):
+    with pytest.raises(ValueError, match="rollouts >= 2"):
         BASELINES[name](torch.ones(8, 1))
 
 
-@pytest.mark.parametrize("name", sorted(BASELINES))
-def test_non_finite_errors(name):
-    for bad in (float("nan"), float("inf"), -float("inf")):
-        rewards = torch.ones(5, 2)
-        rewards[1, 1] = bad
-        with pytest.raises(ValueError, match="NaN or inf; check the reward model"):
-            BASELINES[name](rewards)
-
-
 def test_context_count_errors():
-    with pytest.raises(ValueError, match="james_stein: needs at least 3 contexts per batch, got B=2; use more contexts or the rloo baseline"):
+    with pytest.raises(ValueError, match="needs at least 3 contexts per batch, got B=2; use more contexts or the rloo baseline"):
         james_stein(torch.rand(2, 4))
-    with pytest.raises(ValueError, match=r"james_stein\(unbiased=True\): needs at least 4 contexts per batch, got B=3"):
+    with pytest.raises(ValueError, match="needs at least 4 contexts per batch, got B=3"):
         james_stein(torch.rand(3, 4), unbiased=True)
-    with pytest.raises(ValueError, match="shrinkage: needs at least 3 contexts"):
+    with pytest.raises(ValueError, match="needs at least 3 contexts"):
         shrinkage(torch.rand(2, 2))
-    with pytest.raises(ValueError, match=r"shrinkage\(unbiased=True\): needs at least 4 contexts"):
+    with pytest.raises(ValueError, match="needs at least 4 contexts"):
         shrinkage(torch.rand(3, 2), unbiased=True)
     # RLOO and XCTX work from one context
     assert torch.equal(rloo(torch.tensor([[1.0, 2.0]])), torch.tensor([[2.0, 1.0]]))

@@ -32,19 +32,6 @@ def to_pil(image):
 # common
 
 
-def test_check_finite():
-    finite = torch.tensor([1.0, -2.0, 0.0])
-    assert rewards.check_finite(finite) is finite
-    with pytest.raises(ValueError, match=r"^2 of 5 rewards are not finite"):
-        rewards.check_finite(torch.tensor([1.0, float("nan"), float("inf"), 0.0, 3.0]))
-
-
-def test_registry_and_unknown_name():
-    assert set(rewards.REWARDS) == {"teacher", "hpsv2", "clip"}
-    with pytest.raises(ValueError, match="unknown reward 'pickscore'; known: teacher, hpsv2, clip"):
-        rewards.load_reward("pickscore", ImageBackbone())
-
-
 def test_import_stays_light():
     # The core install has no torchvision or hpsv2x: importing rewards must not need them.
     code = "import sys, rewards; print(sorted(m for m in ('torchvision', 'hpsv2', 'open_clip', 'transformers') if m in sys.modules))"
@@ -96,7 +83,6 @@ def test_teacher_scores_and_cache(digits, digit_contexts):
     prompts, noise, cond, teacher = digit_contexts
     counter = CountingBackbone(digits)
     reward = rewards.load_reward("teacher", counter)
-    assert reward.higher_is_better
 
     own = reward(teacher, prompts, noise, cond)
     # K = 2 rollouts of 3 contexts: one solve of the 3 distinct contexts, the repeats are hits
@@ -209,7 +195,7 @@ def test_clip_reward_matches_transformers(tiny_clip):
     from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel
 
     reward = rewards.load_reward("clip", ImageBackbone(), checkpoint=tiny_clip, batch_size=3)
-    assert reward.higher_is_better and reward.image_size == 64
+    assert reward.image_size == 64
     images = torch.rand(5, 3, 40, 56, generator=torch.Generator().manual_seed(2))
     prompts = ["a red cube", "a dog", "a red cube", "two cats", "a handwritten 3"]
     scores = reward(images, prompts, None, None)
@@ -288,8 +274,6 @@ def test_hps_preprocess_pads_the_short_side():
 
 def test_check_reward_fails_fast_in_one_line(tmp_path):
     rewards.check_reward("teacher")  # needs nothing
-    with pytest.raises(ValueError, match="unknown reward 'beauty'"):
-        rewards.check_reward("beauty")
     with pytest.raises(ValueError, match=r"CLIP model 'openai/clip-vit-large-patch14' not found: download it") as error:
         rewards.check_reward("clip")  # offline, not cached
     assert "\n" not in str(error.value)

@@ -14,18 +14,18 @@ from PIL import Image
 import evaluate
 import rollout
 import sample
-from test_evaluate import ENV, ROOT, STEPS, tiny_flux_loader, write_checkpoint, write_flux_checkpoint
-from test_evaluate import one_thread  # noqa: F401 (an autouse fixture: one intra-op thread here too)
+from conftest import run_script
+
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(str(tmp_path_factory.mktemp("run") / "ckpt.pt"))
+def ckpt(digits_run):
+    return str(digits_run / "ckpt.pt")
 
 
 def run_sample(args, cwd):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "sample.py"), *args], cwd=cwd, env=ENV,
-                          capture_output=True, text=True, timeout=120)
+    return run_script("sample.py", args, cwd)
 
 
 def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt):
@@ -96,8 +96,8 @@ def test_mismatched_checkpoint_fails_in_one_line_before_loading(monkeypatch, ckp
     assert "\n" not in str(error.value)
 
 
-def test_missing_checkpoint_and_missing_prompts(tmp_path, monkeypatch):
-    sd35m = write_checkpoint(str(tmp_path / "sd35m.pt"), backbone_name="sd35m")
+def test_missing_checkpoint_and_missing_prompts(tmp_path, monkeypatch, tiny_runs):
+    sd35m = str(tiny_runs[0]["sd35m"] / "ckpt.pt")
     monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
     with pytest.raises(SystemExit, match="needs --prompt TEXT or --prompts FILE"):
         sample.main(["--ckpt", sd35m])
@@ -106,11 +106,9 @@ def test_missing_checkpoint_and_missing_prompts(tmp_path, monkeypatch):
     assert result.stderr.strip().splitlines() == ["sample.py: error: no checkpoint at nowhere/ckpt.pt (train one with `python train.py`)"]
 
 
-def test_tiny_flux_backbone(tmp_path, monkeypatch):
-    monkeypatch.setattr(rollout, "load_backbone", tiny_flux_loader)
-    ckpt = write_flux_checkpoint(str(tmp_path / "ckpt.pt"))
-    sample.main(["--ckpt", ckpt, "--prompt", "a cat", "--seeds", "0", "1"])
+def test_tiny_flux_backbone(tmp_path, tiny_runs):
     out = tmp_path / "samples"
+    sample.main(["--ckpt", str(tiny_runs[0]["flux-dev"] / "ckpt.pt"), "--prompt", "a cat", "--seeds", "0", "1", "--out-dir", str(out)])
     default = Image.open(out / "000_a-cat_seed0_default.png")
     assert default.size == (128, 128)  # 32 px upscaled 4x
     assert not np.array_equal(np.asarray(default), np.asarray(Image.open(out / "000_a-cat_seed0_learned.png")))

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributions import Dirichlet
 
-from baselines import _cross_context, _james_stein, _rloo
-from toy_js import Bandit, Config, dirichlet_alpha, expected_quality, oracle_baseline, quality
+from baselines import cross_context, james_stein, rloo
+from toy_js import CONTEXTS, RATIOS, ROLLOUTS, Bandit, expected_quality, oracle_baseline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("toy_js")
-    result = subprocess.run([sys.executable, "toy_js.py", "--quick", "--out-dir", str(out_dir)], cwd=ROOT,
+    result = subprocess.run([sys.executable, "toy_js.py", "--quick", "--threads", "1", "--out-dir", str(out_dir)], cwd=ROOT,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     with open(out_dir / "toy_js.json") as file:
@@ -28,8 +28,7 @@ def quick_run(tmp_path_factory):
 
 def test_quick_run_writes_the_promised_files(quick_run):
     out_dir, stdout, record = quick_run
-    image = matplotlib.image.imread(out_dir / "toy_js.png")
-    assert image.shape[0] > 500 and image.shape[1] > 1000  # the 2 x 3 panel figure
+    assert matplotlib.image.imread(out_dir / "toy_js.png").shape[0] > 300
     assert "Part A" in stdout and "Part B" in stdout and "Conclusions" in stdout
     for line in record["conclusions"]:
         assert line.strip() in stdout  # what is printed is what is saved
@@ -38,41 +37,30 @@ def test_quick_run_writes_the_promised_files(quick_run):
 def test_quick_run_estimation_table(quick_run):
     _, _, record = quick_run
     cells = record["estimation"]
-    config = Config()
-    assert len(cells) == len(config.ratios) * len(config.rollouts_grid) * len(config.contexts_grid) == 72
+    assert len(cells) == len(RATIOS) * len(ROLLOUTS) * len(CONTEXTS) == 72
     assert {(cell["K"], cell["B"]) for cell in cells} == {(k, b) for k in (2, 4, 8) for b in (4, 16, 32)}
     for cell in cells:
         assert set(cell["mse"]) == {"rloo", "xctx", "js", "js-unbiased", "oracle"}
-        assert cell["floor"] <= cell["mse"]["oracle"] * 1.2 + 1e-12  # noisy in --quick; the floor is exact
         assert 0 <= cell["mean_weight"] <= 1
         # RLOO's MSE is sigma^2/(K-1) exactly; even --quick's few batches land within 30%
         assert cell["mse"]["rloo"] == pytest.approx(1 / (cell["K"] - 1), rel=0.3)
+        # the floor sigma^2 delta^2 / (sigma^2 + (K-1) delta^2): nothing that leaves r[c, i] out beats it (noisy in --quick)
+        floor = cell["ratio"] / (1 + (cell["K"] - 1) * cell["ratio"])
+        assert floor <= cell["mse"]["oracle"] * 1.2 + 1e-12
         if cell["ratio"] == 0:  # contexts identical: XCTX's MSE is sigma^2/(BK-1), RLOO's (BK-1)/(K-1) >= 4.4 times more
-            assert cell["mse"]["xctx"] == pytest.approx(1 / (cell["B"] * cell["K"] - 1), rel=0.3) and cell["pooled_wins"]
+            assert cell["mse"]["xctx"] == pytest.approx(1 / (cell["B"] * cell["K"] - 1), rel=0.3)
         if cell["ratio"] == 100:  # contexts far apart: XCTX is off by about delta, 100 sigma^2 >> RLOO's 1/(K-1)
-            assert cell["mse"]["xctx"] > 20 * cell["mse"]["rloo"] and not cell["pooled_wins"]
-    summary = record["estimation_summary"]
-    assert summary["cells"] == 72
-    assert summary["js_below_rloo"] >= summary["js_significantly_below_rloo"] >= 40
-    assert summary["max_js_over_oracle"] >= 1 and summary["max_js_over_best"] >= 1
-    for key in ("js_not_significantly_below_rloo", "js_significantly_below_oracle", "js_unbiased_significantly_above_rloo"):
-        assert isinstance(summary[key], list)
+            assert cell["mse"]["xctx"] > 20 * cell["mse"]["rloo"]
+    assert sum(cell["js_minus_rloo_z"] < -3.5 for cell in cells) >= 40
 
 
-def test_quick_run_gradient_and_learning_tables(quick_run):
+def test_quick_run_gradient_table(quick_run):
     _, _, record = quick_run
-    config = Config()
-    names = {"none", "rloo", "xctx", "js", "js-unbiased"}
-    assert [row["offset_spread"] for row in record["gradient"]] == list(config.offset_spreads)
-    for row in record["gradient"]:
-        assert set(row["relative_mse"]) == names
-    widest = record["gradient"][-1]["relative_mse"]  # offsets 10x the rollout noise: no baseline is hopeless
-    assert widest["none"] > 10 * widest["rloo"] and widest["xctx"] > 10 * widest["rloo"]
-    assert set(record["learning"]) == {str(spread) for spread in config.offset_spreads}
-    for curves in record["learning"].values():
-        assert set(curves["mean"]) == names
-        assert all(len(values) == len(curves["iterations"]) for values in curves["mean"].values())
-        assert curves["iterations"][0] == 0 and curves["iterations"][-1] == 40  # --quick's iterations
+    assert list(record["gradient"]) == ["0.0", "1.0", "10.0"]
+    for row in record["gradient"].values():
+        assert set(row) == {"none", "rloo", "xctx", "js", "js-unbiased"}
+    widest = record["gradient"]["10.0"]  # offsets 10x the rollout noise: no baseline is hopeless
+    assert widest["none"][0] > 10 * widest["rloo"][0] and widest["xctx"][0] > 10 * widest["rloo"][0]
 
 
 # -----------------------------------------------------------------------------
@@ -83,9 +71,9 @@ def test_oracle_limits():
     generator = torch.Generator().manual_seed(0)
     rewards = torch.randn((3, 5, 4), generator=generator, dtype=torch.float64)
     # delta = 0: mu_c = mu_0 for all contexts, the best estimate is the mean of all other rewards
-    assert torch.allclose(oracle_baseline(rewards, 1.0, 0.0), _cross_context(rewards))
+    assert torch.allclose(oracle_baseline(rewards, 1.0, 0.0), cross_context(rewards))
     # delta huge: the other contexts say nothing, only the other rollouts of c count
-    assert torch.allclose(oracle_baseline(rewards, 1.0, 1e12), _rloo(rewards), atol=1e-9)
+    assert torch.allclose(oracle_baseline(rewards, 1.0, 1e12), rloo(rewards), atol=1e-9)
 
 
 def test_oracle_is_a_floor_for_james_stein():
@@ -94,7 +82,7 @@ def test_oracle_is_a_floor_for_james_stein():
     generator = torch.Generator().manual_seed(1)
     means = math.sqrt(0.3) * torch.randn((20000, 4, 1), generator=generator, dtype=torch.float64)
     rewards = means + torch.randn((20000, 4, 2), generator=generator, dtype=torch.float64)
-    difference = (oracle_baseline(rewards, 1.0, 0.3) - means).square().mean(dim=(1, 2)) - (_james_stein(rewards) - means).square().mean(dim=(1, 2))
+    difference = (oracle_baseline(rewards, 1.0, 0.3) - means).square().mean(dim=(1, 2)) - (james_stein(rewards) - means).square().mean(dim=(1, 2))
     assert difference.mean() + 4 * difference.std() / math.sqrt(20000) < 0
 
 
@@ -103,7 +91,7 @@ def test_expected_quality_matches_monte_carlo():
     alpha = torch.tensor([[2.0, 0.5, 3.0, 1.0, 4.0], [0.3, 0.3, 0.3, 0.3, 0.3]], dtype=torch.float64)
     target = torch.softmax(torch.tensor([[1.0, 0.0, -1.0, 0.5, 0.2], [0.0, 2.0, 0.0, 0.0, 0.0]], dtype=torch.float64), dim=-1)
     torch.manual_seed(2)
-    samples = quality(Dirichlet(alpha).sample((200000,)), target)  # (200000, 2)
+    samples = -(Dirichlet(alpha).sample((200000,)) - target).square().sum(-1)  # (200000, 2)
     error = samples.std(dim=0) / math.sqrt(200000)
     assert ((samples.mean(dim=0) - expected_quality(alpha, target)).abs() < 5 * error).all()
 
@@ -112,31 +100,23 @@ def test_expected_quality_matches_monte_carlo():
 def test_reinforce_gradient_is_unbiased_for_the_exact_gradient(name):
     # the machinery of part B: with an exactly unbiased baseline, the REINFORCE estimate averages to
     # the autograd gradient of the closed-form objective; every coordinate within 5 standard errors
-    config = Config(contexts=6, gradient_batches=6000)
+    batches, contexts = 6000, 6
     generator = torch.Generator().manual_seed(3)
     torch.manual_seed(3)
-    bandit = Bandit(config, generator)
-    weight, bias = bandit.initial_policy((config.gradient_batches,))
+    bandit = Bandit(generator, actions=5, features=4)
+    weight, bias = bandit.initial_policy((batches,))
     weight = (weight + 0.3 * torch.randn(weight.shape[1:], generator=generator, dtype=weight.dtype)).requires_grad_(True)
     bias.requires_grad_(True)
-    features, targets, offsets, scales = bandit.draw((config.gradient_batches, config.contexts), 3.0, generator)
-    alpha = dirichlet_alpha(weight, bias, features)
-    objective = bandit.expected_reward(alpha, targets, offsets, scales).mean(dim=-1).sum()
+    features, targets, offsets, scales = bandit.draw((batches, contexts), 3.0, generator)
+    alpha = bandit.alpha(weight, bias, features)
+    objective = (offsets + scales * expected_quality(alpha, targets) / bandit.noise_unit).mean(dim=-1).sum()
     exact = torch.cat([g.flatten(1) for g in torch.autograd.grad(objective, (weight, bias), retain_graph=True)], dim=1)
     tau = Dirichlet(alpha.detach()).sample((2,)).movedim(0, -2)
     rewards = bandit.rewards(tau, targets, offsets, scales)
-    baseline = _rloo(rewards) if name == "rloo" else _james_stein(rewards, unbiased=True)
+    baseline = rloo(rewards) if name == "rloo" else james_stein(rewards, unbiased=True)
     surrogate = ((rewards - baseline) * Dirichlet(alpha[..., None, :]).log_prob(tau)).mean(dim=(-2, -1)).sum()
     estimate = torch.cat([g.flatten(1) for g in torch.autograd.grad(surrogate, (weight, bias))], dim=1)
     difference = estimate - exact  # (R, P)
-    error = difference.std(dim=0) / math.sqrt(config.gradient_batches)
+    error = difference.std(dim=0) / math.sqrt(batches)
     assert (difference.mean(dim=0).abs() < 5 * error).all()
     assert (exact.mean(dim=0).abs() > 5 * error).any()  # the gradient itself is resolved, so the test can fail
-
-
-def test_dirichlet_log_prob_is_the_joint_density():
-    alpha = torch.tensor([1.5, 2.0, 0.7], dtype=torch.float64)
-    tau = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
-    # log Gamma(sum alpha) - sum log Gamma(alpha_j) + sum (alpha_j - 1) log tau_j, one number for the whole vector
-    by_hand = torch.lgamma(alpha.sum()) - torch.lgamma(alpha).sum() + ((alpha - 1) * tau.log()).sum()
-    assert Dirichlet(alpha).log_prob(tau).item() == pytest.approx(by_hand.item(), rel=1e-12)

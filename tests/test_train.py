@@ -1,4 +1,4 @@
-"""train.py end to end on the digits backbone: what it writes, resume, torchrun, and bad input."""
+"""train.py end to end: what it writes, resume, torchrun, the real-backbone path on tiny pipelines, and bad input."""
 
 import json
 import os
@@ -10,16 +10,7 @@ import pytest
 import torch
 
 import train
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-SMALL = ["--contexts", "8", "--eval-contexts", "20", "--log-interval", "1"]
-
-
-def run(args, cwd, module="train.py"):
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, module), *args], cwd=cwd, env=ENV, capture_output=True, text=True, timeout=300
-    )
+from conftest import ENV, ROOT, run_script
 
 
 def read_metrics(out_dir):
@@ -27,28 +18,30 @@ def read_metrics(out_dir):
         return [json.loads(line) for line in file]
 
 
-def test_smoke_run_writes_checkpoint_metrics_and_table(tmp_path):
-    result = run(["--out-dir", "out", "--iterations", "4", "--ckpt-interval", "2", *SMALL], tmp_path)
-    assert result.returncode == 0, result.stderr
-    out = tmp_path / "out"
-    rows = read_metrics(out)
-    assert [row["iteration"] for row in rows] == [1, 2, 3, 4]
+def test_a_run_writes_checkpoint_metrics_table_and_figure(digits_run):
+    rows = read_metrics(digits_run)
+    assert [row["iteration"] for row in rows] == list(range(1, 61))
     assert all(row["reward"] < 0 for row in rows)  # teacher fidelity is a negative error
-    checkpoint = torch.load(out / "ckpt.pt", weights_only=False)
-    assert checkpoint["iteration"] == 4
+    checkpoint = torch.load(digits_run / "ckpt.pt", weights_only=False)
+    assert checkpoint["iteration"] == 60 and checkpoint["policy_config"]["steps"] == 4
     assert checkpoint["config"]["backbone"] == "digits" and checkpoint["config"]["steps"] == 4
-    assert checkpoint["policy_config"]["steps"] == 4
     assert {"policy", "optimizer", "rng"} <= set(checkpoint)
-    evaluation = json.loads((out / "eval.json").read_text())
-    methods = [row["method"] for row in evaluation["rows"]]
-    assert methods == ["default", "learned (mean)", "learned (sampled)", "limit (teacher)"]
-    assert evaluation["contexts"] == 20
-    teacher = evaluation["rows"][-1]
-    assert teacher["mean"] == 0.0  # the teacher's own output has no error
-    for method in methods:
-        assert method in result.stdout
-    assert (out / "train.png").stat().st_size > 0
-    assert not list(out.glob("*.tmp"))
+    evaluation = json.loads((digits_run / "eval.json").read_text())
+    assert [row["method"] for row in evaluation["rows"]] == ["default", "learned (mean)", "learned (sampled)", "limit (teacher)"]
+    assert evaluation["contexts"] == 128
+    assert evaluation["rows"][-1]["mean"] == 0.0  # the teacher's own output has no error
+    assert (digits_run / "train.png").stat().st_size > 0
+    assert not list(digits_run.glob("*.tmp"))
+
+
+def test_learned_schedule_beats_the_default_on_heldout_contexts(digits_run):
+    rows = {row["method"]: row for row in json.loads((digits_run / "eval.json").read_text())["rows"]}
+    learned = rows["learned (mean)"]
+    # Paired over the same 128 held-out noises: the improvement must exceed 3.3 of its standard errors
+    # (one-sided p < 0.0005). The half-width is a Student-t 95% one (127 degrees of freedom: 1.979 sem).
+    standard_error = learned["diff_ci95"] / 1.979
+    assert learned["diff_mean"] > 3.3 * standard_error
+    assert learned["mean"] > rows["default"]["mean"]
 
 
 class Killed(Exception):
@@ -113,8 +106,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
 def test_two_process_torchrun_first_update_equals_single_process(tmp_path):
     args = ["--iterations", "1", "--contexts", "8", "--eval-contexts", "4", "--baseline", "js"]
-    single = run([*args, "--out-dir", "single"], tmp_path)
-    assert single.returncode == 0, single.stderr
+    train.main(train.parse_config([*args, "--out-dir", str(tmp_path / "single")]))
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     double = subprocess.run(
         [torchrun, "--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *args, "--out-dir", "double"],
@@ -133,23 +125,24 @@ def test_two_process_torchrun_first_update_equals_single_process(tmp_path):
     assert grad_norms[0] > 0 and grad_norms[1] == pytest.approx(grad_norms[0], rel=1e-5)
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--backbone", "sd4"], "unknown backbone 'sd4'"),
-        (["--reward", "beauty"], "unknown reward 'beauty'"),
-        (["--baseline", "mean"], "unknown baseline 'mean'"),
-        (["--steps", "0"], "--steps must be at least 1"),
-        (["--init", "zeros"], "--init must be default or uniform"),
-        (["--dtype", "fp8"], "--dtype must be bfloat16, float16 or float32"),
-        (["--policy", "local"], "--policy must be instance or global"),
-        (["--rollouts", "1"], "--rollouts must be at least 2"),
-        (["--contexts", "2"], "needs at least 3 contexts"),
-        (["--contexts", "3", "--baseline", "js-unbiased"], "needs at least 4 contexts"),
-        (["--backbone", "sd35m"], "pass --prompts FILE"),
-        (["--resume"], "does not exist"),
-    ],
-)
+@pytest.mark.parametrize("flag, value", [("--backbone", "sd4"), ("--reward", "beauty"), ("--baseline", "mean"),
+                                         ("--init", "zeros"), ("--dtype", "fp8"), ("--policy", "local")])
+def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value):
+    with pytest.raises(SystemExit) as error:
+        train.parse_config([flag, value])
+    assert error.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and f"argument {flag}: invalid choice: '{value}' (choose from" in lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--rollouts", "1"], "--rollouts must be at least 2"),
+    (["--contexts", "2"], "needs at least 3 contexts"),
+    (["--contexts", "3", "--baseline", "js-unbiased"], "needs at least 4 contexts"),
+    (["--backbone", "sd35m"], "pass --prompts FILE"),
+    (["--resume"], "does not exist"),
+])
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
     config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match=message) as error:
@@ -175,24 +168,11 @@ def test_resume_with_another_step_count_is_refused(tmp_path):
 
 
 def test_bad_input_exits_before_loading_anything(tmp_path):
-    result = run(["--backbone", "sd4"], tmp_path)
+    result = run_script("train.py", ["--contexts", "2"], tmp_path)
     assert result.returncode != 0
     assert result.stderr.strip().splitlines() == [
-        "error: unknown backbone 'sd4'; choose one of sd35m, sd35l, sdxl, flux-dev, flux-schnell, digits"
-    ]
+        "error: --baseline js needs at least 3 contexts per update (got --contexts 2); raise --contexts"]
     assert not (tmp_path / "out").exists()
-
-
-def test_learned_schedule_beats_the_default_on_heldout_contexts(tmp_path):
-    result = run(["--out-dir", "out", "--iterations", "60", "--eval-contexts", "128"], tmp_path)
-    assert result.returncode == 0, result.stderr
-    rows = {row["method"]: row for row in json.loads((tmp_path / "out" / "eval.json").read_text())["rows"]}
-    learned = rows["learned (mean)"]
-    # Paired over the same 128 held-out noises: the improvement must exceed 3.3 of its standard errors
-    # (one-sided p < 0.0005); measured: +0.0122 with a 95% half-width of 0.0055, i.e. 4.3 standard errors.
-    standard_error = learned["diff_ci95"] / 1.96
-    assert learned["diff_mean"] > 3.3 * standard_error
-    assert learned["mean"] > rows["default"]["mean"]
 
 
 def test_no_arguments_is_the_digits_main_job():
@@ -212,21 +192,10 @@ def test_paper_batch_sizes_for_the_real_backbones(tmp_path):
 
 
 @pytest.mark.parametrize("backbone", ["sd35m", "sdxl", "flux-dev"])
-def test_trains_a_real_backbone_family_from_a_local_folder(tmp_path, backbone):
+def test_trains_a_real_backbone_family_from_a_local_folder(tiny_runs, backbone):
     """The real-backbone path end to end: from_pretrained on a saved tiny random pipeline, rollouts
-    with CFG (or Flux's guidance embedding), the teacher reward, an update and the held-out table."""
-    from test_rollout_diffusers import RESOLUTION, tiny_flux, tiny_sd3, tiny_sdxl
-
-    build = {"sd35m": tiny_sd3, "sdxl": tiny_sdxl, "flux-dev": tiny_flux}[backbone]
-    build().save_pretrained(tmp_path / "model")
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox in snow\na blue car\na bowl of soup\n")
-    out = tmp_path / "out"
-    train.main(train.parse_config([
-        "--backbone", backbone, "--model-path", str(tmp_path / "model"), "--resolution", str(RESOLUTION),
-        "--prompts", str(prompts), "--eval-prompts", str(prompts), "--reward", "teacher", "--steps", "2",
-        "--iterations", "2", "--contexts", "4", "--eval-contexts", "4", "--rollout-batch", "3", "--out-dir", str(out),
-    ]))
+    with CFG (or Flux's guidance embedding), the teacher reward, updates and the held-out table."""
+    out = tiny_runs[0][backbone]
     rows = read_metrics(out)
     assert [row["iteration"] for row in rows] == [1, 2] and all(row["grad_norm"] > 0 for row in rows)
     checkpoint = torch.load(out / "ckpt.pt", weights_only=False)
@@ -238,7 +207,7 @@ def test_trains_a_real_backbone_family_from_a_local_folder(tmp_path, backbone):
 def test_missing_weights_exit_in_one_line_before_loading(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox in snow\n")
-    result = run(["--backbone", "sd35m", "--reward", "teacher", "--prompts", str(prompts)], tmp_path)
+    result = run_script("train.py", ["--backbone", "sd35m", "--reward", "teacher", "--prompts", str(prompts)], tmp_path)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: sd35m: the weights of stabilityai/stable-diffusion-3.5-medium")

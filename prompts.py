@@ -1,0 +1,76 @@
+"""
+Prompt lists and held-out contexts.
+
+A context is a prompt and the seed of its initial noise. Training draws its contexts afresh every
+iteration (context_seed); evaluation uses fixed held-out contexts, the same noise for every method,
+so that differences between methods are paired.
+
+Prompt files: a .txt with one prompt per line, a .json list of prompts or of records with a "prompt"
+field (HPDv2's train.json), or a .jsonl of such records (the files in prompts/).
+"""
+import json
+import os
+
+import torch
+
+HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
+HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds training draws
+
+
+def load_prompt_file(path):
+    """The prompts of a file (see the module docstring); ValueError naming the file if it holds none."""
+    if not os.path.isfile(path):
+        raise ValueError(f"prompt file {path} does not exist")
+    with open(path) as handle:
+        if path.endswith(".json"):
+            records = json.load(handle)
+        elif path.endswith(".jsonl"):
+            records = [json.loads(line) for line in handle if line.strip()]
+        else:
+            records = list(handle)
+    prompts = [record["prompt"] if isinstance(record, dict) else record for record in records]
+    prompts = [prompt.strip() for prompt in prompts if prompt.strip()]
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def load_hpdv2(folder):
+    """The HPDv2 test prompts (4 styles x 800), interleaved across styles so that any prefix (--limit)
+    is balanced. Returns (prompts, styles)."""
+    files = [os.path.join(folder, f"{style}.json") for style in HPDV2_STYLES]
+    missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+    if missing:
+        raise ValueError(f"HPDv2 test prompts not found in {folder} (missing {', '.join(missing)}): fetch them with "
+                         "`hf download zhwang/HPDv2 --repo-type dataset --include \"benchmark/*.json\" "
+                         "--local-dir data/HPDv2` and pass --hpdv2 data/HPDv2/benchmark")
+    per_style = {}
+    for style, file in zip(HPDV2_STYLES, files):
+        with open(file) as handle:
+            per_style[style] = json.load(handle)  # a list of prompt strings
+    prompts, styles = [], []
+    for index in range(max(len(p) for p in per_style.values())):
+        for style in HPDV2_STYLES:
+            if index < len(per_style[style]):
+                prompts.append(per_style[style][index])
+                styles.append(style)
+    return prompts, styles
+
+
+def context_seed(seed, iteration, context):
+    """The noise seed of a training context: every context of every iteration has its own, so the
+    batch a rank sees depends on neither the number of ranks nor on a resume. Offset by 2**32 to stay
+    clear of the held-out seeds."""
+    return 2**32 + (seed * 1_000_003 + iteration) * 65_536 + context
+
+
+def heldout_contexts(prompts, count=None, seed=HELDOUT_SEED):
+    """Fixed held-out contexts: `count` prompts cycling over `prompts` (default: each once) with noise
+    seeds seed, seed + 1, ... Returns (prompts, seeds)."""
+    count = len(prompts) if count is None else count
+    return [prompts[index % len(prompts)] for index in range(count)], [seed + index for index in range(count)]
+
+
+def context_noise(backbone, seeds):
+    """Initial noise per seed, drawn one by one, so it is identical for every method and batch size."""
+    return torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
