@@ -6,16 +6,20 @@ the diffusers pipelines it replaces, and the embedded backbone's throughput.
     python bench.py --only policy                      # FLOPs and parameter counts (meta device, no weights)
     python bench.py --only loop --device cuda          # one GPU, bfloat16
     python bench.py --only loop --backbones sd35m --model-path /models/sd35m --steps 10 --batch 8
+    python bench.py --only threads                     # the main job at 1 thread and at torch's default (minutes)
 
 policy: FLOPs of one SD3.5-Medium transformer step at 1024^2 with CFG against one policy call, counted
 on the meta device (shapes only), and the parameters of each policy size. loop: for each diffusers
 backbone, `Backbone.sample` and the pipeline's own call timed on the same default schedule, prompt
 embeddings, initial latents and batch (output_type="latent", no decode on either side), and the
 largest relative difference of their outputs. embedded: rollouts per second and the teacher's cost.
+threads: `python train.py` (the main job) at 1 CPU thread and at torch's default, one after the other
+in this run, with the difference of their held-out results.
 Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
 """
 import argparse
 import math
+import os
 import time
 
 import torch
@@ -24,7 +28,8 @@ import rollout
 from policy import make_policy
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--only", choices=["policy", "loop", "embedded"], default=None, help="one benchmark; default: all")
+parser.add_argument("--only", choices=["policy", "loop", "embedded", "threads"], default=None,
+                    help="one benchmark; default: all but threads")
 parser.add_argument("--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names")
 parser.add_argument("--model-path", default=None, help="loop: local diffusers folder of a real backbone")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -197,6 +202,28 @@ def bench_embedded(args, device, count=64):
     print(f"digits teacher (RK4, {backbone.reference_steps} steps) for {count} contexts: {milliseconds:8.1f} ms")
 
 
+def bench_threads():
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    results = {}
+    for threads in (1, torch.get_num_threads()):
+        with tempfile.TemporaryDirectory() as folder:
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "train.py", "--threads", str(threads), "--out-dir", folder], check=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.abspath(__file__)))
+            seconds = time.perf_counter() - started
+            with open(os.path.join(folder, "eval.json")) as file:
+                rows = {row["method"]: row["mean"] for row in json.load(file)["rows"]}
+        results[threads] = rows
+        print(f"python train.py --threads {threads}: {seconds:.1f} s, held-out learned (mean) {rows['learned (mean)']:.6f}")
+    one, default = results.values()
+    print("largest difference of a held-out mean between the two: "
+          f"{max(abs(one[name] - default[name]) for name in one):.2e}")
+
+
 if __name__ == "__main__":
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -208,3 +235,5 @@ if __name__ == "__main__":
             bench_loop(name, args, device)
     if args.only in (None, "embedded"):
         bench_embedded(args, device)
+    if args.only == "threads":
+        bench_threads()

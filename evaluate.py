@@ -29,7 +29,8 @@ from tqdm import tqdm
 
 import rewards as reward_lib
 import rollout
-from policy import build_policy, mean_increments, sample_increments, times_from_increments
+from checkpoints import load_checkpoint, trained_backbone, write_json_atomic
+from policy import mean_increments, sample_increments, times_from_increments
 from prompts import HELDOUT_SEED, context_noise, heldout_contexts, load_hpdv2, load_prompt_file
 
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
@@ -40,8 +41,9 @@ parser.add_argument("--global-ckpt", default=None, help="optional checkpoint of 
 parser.add_argument("--out-dir", default=None, help="output folder; default: eval/ next to --ckpt")
 # contexts
 parser.add_argument("--prompts", default=None, help="prompt file (.txt, .json, .jsonl)")
-parser.add_argument("--hpdv2", default=None, help="folder holding the HPDv2 benchmark anime/concept-art/paintings/photo.json")
-parser.add_argument("--count", type=int, default=None, help="contexts when the prompts are the backbone's own (digits); default: train.py's")
+parser.add_argument("--hpdv2", nargs="?", const="hub", default=None,
+                    help="the HPDv2 test prompts: from a folder holding anime/concept-art/paintings/photo.json, or the hub")
+parser.add_argument("--count", type=int, default=None, help="contexts of train.py's held-out prompts (default: train.py's own count)")
 parser.add_argument("--seed", type=int, default=HELDOUT_SEED, help="noise seed of the first context; context i uses seed + i")
 parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N contexts (HPDv2: styles interleaved)")
 # methods and rewards
@@ -133,6 +135,25 @@ def evaluate(backbone, reward, prompts, seeds, methods, reference=None, batch_si
     return {name: torch.tensor([values[i] for i in range(len(prompts))]) for name, values in collected.items()}
 
 
+def heldout_curve(backbone, reward, prompts, seeds, steps):
+    """policy -> the mean paired gain of its mean schedule over the default on these contexts, the curve
+    of train.py's figure (at each checkpoint, unlike the batch reward, on the same contexts every time)."""
+    default = evaluate(backbone, reward, prompts, seeds, {"default": default_schedule(backbone, steps)})["default"]
+    return lambda policy: (evaluate(backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)})["learned"]
+                           - default).mean().item()
+
+
+def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
+    """train.py's final table on its held-out contexts, the same noises for every method: printed and
+    written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
+    methods = {"default": default_schedule(backbone, policy.steps), "learned (mean)": policy_schedule(policy, backbone),
+               "learned (sampled)": policy_schedule(policy, backbone, "sample", torch.Generator().manual_seed(seed))}
+    teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's own target: error 0
+    rows = summarize(evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True))
+    print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n{format_table(rows)}")
+    write_json_atomic(os.path.join(out_dir, "eval.json"), dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name))
+
+
 def _mean_ci(values):
     """(mean, 95% Student-t half-width) of a 1-D tensor; the half-width is nan for n < 2."""
     from scipy.stats import t as student_t  # scipy comes with scikit-learn
@@ -168,40 +189,6 @@ def format_table(rows, baseline="default"):
         diff = "-" if row["diff_mean"] is None else f"{row['diff_mean']:+.4g} ± {number(row['diff_ci95'])}"
         lines.append(f"| {row['method']} | {row['n']} | {number(row['mean'])} ± {number(row['ci95'])} | {diff} |")
     return "\n".join(lines)
-
-
-def write_json_atomic(path, data):
-    """Written to a temporary file, then renamed: a kill never leaves a truncated file."""
-    with open(path + ".tmp", "w") as handle:
-        json.dump(data, handle)
-    os.replace(path + ".tmp", path)
-
-
-# -----------------------------------------------------------------------------
-# checkpoints
-
-
-def load_checkpoint(path, backbone=None, steps=None):
-    """A train.py checkpoint and its policy (CPU, eval mode). backbone / steps, when given, must match
-    what it was trained for: ValueError with one clear line otherwise, before anything heavy."""
-    if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path} (train one with `python train.py`)")
-    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    config = checkpoint["config"]
-    if backbone is not None and backbone != config["backbone"]:
-        raise ValueError(f"{path} was trained on backbone {config['backbone']!r}, not {backbone!r}")
-    if steps is not None and steps != config["steps"]:
-        raise ValueError(f"{path} was trained for L={config['steps']} steps, not L={steps}")
-    policy = build_policy(checkpoint["policy_config"])
-    policy.load_state_dict(checkpoint["policy"])
-    return checkpoint, policy.eval()
-
-
-def trained_backbone(config, device):
-    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
-    return rollout.load_backbone(config["backbone"], path=config["model_path"], device=device,
-                                 dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
-                                 resolution=config["resolution"], guidance=config["guidance"])
 
 
 # -----------------------------------------------------------------------------
@@ -255,22 +242,21 @@ def main(argv=None):
         local = {config["reward"]: config["reward_checkpoint"], **dict(item.split("=", 1) for item in args.reward_checkpoint)}
         if args.schnell and config["backbone"] != "flux-dev":
             raise ValueError(f"--schnell is the reference for flux-dev, not for {config['backbone']!r}")
-        styles = None
+        if args.count is not None and args.count < 1:
+            raise ValueError(f"--count must be at least 1 (got {args.count})")
+        styles, own = None, not (args.hpdv2 or args.prompts)  # own: train.py's held-out prompts, --count contexts of them
         if args.hpdv2:
-            prompt_list, styles = load_hpdv2(args.hpdv2)
-        elif args.prompts:
-            prompt_list = load_prompt_file(args.prompts)
-        elif rollout.BACKBONES[config["backbone"]]["family"] != "mixture":
-            raise ValueError(f"backbone {config['backbone']!r} needs prompts: --hpdv2 DIR or --prompts FILE")
+            prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
         else:
-            prompt_list = None  # the backbone's own prompts, cycled over --count contexts, as train.py's table
+            prompt_list = load_prompt_file(args.prompts or config["eval_prompts"]) if args.prompts or config["eval_prompts"] else None
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        threads = rollout.BACKBONES[config["backbone"]]["threads"]
+        torch.set_num_threads(threads or torch.get_num_threads())
         backbone = trained_backbone(config, device)
         backbone.check_prompts(prompt_list or [])
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
-    count = args.count or (None if prompt_list else config["eval_contexts"])  # train.py's held-out table by default
-    prompts, seeds = heldout_contexts(prompt_list or backbone.prompts, count, args.seed)
+    prompts, seeds = heldout_contexts(prompt_list or backbone.prompts, args.count or (config["eval_contexts"] if own else None), args.seed)
     prompts, seeds, styles = prompts[:args.limit], seeds[:args.limit], (styles or [None] * len(prompts))[:args.limit]
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
 

@@ -28,6 +28,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
 
 # softplus(.) + ALPHA_MIN keeps every concentration positive (the paper's policy head).
 ALPHA_MIN = 1e-3
@@ -204,7 +205,7 @@ class CrossAttentionBlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
-class SchedulePolicy(nn.Module):
+class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
     """Instance-level policy: (x_T, prompt) -> Dirichlet concentrations alpha (N, L+1), float32.
 
     Keep it in float32; inputs may come in any float dtype (bf16 from the backbone) and are cast.
@@ -276,7 +277,7 @@ class SchedulePolicy(nn.Module):
         return F.softplus(self.head(tokens.mean(1))) + ALPHA_MIN  # (N, L+1)
 
 
-class GlobalPolicy(nn.Module):
+class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
     """One concentration vector for every context: the schedule does not depend on x_T or the prompt."""
 
     def __init__(self, steps, init="uniform", init_times=None, concentration=100.0, stop_margin=5e-3):

@@ -6,28 +6,55 @@ iteration (context_seed); evaluation uses fixed held-out contexts, the same nois
 so that differences between methods are paired.
 
 Prompt files: a .txt with one prompt per line, a .json list of prompts or of records with a "prompt"
-field (HPDv2's train.json), or a .jsonl of such records (the files in prompts/).
+field (HPDv2's train.json), or a .jsonl of such records (the files in prompts/). A relative path is
+looked up in the current folder, then in this repository, so the shipped prompts/ files are found
+from anywhere. The real backbones train on prompts/train.jsonl and report on prompts/heldout.jsonl
+(HPDv2's four styles, written for this project) unless told otherwise; "hpdv2" means HPDv2's own
+training prompts, from the hub.
 """
 import json
 import os
 
 import torch
 
+REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+TRAIN_PROMPTS, HELDOUT_PROMPTS = "prompts/train.jsonl", "prompts/heldout.jsonl"
+HPDV2 = "zhwang/HPDv2"  # the hub dataset: train.json, benchmark/<style>.json
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
 HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds training draws
 
 
+def _hpdv2_file(filename):
+    from rollout import hub_file
+
+    return hub_file(HPDV2, filename, f"HPDv2's {filename} is not available: fetch it once online with `hf download {HPDV2} "
+                    f"{filename} --repo-type dataset`, or pass a local file or folder", repo_type="dataset")
+
+
 def load_prompt_file(path):
-    """The prompts of a file (see the module docstring); ValueError naming the file if it holds none."""
+    """The prompts of a file (see the module docstring), or of HPDv2's training set for "hpdv2".
+    ValueError in one line naming the file for anything that is not a list of prompts."""
+    if path == "hpdv2":
+        path = _hpdv2_file("train.json")
+    elif not os.path.isabs(path) and not os.path.exists(path) and os.path.isfile(os.path.join(REPOSITORY, path)):
+        path = os.path.join(REPOSITORY, path)
     if not os.path.isfile(path):
         raise ValueError(f"prompt file {path} does not exist")
-    with open(path) as handle:
-        if path.endswith(".json"):
-            records = json.load(handle)
-        elif path.endswith(".jsonl"):
-            records = [json.loads(line) for line in handle if line.strip()]
-        else:
-            records = list(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            if path.endswith(".json"):
+                records = json.load(handle)
+            elif path.endswith(".jsonl"):
+                records = [json.loads(line) for line in handle if line.strip()]
+            else:
+                records = list(handle)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path} is not a prompt file ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{path} holds a JSON {type(records).__name__}, not a list of prompts or of records with a \"prompt\"")
+    bad = [record for record in records if not isinstance(record, str) and not (isinstance(record, dict) and isinstance(record.get("prompt"), str))]
+    if bad:
+        raise ValueError(f"{path}: {len(bad)} entries are neither a prompt nor a record with a \"prompt\" text, e.g. {str(bad[0])[:60]}")
     prompts = [record["prompt"] if isinstance(record, dict) else record for record in records]
     prompts = [prompt.strip() for prompt in prompts if prompt.strip()]
     if not prompts:
@@ -35,19 +62,19 @@ def load_prompt_file(path):
     return prompts
 
 
-def load_hpdv2(folder):
-    """The HPDv2 test prompts (4 styles x 800), interleaved across styles so that any prefix (--limit)
-    is balanced. Returns (prompts, styles)."""
-    files = [os.path.join(folder, f"{style}.json") for style in HPDV2_STYLES]
-    missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
-    if missing:
-        raise ValueError(f"HPDv2 test prompts not found in {folder} (missing {', '.join(missing)}): fetch them with "
-                         "`hf download zhwang/HPDv2 --repo-type dataset --include \"benchmark/*.json\" "
-                         "--local-dir data/HPDv2` and pass --hpdv2 data/HPDv2/benchmark")
-    per_style = {}
-    for style, file in zip(HPDV2_STYLES, files):
-        with open(file) as handle:
-            per_style[style] = json.load(handle)  # a list of prompt strings
+def load_hpdv2(folder=None):
+    """The HPDv2 test prompts (4 styles x 800), from `folder` (benchmark/<style>.json) or the hub,
+    interleaved across styles so that any prefix (--limit) is balanced. Returns (prompts, styles)."""
+    if folder is None:
+        files = [_hpdv2_file(f"benchmark/{style}.json") for style in HPDV2_STYLES]
+    else:
+        files = [os.path.join(folder, f"{style}.json") for style in HPDV2_STYLES]
+        missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"HPDv2 test prompts not found in {folder} (missing {', '.join(missing)}): fetch them with "
+                             f"`hf download {HPDV2} --repo-type dataset --include \"benchmark/*.json\" --local-dir data/HPDv2` "
+                             "and pass --hpdv2 data/HPDv2/benchmark")
+    per_style = {style: load_prompt_file(file) for style, file in zip(HPDV2_STYLES, files)}
     prompts, styles = [], []
     for index in range(max(len(p) for p in per_style.values())):
         for style in HPDV2_STYLES:

@@ -34,6 +34,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from rollout import hub_file
+
 # OpenAI CLIP's normalisation, used by both HPS (open_clip/constants.py) and CLIPImageProcessor
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -60,17 +62,6 @@ def _unique(prompts):
     unique = list(dict.fromkeys(prompts))
     position = {prompt: index for index, prompt in enumerate(unique)}
     return unique, [position[prompt] for prompt in prompts]
-
-
-def _hub_file(repo, filename, hint):
-    """A hub file from the local cache (or downloaded when online); ValueError with `hint` if absent."""
-    from huggingface_hub import hf_hub_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
-    try:
-        return hf_hub_download(repo, filename, local_files_only=offline)
-    except Exception as error:  # not cached offline, no network, gated repo: all mean "not here"
-        raise ValueError(f"{hint} ({type(error).__name__})") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -208,9 +199,9 @@ def hps_checkpoint(version="v2.1", checkpoint=None):
         raise ValueError(f"unknown HPS version {version!r}; known: {', '.join(HPS_FILES)}")
     filename = HPS_FILES[version]
     hint = (f"HPS {version} checkpoint not found: get {filename} from the hub repo {HPS_REPO} "
-            f"(huggingface-cli download {HPS_REPO} {filename}) or pass --reward-checkpoint PATH")
+            f"(hf download {HPS_REPO} {filename}) or pass --reward-checkpoint PATH")
     if checkpoint is None:
-        return _hub_file(HPS_REPO, filename, hint)
+        return hub_file(HPS_REPO, filename, hint)
     if not os.path.isfile(checkpoint):
         raise ValueError(f"{hint}; no file at {checkpoint}")
     return checkpoint
@@ -265,7 +256,7 @@ class CLIPReward:
             self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         except OSError as error:
             raise ValueError(f"CLIP model {checkpoint!r} not found ({type(error).__name__}): download it with "
-                             f"`huggingface-cli download {checkpoint}` or pass --reward-checkpoint PATH to a local copy") from None
+                             f"`hf download {checkpoint}` or pass --reward-checkpoint PATH to a local copy") from None
         self.image_size = self.model.config.vision_config.image_size
         self.max_length = self.model.config.text_config.max_position_embeddings
 
@@ -300,16 +291,19 @@ REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip}
 def check_reward(name, checkpoint=None):
     """Fail fast, before a backbone is loaded: ValueError (one line) if the packages or weights of the
     reward `name` are not on this machine. Loads nothing heavy."""
-    if name == "hpsv2":
-        try:
-            _import_hps()
-        except ImportError as error:
-            raise ValueError(str(error)) from None
-        hps_checkpoint(checkpoint=checkpoint)
+    if name == "hpsv2":  # the packages and the checkpoint, both reported when both are missing
+        missing = []
+        for check in (_import_hps, lambda: hps_checkpoint(checkpoint=checkpoint)):
+            try:
+                check()
+            except (ImportError, ValueError) as error:
+                missing.append(str(error))
+        if missing:
+            raise ValueError("; ".join(missing))
     if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
         model = checkpoint or CLIP_DEFAULT
-        _hub_file(model, "config.json", f"CLIP model {model!r} not found: download it with "
-                  f"`huggingface-cli download {model}` or pass --reward-checkpoint PATH to a local copy")
+        hub_file(model, "config.json", f"CLIP model {model!r} not found: download it with "
+                  f"`hf download {model}` or pass --reward-checkpoint PATH to a local copy")
 
 
 def load_reward(name, backbone, device=None, checkpoint=None, **options):

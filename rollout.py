@@ -20,6 +20,8 @@ pipeline's own latents (tests/test_rollout_diffusers.py).
 """
 import inspect
 import os
+import socket
+import urllib.parse
 
 import torch
 
@@ -27,22 +29,26 @@ import torch
 # the image side; guidance: the true-CFG scale (SD3.5, SD-XL), the distilled guidance embedding
 # (Flux-Dev) or None (no guidance input); the values recommended by the SD3.5 model cards (Medium 4.5,
 # Large 3.5) and the SD-XL and Flux-Dev pipelines' defaults (5.0, 3.5). policy: the size in
-# policy.PRESETS. contexts: the paper's B (K = 2). iterations, lr, reward, rollout_batch (samples per
-# backbone call, for memory): this project's defaults for train.py; the paper states none of them.
+# policy.PRESETS. contexts, rollouts: the paper's B and K. iterations, lr, reward, rollout_batch (samples
+# per backbone call, for memory): this project's defaults for train.py; the paper states none of them.
+# threads: CPU threads (None: torch's default; the embedded backbones' tensors are tiny, so a second
+# thread only adds contention).
+REAL = dict(resolution=1024, policy="real", rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2", threads=None)
+EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", contexts=32,
+                iterations=300, lr=3e-3, reward="teacher", rollout_batch=None, threads=1)
 BACKBONES = {
-    "sd35m": dict(family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", resolution=1024, guidance=4.5,
-                  policy="real", contexts=32, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=16),
-    "sd35l": dict(family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", resolution=1024, guidance=3.5,
-                  policy="real", contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
-    "sdxl": dict(family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", resolution=1024, guidance=5.0,
-                 policy="real", contexts=32, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=16),
-    "flux-dev": dict(family="flux", hub_id="black-forest-labs/FLUX.1-dev", resolution=1024, guidance=3.5,
-                     policy="real", contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
-    "flux-schnell": dict(family="flux", hub_id="black-forest-labs/FLUX.1-schnell", resolution=1024, guidance=None,
-                         policy="real", contexts=16, iterations=1000, lr=1e-4, reward="hpsv2", rollout_batch=8),
-    # (spread, std, shift) of each sub-population of a digit class: see MixtureBackbone
-    "digits": dict(family="mixture", hub_id=None, resolution=8, guidance=None, populations=[[(1.0, 0.1, 0.0)]] * 10,
-                   policy="embedded", contexts=32, iterations=300, lr=3e-3, reward="teacher", rollout_batch=None),
+    "sd35m": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, contexts=32, rollout_batch=16),
+    "sd35l": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5, contexts=16, rollout_batch=8),
+    "sdxl": dict(REAL, family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0, contexts=32, rollout_batch=16),
+    "flux-dev": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-dev", guidance=3.5, contexts=16, rollout_batch=8),
+    "flux-schnell": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None, contexts=16, rollout_batch=8),
+    # The embedded backbones: (spread, std, shift) of each sub-population of a digit class, see MixtureBackbone.
+    # digits: one population per class; the best schedule is nearly the same for every context.
+    "digits": dict(EMBEDDED, rollouts=2, populations=[[(1.0, 0.1, 0.0)]] * 10),
+    # digits-prompt: sharp, spread-out digits 0-4 and blurred ones 5-9 want opposite schedules: the prompt says which.
+    "digits-prompt": dict(EMBEDDED, rollouts=8, populations=[[(1.5, 0.02, 0.0)]] * 5 + [[(1.0, 0.5, 0.0)]] * 5),
+    # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise says which.
+    "digits-noise": dict(EMBEDDED, rollouts=8, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
 }
 
 
@@ -517,28 +523,39 @@ def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
 # loading
 
 
-def _missing_weights(name, hub_id):
-    return ValueError(f"{name}: the weights of {hub_id} are not available; run `hf auth login` (`huggingface-cli "
-                      f"login` before huggingface_hub 1.0) and accept the licence on https://huggingface.co/{hub_id}, "
-                      f"or pass a local diffusers folder with --model-path")
+def hub_file(repo, filename, missing, repo_type=None):
+    """A file of a hub repository from the local cache, else downloaded. When it is neither cached nor
+    reachable: ValueError(`missing` + why) at once, not after the hub client's retries."""
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo, filename, repo_type=repo_type)
+    if isinstance(cached, str):
+        return cached
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname
+    try:
+        if constants.HF_HUB_OFFLINE:
+            raise OSError("HF_HUB_OFFLINE is set")
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as error:
+        raise ValueError(f"{missing} (not in the local cache, and {host} is unreachable: {error})") from None
+    try:
+        return hf_hub_download(repo, filename, repo_type=repo_type)
+    except Exception as error:  # gated, missing or refused: all mean "not available"
+        raise ValueError(f"{missing} ({type(error).__name__})") from None
 
 
-def _locate_weights(name, hub_id, path):
-    """Where from_pretrained should load from; raises the one-line error before anything heavy runs."""
+def locate_weights(name, path=None):
+    """Where from_pretrained loads backbone `name` from: the local diffusers folder `path`, or its hub
+    id once its files are cached or reachable. ValueError in one line saying how to get them."""
+    hub_id = BACKBONES[name]["hub_id"]
     if path is not None:
         if not os.path.isfile(os.path.join(path, "model_index.json")):
             raise ValueError(f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
                              f"that holds model_index.json, or drop --model-path to use {hub_id} from the hub")
         return path
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
-    from huggingface_hub.errors import EntryNotFoundError
-
-    if isinstance(try_to_load_from_cache(hub_id, "model_index.json"), str):
-        return hub_id
-    try:  # offline: fails at once; online: a gated or missing repository fails here, not mid-download
-        hf_hub_download(hub_id, "model_index.json")
-    except (OSError, EntryNotFoundError) as error:
-        raise _missing_weights(name, hub_id) from error
+    if hub_id is not None:
+        hub_file(hub_id, "model_index.json", f"{name}: the weights of {hub_id} are not available; run `hf auth login` and "
+                 f"accept the licence on https://huggingface.co/{hub_id}, or pass a local diffusers folder with --model-path")
     return hub_id
 
 
@@ -548,7 +565,7 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
     spec = BACKBONES[name]
     if spec["family"] == "mixture":
         return MixtureBackbone(name, spec["populations"], device=device)
-    location = _locate_weights(name, spec["hub_id"], path)
+    location = locate_weights(name, path)
     import diffusers
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -557,6 +574,8 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
     try:
         pipe = pipeline_class.from_pretrained(location, dtype=dtype)
     except OSError as error:  # a partial download or a file the hub refuses
-        raise _missing_weights(name, spec["hub_id"]) from error
+        raise ValueError(f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run `hf auth login`, "
+                         f"accept the licence on https://huggingface.co/{spec['hub_id']} and download again, or pass "
+                         "--model-path") from None
     return from_pipeline(pipe.to(device), spec["family"], name=name, resolution=resolution or spec["resolution"],
                          guidance=spec["guidance"] if guidance is None else guidance)

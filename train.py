@@ -3,18 +3,21 @@ Train an instance-level sampling schedule with REINFORCE and a James-Stein basel
 
 CPU, the embedded digits backbone (no download, about a minute on 2 cores):
     python train.py
-One GPU, a frozen Stable Diffusion 3.5 Medium with the HPSv2 reward:
-    python train.py --backbone sd35m --steps 10 --prompts prompts.txt
+One GPU, a frozen Stable Diffusion 3.5 Medium with the HPSv2 reward, on the shipped prompts:
+    python train.py --backbone sd35m --steps 10
 Several GPUs (the global batch is the same; each rank takes its share of contexts):
-    torchrun --standalone --nproc_per_node=8 train.py --backbone flux-dev --steps 5 --prompts prompts.txt
-Continue a killed run from its last checkpoint:
-    python train.py --out-dir out --resume
+    torchrun --standalone --nproc_per_node=8 train.py --backbone flux-dev --steps 5
+A run folder is never overwritten: running the same command again continues a killed run from its
+last checkpoint, or reports a finished one.
 """
 
 import argparse
 import dataclasses
+import inspect
 import json
+import math
 import os
+import re
 import time
 import types
 from dataclasses import dataclass
@@ -25,11 +28,12 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
-from evaluate import default_schedule, evaluate, format_table, policy_schedule, summarize, write_json_atomic
+from checkpoints import existing_run, restore, save_checkpoint, save_policy
+from evaluate import format_table, heldout_curve, heldout_report
 from policy import POLICIES, log_prob, make_policy, mean_increments, sample_increments, times_from_increments
-from prompts import context_seed, heldout_contexts, load_prompt_file
+from prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, context_seed, heldout_contexts, load_prompt_file
 from rewards import REWARDS, check_reward, load_reward
-from rollout import BACKBONES, load_backbone
+from rollout import BACKBONES, load_backbone, locate_weights
 from sample import plot_training
 
 # -----------------------------------------------------------------------------
@@ -39,8 +43,8 @@ from sample import plot_training
 @dataclass
 class Config:
     # I/O
-    out_dir: str = "out"  # checkpoint, metrics.jsonl, eval.json and the figure go here
-    resume: bool = False  # continue from out_dir/ckpt.pt
+    out_dir: str = "out"  # checkpoint, metrics.jsonl, eval.json, the figure and policy/ go here
+    resume: bool = False  # insist on continuing out_dir/ckpt.pt (an existing run is always continued, never overwritten)
     ckpt_interval: int = 50  # iterations between checkpoints (a kill loses at most this many)
     log_interval: int = 10  # iterations between log lines
     # backbone
@@ -48,7 +52,7 @@ class Config:
     model_path: str | None = None  # local diffusers folder replacing the hub id
     resolution: int | None = None  # image side in pixels
     guidance: float | None = None  # CFG scale (distilled guidance for flux-dev)
-    prompts: str | None = None  # training prompt file (.txt, .json, .jsonl); digits: its ten prompts
+    prompts: str | None = None  # training prompts: a file (.txt, .json, .jsonl) or hpdv2; None = prompts/train.jsonl
     # policy
     policy: str = "instance"  # instance (conditioned on noise and prompt) | global (one schedule for all)
     steps: int = 4  # L, model calls per sample; one policy per L
@@ -59,7 +63,7 @@ class Config:
     # baseline
     baseline: str = "js"  # js | js-unbiased | rloo | xctx
     contexts: int | None = None  # B, contexts (prompt + noise) per update, over all ranks
-    rollouts: int = 2  # K, schedules drawn per context
+    rollouts: int | None = None  # K, schedules drawn per context
     rollout_batch: int | None = None  # samples per backbone call (memory); None = all at once
     # optim
     iterations: int | None = None  # policy updates
@@ -68,15 +72,17 @@ class Config:
     grad_clip: float = 1.0  # gradient-norm clip (the paper)
     # evaluation
     eval_contexts: int = 256  # held-out contexts for the final table
-    eval_prompts: str | None = None  # held-out prompt file for real backbones (digits: its ten prompts, new noises)
+    eval_prompts: str | None = None  # held-out prompt file; None = prompts/heldout.jsonl (embedded: their own prompts)
     # system
     seed: int = 0  # seeds contexts, rollouts and the policy initialisation
-    device: str | None = None  # cpu | cuda; None picks cuda when available
+    device: str | None = None  # cpu | cuda; None = cuda if available (a real backbone needs --device cpu to run on a CPU)
     dtype: str | None = None  # backbone dtype; None = bfloat16 on CUDA, float32 on CPU
+    threads: int | None = None  # CPU threads; None = 1 for the embedded backbones (tiny tensors), torch's default otherwise
 
 
 CHOICES = dict(backbone=list(BACKBONES), policy=list(POLICIES), init=["default", "uniform"], reward=list(REWARDS),
-               baseline=list(BASELINES), dtype=["bfloat16", "float16", "float32"])
+               baseline=list(BASELINES), dtype=["bfloat16", "float16", "float32"], device=["cpu", "cuda"])
+HELP = dict(re.findall(r"^    (\w+): .+?  # (.+)$", inspect.getsource(Config), re.M))  # the comments above
 # The global policy is one vector of logits with no network in front: at the instance policy's
 # learning rate it barely moves in a digits run.
 GLOBAL_LR_FACTOR = 30
@@ -87,61 +93,61 @@ def parse_config(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.error = lambda message: parser.exit(2, f"train.py: error: {message}\n")  # one line, without the usage
     for field in dataclasses.fields(Config):
-        flag = "--" + field.name.replace("_", "-")
+        flag, help = "--" + field.name.replace("_", "-"), f"{HELP[field.name]} (default: {field.default})"
         if field.type is bool:
-            parser.add_argument(flag, action="store_true")
+            parser.add_argument(flag, action="store_true", help=help)
             continue
         kind = field.type
         if isinstance(kind, types.UnionType):  # "int | None" -> int
             kind = next(arg for arg in kind.__args__ if arg is not type(None))
-        parser.add_argument(flag, type=kind, default=field.default, choices=CHOICES.get(field.name))
+        parser.add_argument(flag, type=kind, default=field.default, choices=CHOICES.get(field.name), help=help)
     config = Config(**vars(parser.parse_args(argv)))
-    for key in ("contexts", "iterations", "lr", "reward", "rollout_batch"):
+    for key in ("contexts", "rollouts", "iterations", "lr", "reward", "rollout_batch", "threads"):
         if getattr(config, key) is None:
             default = BACKBONES[config.backbone][key]
             setattr(config, key, default * GLOBAL_LR_FACTOR if key == "lr" and config.policy == "global" else default)
+    embedded = BACKBONES[config.backbone]["family"] == "mixture"  # the embedded backbones bring their own prompts
+    config.prompts = config.prompts or (None if embedded else TRAIN_PROMPTS)
+    config.eval_prompts = config.eval_prompts or (None if embedded else HELDOUT_PROMPTS)
     return config
 
 
 def check_config(config, world_size):
     """What argparse cannot say fails here in one line, before anything heavy is loaded. Returns the
-    training prompts of --prompts (None: the backbone's own)."""
-    if config.steps < 1:
-        raise SystemExit(f"error: --steps must be at least 1 (got {config.steps})")
-    if config.rollouts < 2:
-        raise SystemExit(f"error: --rollouts must be at least 2 for a leave-one-out baseline (got {config.rollouts})")
-    if config.contexts < MIN_CONTEXTS[config.baseline]:
-        raise SystemExit(f"error: --baseline {config.baseline} needs at least {MIN_CONTEXTS[config.baseline]} contexts "
-                         f"per update (got --contexts {config.contexts}); raise --contexts")
+    training prompts (None: the backbone's own) and the run out_dir already holds (or None)."""
+    least = dict(steps=1, rollouts=2, contexts=MIN_CONTEXTS[config.baseline], iterations=1, ckpt_interval=1,
+                 log_interval=1, eval_contexts=1, rollout_batch=1, resolution=8, threads=1)
+    for key, minimum in least.items():
+        if getattr(config, key) is not None and getattr(config, key) < minimum:
+            why = {"rollouts": " for a leave-one-out baseline", "contexts": f" for --baseline {config.baseline}"}.get(key, "")
+            raise SystemExit(f"error: --{key.replace('_', '-')} must be at least {minimum}{why} (got {getattr(config, key)})")
+    for key, positive in (("lr", True), ("grad_clip", True), ("weight_decay", False), ("guidance", False)):
+        value = getattr(config, key)
+        if value is not None and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+            raise SystemExit(f"error: --{key.replace('_', '-')} must be a finite number {'> 0' if positive else '>= 0'} (got {value})")
     if config.contexts % world_size:
         raise SystemExit(f"error: --contexts {config.contexts} is not divisible by the {world_size} ranks; "
                          "choose a multiple of the number of processes")
-    if BACKBONES[config.backbone]["family"] != "mixture" and config.prompts is None:
-        raise SystemExit("error: real backbones train on a prompt list; pass --prompts FILE (.txt, .json, .jsonl)")
+    if BACKBONES[config.backbone]["family"] != "mixture" and config.device is None and not torch.cuda.is_available():
+        raise SystemExit(f"error: {config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
+                         "--device cpu to insist (or try --backbone digits)")
     try:
         prompts = load_prompt_file(config.prompts) if config.prompts else None
         if config.eval_prompts:
             load_prompt_file(config.eval_prompts)
+        return prompts, existing_run(dataclasses.asdict(config))
     except ValueError as error:
         raise SystemExit(f"error: {error}")
-    ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
-    if config.resume:
-        if not os.path.isfile(ckpt_path):
-            raise SystemExit(f"error: --resume but {ckpt_path} does not exist; drop --resume to start afresh")
-        saved = torch.load(ckpt_path, map_location="cpu", weights_only=False)["config"]
-        for key in ("backbone", "steps", "policy", "contexts", "rollouts"):
-            if saved[key] != getattr(config, key):
-                raise SystemExit(f"error: {ckpt_path} was trained with {key}={saved[key]!r}, not {getattr(config, key)!r}; "
-                                 f"pass --{key} {saved[key]} or another --out-dir")
-    elif os.path.isfile(ckpt_path):
-        raise SystemExit(f"error: {ckpt_path} exists; pass --resume to continue it or choose another --out-dir")
-    return prompts
 
 
-def save_checkpoint(path, state):
-    """Written to a temporary file, then renamed: a kill never leaves a corrupt checkpoint."""
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+def announce_cost(config):
+    """What one update costs, before anything loads: model evaluations and reward calls."""
+    spec, samples = BACKBONES[config.backbone], config.contexts * config.rollouts
+    guidance = spec["guidance"] if config.guidance is None else config.guidance
+    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1  # true CFG doubles each batch
+    print(f"one update: B x K x L = {config.contexts} x {config.rollouts} x {config.steps} = {samples * config.steps:,} model "
+          f"evaluations{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
+          + (f" (the teacher solves {config.contexts} contexts)" if config.reward == "teacher" else ""))
 
 
 # -----------------------------------------------------------------------------
@@ -161,38 +167,47 @@ def main(config):
         rank, world_size = 0, 1
         device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     master = rank == 0
-    prompts = check_config(config, world_size)
+    prompts, checkpoint = check_config(config, world_size)
+    ckpt_path, metrics_path, eval_path = (os.path.join(config.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl", "eval.json"))
+    if checkpoint and checkpoint["iteration"] >= config.iterations and os.path.isfile(eval_path):
+        if master:  # the same command again: say what is there instead of failing or overwriting
+            with open(eval_path) as file:
+                table = format_table(json.load(file)["rows"])
+            print(f"{config.out_dir} holds this run, finished at iteration {checkpoint['iteration']}; its held-out table:\n"
+                  f"{table}\nto train again, pass another --out-dir (or --iterations N > {checkpoint['iteration']} to continue)")
+        return
+    if config.threads:
+        torch.set_num_threads(config.threads)
     contexts_per_rank = config.contexts // world_size
     torch.manual_seed(config.seed)
+    if master:
+        announce_cost(config)
 
-    try:  # missing or gated weights, a missing reward package: one line, before the heavy loading
-        check_reward(config.reward, config.reward_checkpoint)
-        backbone = load_backbone(config.backbone, path=config.model_path, device=device, resolution=config.resolution,
-                                 dtype=getattr(torch, config.dtype) if config.dtype else None, guidance=config.guidance)
+    missing = []  # every missing piece in one message, before either model loads
+    for check in (lambda: check_reward(config.reward, config.reward_checkpoint), lambda: locate_weights(config.backbone, config.model_path)):
+        try:
+            check()
+        except ValueError as error:
+            missing.append(str(error))
+    if missing:
+        raise SystemExit("error: " + "; ".join(missing))
+    backbone = load_backbone(config.backbone, path=config.model_path, device=device, resolution=config.resolution,
+                             dtype=getattr(torch, config.dtype) if config.dtype else None, guidance=config.guidance)
+    prompts = prompts or backbone.prompts
+    heldout = heldout_contexts(load_prompt_file(config.eval_prompts) if config.eval_prompts else backbone.prompts, config.eval_contexts)
+    try:  # a prompt the backbone cannot take fails here, not at an iteration
+        backbone.check_prompts(prompts + heldout[0])
     except ValueError as error:
         raise SystemExit(f"error: {error}")
-    prompts = prompts or backbone.prompts
     reward = load_reward(config.reward, backbone, device=device, checkpoint=config.reward_checkpoint)
-    default_times = backbone.default_times(config.steps)
+    curve = heldout_curve(backbone, reward, heldout[0][:32], heldout[1][:32], config.steps) if master else None
 
     raw_policy = make_policy(config.policy, backbone.policy_dims, config.steps, preset=BACKBONES[config.backbone]["policy"],
-                             init_times=default_times if config.init == "default" else None).to(device)
+                             init_times=backbone.default_times(config.steps) if config.init == "default" else None).to(device)
     optimizer = torch.optim.AdamW(raw_policy.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    start = 0
-    ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
-    metrics_path = os.path.join(config.out_dir, "metrics.jsonl")
-    if config.resume:
-        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-        raw_policy.load_state_dict(checkpoint["policy"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        torch.set_rng_state(checkpoint["rng"]["torch"])
-        start = checkpoint["iteration"]
-        if master:  # rows logged after the checkpoint will be logged again
-            with open(metrics_path) as file:
-                rows = [line for line in file if json.loads(line)["iteration"] <= start]
-            with open(metrics_path + ".tmp", "w") as file:
-                file.writelines(rows)
-            os.replace(metrics_path + ".tmp", metrics_path)
+    start = restore(checkpoint, raw_policy, optimizer, metrics_path if master else None) if checkpoint else 0
+    if checkpoint and master:
+        print(f"continuing {ckpt_path} from iteration {start}")
     policy = DistributedDataParallel(raw_policy) if distributed else raw_policy
 
     if master:
@@ -235,8 +250,9 @@ def main(config):
         else:
             all_rewards = rewards
         if not torch.isfinite(all_rewards).all():  # every baseline pools rewards: one NaN would reach every gradient
-            raise SystemExit(f"error: iteration {iteration + 1}: {int((~torch.isfinite(all_rewards)).sum())} rewards are "
-                             f"NaN or inf; the reward model or the backbone ({config.dtype or 'default'} dtype) broke")
+            raise SystemExit(f"error: iteration {iteration + 1}: {int((~torch.isfinite(all_rewards)).sum())} rewards are NaN "
+                             f"or inf, so the reward model or the backbone ({config.dtype or 'default'} dtype) overflowed; "
+                             f"{ckpt_path} holds the last good state")
         baseline = BASELINES[config.baseline](all_rewards)  # (B, K), detached
         advantages = (all_rewards - baseline)[first : first + contexts_per_rank].to(device)
 
@@ -257,12 +273,13 @@ def main(config):
                        loss=loss.item(), grad_norm=grad_norm.item(), concentration=alpha.detach().sum(-1).mean().item(),
                        stop_margin=mean_increments(alpha.detach())[:, -1].mean().item(),  # t_L of the mean schedule
                        rollout_s=t_rollout, step_s=time.time() - t0)
+            if done % config.ckpt_interval == 0 or done == config.iterations:  # on the first 32 held-out contexts
+                row["heldout_gain"] = curve(raw_policy)
             with open(metrics_path, "a") as file:
                 file.write(json.dumps(row) + "\n")
             if done % config.log_interval == 0 or done == config.iterations:
-                progress.write(f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a {row['shrinkage']:.3f} | "
-                               f"loss {row['loss']:+.4f} | grad {row['grad_norm']:.3f} | concentration "
-                               f"{row['concentration']:.1f} | stop margin {row['stop_margin']:.4f}")
+                progress.write(f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a {row['shrinkage']:.3f} | loss {row['loss']:+.4f} | "
+                               f"grad {row['grad_norm']:.3f} | concentration {row['concentration']:.1f} | stop margin {row['stop_margin']:.4f}")
             if done % config.ckpt_interval == 0 or done == config.iterations:
                 save_checkpoint(ckpt_path, dict(policy=raw_policy.state_dict(), policy_config=raw_policy.config,
                                                 optimizer=optimizer.state_dict(), iteration=done,
@@ -270,28 +287,13 @@ def main(config):
 
     # ---------------- held-out evaluation (rank 0) ----------------
     if master:
-        report(config, backbone, reward, raw_policy)
+        heldout_report(config.out_dir, backbone, reward, raw_policy, *heldout, config.reward, config.seed)
+        plot_training(config.out_dir, backbone, raw_policy, *heldout, config.reward)
+        save_policy(os.path.join(config.out_dir, "policy"), raw_policy, dataclasses.asdict(config), config.iterations)
+        print(f"wrote {ckpt_path}, {metrics_path}, {eval_path}, the figure train.png and policy/ (Hub format) in {config.out_dir}")
     if distributed:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def report(config, backbone, reward, policy):
-    """The final table: held-out contexts never seen in training, the same noises for every method."""
-    if backbone.prompts is None and config.eval_prompts is None:
-        print(f"no held-out prompts (--eval-prompts); evaluate with: python evaluate.py --ckpt {config.out_dir}/ckpt.pt --hpdv2 DIR")
-        return
-    prompts, seeds = heldout_contexts(load_prompt_file(config.eval_prompts) if config.eval_prompts else backbone.prompts,
-                                      config.eval_contexts)
-    methods = {"default": default_schedule(backbone, config.steps), "learned (mean)": policy_schedule(policy, backbone),
-               "learned (sampled)": policy_schedule(policy, backbone, "sample", torch.Generator().manual_seed(config.seed))}
-    teacher = "limit (teacher)" if config.reward == "teacher" else None  # the reward's own target: error 0
-    scores = evaluate(backbone, reward, prompts, seeds, methods, reference=teacher)
-    rows = summarize(scores)
-    print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {config.reward}, L = {config.steps}\n{format_table(rows)}")
-    write_json_atomic(os.path.join(config.out_dir, "eval.json"),  # ablation.py takes an existing one as a finished run
-                      dict(rows=rows, steps=config.steps, contexts=len(seeds), reward=config.reward))
-    plot_training(config.out_dir, backbone, policy, config.steps, prompts[:8], seeds[:8], config.reward)
 
 
 if __name__ == "__main__":

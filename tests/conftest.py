@@ -69,5 +69,6 @@ def tiny_runs(tmp_path_factory):
             runs[backbone] = train_in_process(
                 folder / f"out_{backbone}", "--backbone", backbone, "--model-path", str(folder / family), "--resolution",
                 str(TINY_RESOLUTION), "--prompts", str(prompts), "--eval-prompts", str(prompts), "--reward", "teacher",
-                "--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4", "--rollout-batch", "3")
+                "--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4", "--rollout-batch", "3",
+                "--device", "cpu")
     return runs, folder

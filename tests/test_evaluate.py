@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import evaluate
+from checkpoints import load_checkpoint, trained_backbone
 import rewards
 import rollout
 from conftest import run_script
@@ -76,7 +77,7 @@ def test_heldout_contexts_and_noise(backbone):
 
 
 def test_scores_equal_a_direct_computation_and_noise_is_paired(backbone, teacher, ckpt):
-    _, policy = evaluate.load_checkpoint(ckpt)
+    _, policy = load_checkpoint(ckpt)
     prompts, seeds = heldout_contexts(backbone.prompts, 10)
     learned = evaluate.policy_schedule(policy, backbone)
     seen = {"default": [], "learned": []}
@@ -109,7 +110,7 @@ def test_scores_equal_a_direct_computation_and_noise_is_paired(backbone, teacher
 
 
 def test_scores_do_not_depend_on_the_batch_size(backbone, teacher, ckpt):
-    _, policy = evaluate.load_checkpoint(ckpt)
+    _, policy = load_checkpoint(ckpt)
     prompts, seeds = heldout_contexts(backbone.prompts, 10)
     methods = {"default": evaluate.default_schedule(backbone, STEPS), "learned": evaluate.policy_schedule(policy, backbone)}
     whole = evaluate.evaluate(backbone, teacher, prompts, seeds, methods, reference="limit", batch_size=64)
@@ -181,8 +182,8 @@ def test_cli_writes_table_scores_plots_and_resumes(tmp_path, monkeypatch, backbo
     assert not list(out.glob("*.tmp"))
 
     # the table agrees with scores computed here on the same contexts
-    _, learned_policy = evaluate.load_checkpoint(ckpt)
-    _, global_policy = evaluate.load_checkpoint(global_ckpt)
+    _, learned_policy = load_checkpoint(ckpt)
+    _, global_policy = load_checkpoint(global_ckpt)
     prompts, seeds = heldout_contexts(backbone.prompts, 10)
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     direct = {"default": backbone.default_times(STEPS).expand(10, -1),
@@ -256,8 +257,6 @@ def test_mismatched_global_checkpoint_and_missing_prompts(tmp_path, monkeypatch,
         evaluate.main(["--ckpt", ckpt, "--global-ckpt", sd35m])
     with pytest.raises(SystemExit, match="HPDv2 test prompts not found .*`hf download zhwang/HPDv2"):
         evaluate.main(["--ckpt", ckpt, "--hpdv2", str(tmp_path / "nowhere")])
-    with pytest.raises(SystemExit, match="needs prompts: --hpdv2 DIR or --prompts FILE"):
-        evaluate.main(["--ckpt", sd35m])
     with pytest.raises(SystemExit, match="--schnell is the reference for flux-dev"):
         evaluate.main(["--ckpt", ckpt, "--schnell"])
 
@@ -286,7 +285,7 @@ def test_cli_on_tiny_flux_with_schnell_from_the_same_noise(tmp_path, monkeypatch
 
     # Flux-Schnell samples from Flux-Dev's noise with its own text encoding and 4 default steps
     config = torch.load(ckpt, weights_only=False)["config"]
-    dev = evaluate.trained_backbone(config, "cpu")
+    dev = trained_backbone(config, "cpu")
     schnell = rollout.load_backbone("flux-schnell", path=str(folder / "flux-schnell"), resolution=config["resolution"])
     noise = context_noise(dev, [10**6, 10**6 + 1, 10**6 + 2])
     latents = schnell.sample(noise, schnell.encode_prompts(texts), schnell.default_times(4).expand(3, -1))
@@ -302,3 +301,22 @@ def test_an_unknown_reward_fails_in_one_line_with_the_choices(capsys, ckpt):
     assert error.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "argument --rewards: invalid choice: 'beauty' (choose from" in lines[0]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--count", "0"], "--count must be at least 1 \\(got 0\\)"),
+    (["--steps", "5"], "was trained for L=4 steps, not L=5"),
+])
+def test_bad_evaluate_input_fails_in_one_line(ckpt, args, message):
+    with pytest.raises(SystemExit, match=message) as error:
+        evaluate.main(["--ckpt", ckpt, *args])
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("script", [evaluate, __import__("sample")])
+def test_a_truncated_checkpoint_fails_in_one_line(tmp_path, ckpt, script):
+    truncated = tmp_path / "ckpt.pt"
+    truncated.write_bytes(open(ckpt, "rb").read()[:5000])
+    with pytest.raises(SystemExit, match=f"{truncated} is not a readable checkpoint") as error:
+        script.main(["--ckpt", str(truncated)])
+    assert "\n" not in str(error.value)

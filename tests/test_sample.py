@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 import evaluate
+from checkpoints import load_checkpoint
 import rollout
 import sample
 from conftest import run_script
@@ -37,11 +38,13 @@ def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt):
     samples = tmp_path / "out" / "samples"
     assert str(samples) in result.stdout
     images = sorted(path.name for path in samples.glob("0*.png"))
-    assert len(images) == 2 * 10  # one context per class, default and learned
-    assert images[:2] == ["000_a-handwritten-0_seed0_default.png", "000_a-handwritten-0_seed0_learned.png"]
+    assert len(images) == 3 * 10  # one context per class: default, learned and the teacher
+    assert images[:3] == [f"000_a-handwritten-0_seed0_{name}.png" for name in ("default", "learned", "teacher")]
     assert Image.open(samples / images[0]).size == (128, 128)  # 8x8 upscaled with nearest neighbours
     grid = Image.open(samples / "grid.png")
-    assert grid.height >= 4 * grid.width  # ten rows of two square columns
+    assert grid.height >= 2.5 * grid.width  # ten rows of three square columns
+    # every context's distance to the teacher, learned and default, is printed (and titles the grid's images)
+    assert result.stdout.count("distance to the teacher") == 10
     assert (samples / "schedules.png").stat().st_size > 0
     saved = json.loads((samples / "schedules.json").read_text())
     assert saved["default"] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
@@ -53,16 +56,16 @@ def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
     sample.main(["--ckpt", ckpt, "--prompt", "a handwritten 3", "--prompt", "a handwritten 8", "--seeds", "5", "6",
                  "--out-dir", str(out)])
     backbone = rollout.load_backbone("digits")
-    _, policy = evaluate.load_checkpoint(ckpt)
+    _, policy = load_checkpoint(ckpt)
     prompts, seeds = ["a handwritten 3"] * 2 + ["a handwritten 8"] * 2, [5, 6, 5, 6]
     noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
     cond = backbone.encode_prompts(prompts)
     learned_times = evaluate.policy_schedule(policy, backbone)(noise, cond)
-    expected = {"default": backbone.default_times(STEPS).expand(4, -1), "learned": learned_times}
+    expected = {"default": backbone.default_times(STEPS).expand(4, -1), "learned": learned_times, "teacher": None}
     saved = json.loads((out / "schedules.json").read_text())
     torch.testing.assert_close(torch.tensor([c["learned"] for c in saved["contexts"]]), learned_times)
     for name, times in expected.items():
-        images = backbone.decode(backbone.sample(noise, cond, times))
+        images = backbone.decode(backbone.reference(noise, cond) if times is None else backbone.sample(noise, cond, times))
         for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
             written = np.asarray(Image.open(out / f"{index:03d}_{sample.slug(prompt)}_seed{seed}_{name}.png"))
             assert np.array_equal(written, np.asarray(sample.to_pil(images[index])))
@@ -121,3 +124,22 @@ def test_tiny_flux_backbone(tmp_path, tiny_runs):
 def test_a_prompt_digits_does_not_know_fails_in_one_line(ckpt):
     with pytest.raises(SystemExit, match="digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got 'a cat'"):
         sample.main(["--ckpt", ckpt, "--prompt", "a handwritten 3", "--prompt", "a cat"])
+
+
+def test_pipeline_path_writes_the_stock_pipeline_images(tmp_path, tiny_runs):
+    runs, _ = tiny_runs
+    out = tmp_path / "samples"
+    sample.main(["--ckpt", str(runs["flux-dev"] / "policy"), "--prompt", "a cat", "--seeds", "0", "--pipeline", "--out-dir", str(out)])
+    default, learned = (Image.open(out / f"000_a-cat_seed0_{name}.png") for name in ("default", "learned"))
+    assert default.size == learned.size == (32, 32)  # the pipeline's own images: no upscaling
+    assert not np.array_equal(np.asarray(default), np.asarray(learned))
+
+
+def test_export_a_global_schedule(tmp_path, digits_global_run, ckpt):
+    sample.main(["--ckpt", str(digits_global_run / "policy"), "--export", str(tmp_path / "schedule.json")])
+    exported = json.loads((tmp_path / "schedule.json").read_text())
+    assert exported["backbone"] == "digits" and len(exported["times"]) == 5 and exported["times"][0] == 1.0
+    assert exported["times"][-1] > 0  # the stop margin, not a final 0
+    with pytest.raises(SystemExit, match="only a global one exports") as error:
+        sample.main(["--ckpt", ckpt, "--export", str(tmp_path / "instance.json")])
+    assert "\n" not in str(error.value)

@@ -5,6 +5,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -61,11 +62,11 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch)
         reward = real_load_reward(*a, **k)
         calls = {"n": 0}
 
-        def dying(*args, **kwargs):
-            calls["n"] += 1
+        def dying(latents, prompts, *args):
+            calls["n"] += len(prompts) == 16  # a training batch (8 contexts x 2 rollouts), not the held-out curve
             if calls["n"] == 6:
                 raise Killed
-            return reward(*args, **kwargs)
+            return reward(latents, prompts, *args)
 
         return dying
 
@@ -137,11 +138,22 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
 
 @pytest.mark.parametrize("args, message", [
     (["--steps", "0"], "--steps must be at least 1"),
-    (["--rollouts", "1"], "--rollouts must be at least 2"),
-    (["--contexts", "2"], "needs at least 3 contexts"),
-    (["--contexts", "3", "--baseline", "js-unbiased"], "needs at least 4 contexts"),
-    (["--backbone", "sd35m"], "pass --prompts FILE"),
-    (["--resume"], "does not exist"),
+    (["--rollouts", "1"], "--rollouts must be at least 2 for a leave-one-out baseline"),
+    (["--contexts", "2"], "--contexts must be at least 3 for --baseline js"),
+    (["--contexts", "3", "--baseline", "js-unbiased"], "--contexts must be at least 4 for --baseline js-unbiased"),
+    (["--iterations", "0"], "--iterations must be at least 1"),
+    (["--iterations", "-5"], "--iterations must be at least 1"),
+    (["--ckpt-interval", "0"], "--ckpt-interval must be at least 1"),
+    (["--log-interval", "0"], "--log-interval must be at least 1"),
+    (["--eval-contexts", "0"], "--eval-contexts must be at least 1"),
+    (["--threads", "0"], "--threads must be at least 1"),
+    (["--lr", "nan"], "--lr must be a finite number > 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number > 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+    (["--guidance", "nan"], "--guidance must be a finite number >= 0"),
+    (["--guidance", "inf"], "--guidance must be a finite number >= 0"),
+    (["--resume"], "--resume but .*ckpt.pt does not exist"),
 ])
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
     config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
@@ -156,23 +168,132 @@ def test_contexts_must_split_over_ranks(tmp_path):
         train.check_config(config, world_size=2)
 
 
-def test_resume_with_another_step_count_is_refused(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    config = train.parse_config(["--out-dir", str(out)])
-    torch.save({"config": {**vars(config), "steps": 8}}, out / "ckpt.pt")
-    with pytest.raises(SystemExit, match="trained with steps=8, not 4; pass --steps 8"):
-        train.check_config(train.parse_config(["--out-dir", str(out), "--resume"]), world_size=1)
-    with pytest.raises(SystemExit, match="exists; pass --resume"):
-        train.check_config(config, world_size=1)
+SHORT = ["--iterations", "3", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "2"]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A finished 3-iteration digits run: what the tests below damage or run again (copies of it)."""
+    out = tmp_path_factory.mktemp("short") / "out"
+    train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
+    return out
+
+
+def copy_of(run, tmp_path):
+    return shutil.copytree(run, tmp_path / "out")
+
+
+def test_the_same_command_again_reports_the_finished_run_and_changes_nothing(short_run, tmp_path, capsys):
+    out = copy_of(short_run, tmp_path)
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
+    printed = capsys.readouterr().out
+    assert f"{out} holds this run, finished at iteration 3" in printed and "| learned (mean) | 4 |" in printed
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
+
+
+def test_a_killed_run_continues_from_its_checkpoint_without_resume(short_run, tmp_path, capsys):
+    out = copy_of(short_run, tmp_path)
+    checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.save({**checkpoint, "iteration": 2}, out / "ckpt.pt")  # as if killed after the checkpoint of iteration 2
+    (out / "eval.json").unlink()
+    train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
+    assert f"continuing {out / 'ckpt.pt'} from iteration 2" in capsys.readouterr().out
+    assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3] and (out / "eval.json").is_file()
+
+
+@pytest.mark.parametrize("change, message", [
+    (["--baseline", "rloo"], "holds a run with baseline='js', not 'rloo'; pass --baseline js to continue it"),
+    (["--seed", "1"], "holds a run with seed=0, not 1"),
+    (["--steps", "8"], "holds a run with steps=4, not 8"),
+    (["--eval-contexts", "9"], "holds a run with eval_contexts=4, not 9"),
+])
+def test_a_run_folder_of_another_run_is_refused(short_run, tmp_path, change, message):
+    out = copy_of(short_run, tmp_path)
+    with pytest.raises(SystemExit, match=message) as error:
+        train.check_config(train.parse_config([*SHORT, *change, "--out-dir", str(out), "--resume"]), world_size=1)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda out: (out / "ckpt.pt").write_bytes(b""), "is not a readable checkpoint"),
+    (lambda out: (out / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:3000]), "is not a readable checkpoint"),
+    (lambda out: (out / "ckpt.pt").write_bytes(b"garbage" * 100), "is not a readable checkpoint"),
+    (lambda out: torch.save({"weights": torch.zeros(2)}, out / "ckpt.pt"), "is not a checkpoint written by train.py"),
+    (lambda out: (out / "metrics.jsonl").unlink(), "has no metrics.jsonl beside it"),
+])
+def test_a_damaged_run_folder_fails_in_one_line_and_keeps_its_files(short_run, tmp_path, damage, message):
+    out = copy_of(short_run, tmp_path)
+    damage(out)
+    before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
+    with pytest.raises(SystemExit, match=message) as error:
+        train.main(train.parse_config([*SHORT, "--out-dir", str(out), "--resume"]))
+    assert "\n" not in str(error.value)
+    assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("prompts.json", b'[{"text": "a handwritten 3"}]', "1 entries are neither a prompt nor a record"),
+    ("prompts.json", b'{"a handwritten 3": 1}', "holds a JSON dict, not a list"),
+    ("prompts.json", b'[{"prompt": "a handwritten 3"', "is not a prompt file \\(JSONDecodeError"),
+    ("prompts.txt", b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not a prompt file \\(UnicodeDecodeError"),
+    ("prompts.txt", b"\n\n", "holds no prompts"),
+])
+def test_a_bad_prompt_file_fails_in_one_line_naming_it(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(SystemExit, match=message) as error:
+        train.check_config(train.parse_config(["--prompts", str(path), "--out-dir", str(tmp_path / "out")]), world_size=1)
+    assert str(path) in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_prompt_the_backbone_cannot_take_fails_before_training(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a handwritten 3\na red fox\n")
+    with pytest.raises(SystemExit, match="digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got 'a red fox'"):
+        train.main(train.parse_config([*SHORT, "--prompts", str(prompts), "--out-dir", str(tmp_path / "out")]))
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
+    real_load_reward = train.load_reward
+
+    def load_broken_reward(*args, **kwargs):
+        reward, calls = real_load_reward(*args, **kwargs), []
+
+        def broken(latents, prompts, *rest):
+            calls.append(len(prompts) == 16)  # training batches only
+            scores = reward(latents, prompts, *rest)
+            return torch.full_like(scores, float("nan")) if sum(calls) == 3 else scores
+        return broken
+
+    monkeypatch.setattr(train, "load_reward", load_broken_reward)
+    with pytest.raises(SystemExit, match="iteration 3: 16 rewards are NaN or inf.*ckpt.pt holds the last good state") as error:
+        train.main(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out")]))
+    assert "\n" not in str(error.value)
+    assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["iteration"] == 2
+
+
+def test_help_describes_every_flag_with_its_default_and_choices(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_config(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for field in train.dataclasses.fields(train.Config):
+        assert f"--{field.name.replace('_', '-')}" in text and " ".join(train.HELP[field.name].split()) in text, field.name
+    assert "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise}" in text
+    assert "(default: 0.0001)" in text  # --weight-decay
 
 
 def test_bad_input_exits_before_loading_anything(tmp_path):
     result = run_script("train.py", ["--contexts", "2"], tmp_path)
     assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == [
-        "error: --baseline js needs at least 3 contexts per update (got --contexts 2); raise --contexts"]
+    assert result.stderr.strip().splitlines() == ["error: --contexts must be at least 3 for --baseline js (got 2)"]
     assert not (tmp_path / "out").exists()
+
+
+def test_threads_one_for_the_embedded_backbones():
+    assert train.parse_config([]).threads == 1 and train.parse_config(["--backbone", "digits-noise"]).threads == 1
+    assert train.parse_config(["--backbone", "sd35m"]).threads is None and train.parse_config(["--threads", "2"]).threads == 2
 
 
 def test_no_arguments_is_the_digits_main_job():
@@ -204,12 +325,19 @@ def test_trains_a_real_backbone_family_from_a_local_folder(tiny_runs, backbone):
     assert methods["limit (teacher)"]["mean"] == 0.0 and methods["default"]["mean"] < 0.0
 
 
-def test_missing_weights_exit_in_one_line_before_loading(tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox in snow\n")
-    result = run_script("train.py", ["--backbone", "sd35m", "--reward", "teacher", "--prompts", str(prompts)], tmp_path)
+def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
+    """`python train.py --backbone sd35m --steps 10` offline: past configuration and the shipped prompts, then
+    one line naming the missing weights and how to get them, in seconds; on a CPU machine only with --device cpu."""
+    refused = run_script("train.py", ["--backbone", "sd35m", "--steps", "10"], tmp_path)
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines() == [
+        "error: sd35m on a CPU takes hours per update; run on a CUDA machine, or pass --device cpu to insist (or try --backbone digits)"]
+    started = time.perf_counter()
+    result = run_script("train.py", ["--backbone", "sd35m", "--steps", "10", "--device", "cpu"], tmp_path)
+    assert time.perf_counter() - started < 30
     assert result.returncode != 0
+    assert "one update: B x K x L = 32 x 2 x 10 = 640 model evaluations (each a CFG pair), 64 reward calls" in result.stdout
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: sd35m: the weights of stabilityai/stable-diffusion-3.5-medium")
-    assert "--model-path" in lines[0]
+    assert len(lines) == 1 and "sd35m: the weights of stabilityai/stable-diffusion-3.5-medium are not available" in lines[0]
+    assert "hf auth login" in lines[0] and "licence" in lines[0] and "--model-path" in lines[0]
+    assert "HPS v2.1 checkpoint not found" in lines[0] or "hpsv2 reward needs" in lines[0]  # every missing piece, one message
     assert not (tmp_path / "out").exists()

@@ -1,0 +1,130 @@
+"""
+A training run on disk, and loading what it trained.
+
+train.py writes into its --out-dir: ckpt.pt (everything to resume: policy, optimizer, iteration,
+configuration, RNG state; atomic), metrics.jsonl, eval.json, the figure, and policy/: the trained
+policy in the Hugging Face Hub format (config.json + model.safetensors, no pickle; the backbone, L
+and the training configuration in config.json), to share with `policy.push_to_hub(repo_id)` and load
+with load_policy. evaluate.py, sample.py and pipeline.py take either ckpt.pt or such a folder / hub
+id and rebuild the policy and its frozen backbone from it alone. Every way a file can be missing,
+truncated or of another run ends in one line that says what to do.
+"""
+import json
+import os
+
+import torch
+
+import rollout
+from policy import POLICIES, build_policy
+
+
+def save_checkpoint(path, state):
+    """Written to a temporary file, then renamed: a kill never leaves a corrupt checkpoint."""
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def write_json_atomic(path, data):
+    with open(path + ".tmp", "w") as handle:
+        json.dump(data, handle)
+    os.replace(path + ".tmp", path)
+
+
+def read_checkpoint(path):
+    """The state train.py saved, loaded without unpickling code (weights_only). ValueError in one
+    line if the file is missing, empty, truncated or not a checkpoint of train.py."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path} (train one with `python train.py`)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # EOFError, UnpicklingError, RuntimeError of the zip reader, OSError: all mean "unreadable"
+        raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__}: the file is empty, truncated or "
+                         "of another program); train again or point to another file") from None
+    if not isinstance(state, dict) or not {"policy", "policy_config", "config", "iteration"} <= set(state):
+        raise ValueError(f"{path} is not a checkpoint written by train.py (its keys: {sorted(state)[:6]})")
+    return state
+
+
+def save_policy(folder, policy, config, iteration):
+    """The policy in the Hub format: config.json holds its constructor arguments, the backbone, L, the
+    iteration and the training configuration; model.safetensors its weights."""
+    policy.save_pretrained(folder, config=dict(policy.config, backbone=config["backbone"], iteration=iteration, training=config))
+
+
+def load_checkpoint(source, backbone=None, steps=None):
+    """A trained policy (CPU, eval mode) and what it came from, {"config": training configuration,
+    "iteration": ...}, from a train.py checkpoint file or a policy folder / hub id (save_policy).
+    backbone / steps, when given, must match what it was trained for: ValueError with one clear line
+    otherwise, before anything heavy."""
+    if os.path.isfile(source):
+        checkpoint = read_checkpoint(source)
+        policy = build_policy(checkpoint["policy_config"])
+        policy.load_state_dict(checkpoint["policy"])
+    elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):  # a folder, or a hub id user/name
+        missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
+        if os.path.isdir(source) and not all(os.path.isfile(os.path.join(source, f)) for f in ("config.json", "model.safetensors")):
+            raise ValueError(missing)
+        files = {name: os.path.join(source, name) if os.path.isdir(source) else rollout.hub_file(source, name, missing)
+                 for name in ("config.json", "model.safetensors")}
+        with open(files["config.json"]) as handle:
+            saved = json.load(handle)
+        if "training" not in saved:
+            raise ValueError(missing)
+        checkpoint = dict(config=saved["training"], iteration=saved["iteration"])
+        policy = POLICIES[saved["kind"]].from_pretrained(os.path.dirname(files["config.json"]))
+    else:
+        raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
+    config = checkpoint["config"]
+    if backbone is not None and backbone != config["backbone"]:
+        raise ValueError(f"{source} was trained on backbone {config['backbone']!r}, not {backbone!r}")
+    if steps is not None and steps != config["steps"]:
+        raise ValueError(f"{source} was trained for L={config['steps']} steps, not L={steps}")
+    return checkpoint, policy.eval()
+
+
+def trained_backbone(config, device):
+    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
+    return rollout.load_backbone(config["backbone"], path=config["model_path"], device=device,
+                                 dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
+                                 resolution=config["resolution"], guidance=config["guidance"])
+
+
+# What a run folder is continued with. The rest of the configuration defines the experiment: changing
+# it would mix two runs in one metrics.jsonl and one eval.json.
+CONTINUABLE = ("out_dir", "resume", "ckpt_interval", "log_interval", "iterations", "device", "threads", "model_path")
+
+
+def existing_run(config):
+    """The checkpoint out_dir holds (None for a new run). ValueError in one line if it holds another
+    run (any key outside CONTINUABLE differs), is damaged, or lost its metrics.jsonl."""
+    path = os.path.join(config["out_dir"], "ckpt.pt")
+    if not os.path.isfile(path):
+        if config["resume"]:
+            raise ValueError(f"--resume but {path} does not exist; drop --resume to start afresh")
+        return None
+    checkpoint = read_checkpoint(path)
+    for key, value in config.items():
+        saved = checkpoint["config"].get(key)
+        if key not in CONTINUABLE and saved != value:
+            raise ValueError(f"{config['out_dir']} holds a run with {key}={saved!r}, not {value!r}; pass "
+                             f"--{key.replace('_', '-')} {saved} to continue it, or another --out-dir for a new run")
+    if not os.path.isfile(os.path.join(config["out_dir"], "metrics.jsonl")):
+        raise ValueError(f"{path} has no metrics.jsonl beside it; restore that file, or start afresh in another --out-dir")
+    return checkpoint
+
+
+def restore(checkpoint, policy, optimizer, metrics_path=None):
+    """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl (on
+    the rank that writes it) cut back to its iteration, whose later rows will be logged again.
+    Returns that iteration."""
+    policy.load_state_dict(checkpoint["policy"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    torch.set_rng_state(checkpoint["rng"]["torch"])
+    if metrics_path is None:
+        return checkpoint["iteration"]
+    with open(metrics_path) as file:
+        rows = [line for line in file if json.loads(line)["iteration"] <= checkpoint["iteration"]]
+    with open(metrics_path + ".tmp", "w") as file:
+        file.writelines(rows)
+    os.replace(metrics_path + ".tmp", metrics_path)
+    return checkpoint["iteration"]

@@ -1,0 +1,70 @@
+"""The prompt sets shipped in prompts/: format, counts, balance, and train/held-out disjointness."""
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
+STYLES = ("anime", "concept-art", "paintings", "photo")
+# file: (minimum lines, minimum lines per style or None for the OCR sets)
+MINIMUM = {"train.jsonl": (440, 110), "heldout.jsonl": (220, 55), "ocr_train.jsonl": (220, None), "ocr_heldout.jsonl": (110, None)}
+PAIRS = [("train.jsonl", "heldout.jsonl"), ("ocr_train.jsonl", "ocr_heldout.jsonl")]
+
+
+def load(name):
+    with open(PROMPTS / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def norm(text):
+    return " ".join(text.lower().split())
+
+
+@pytest.mark.parametrize("name", sorted(MINIMUM))
+def test_rows_are_objects_with_clean_prompts(name):
+    rows = load(name)
+    assert len(rows) >= MINIMUM[name][0], f"{name}: {len(rows)} rows"
+    for row in rows:
+        assert isinstance(row, dict)
+        prompt = row.get("prompt")
+        assert isinstance(prompt, str) and prompt and prompt == prompt.strip(), row
+
+
+@pytest.mark.parametrize("name", sorted(MINIMUM))
+def test_no_duplicate_prompts(name):
+    counts = Counter(norm(row["prompt"]) for row in load(name))
+    assert [p for p, c in counts.items() if c > 1] == []
+
+
+@pytest.mark.parametrize("train, heldout", PAIRS)
+def test_train_and_heldout_prompts_disjoint(train, heldout):
+    shared = {norm(r["prompt"]) for r in load(train)} & {norm(r["prompt"]) for r in load(heldout)}
+    assert shared == set()
+
+
+@pytest.mark.parametrize("name", ["train.jsonl", "heldout.jsonl"])
+def test_styles_balanced_and_interleaved(name):
+    rows = load(name)
+    counts = Counter(row["style"] for row in rows)
+    assert set(counts) == set(STYLES), counts
+    assert min(counts.values()) >= MINIMUM[name][1], counts
+    head = [row["style"] for row in rows[:40]]
+    assert head == list(STYLES) * 10, head
+
+
+@pytest.mark.parametrize("name", ["ocr_train.jsonl", "ocr_heldout.jsonl"])
+def test_ocr_target_is_the_single_quoted_span(name):
+    for row in load(name):
+        prompt, text = row["prompt"], row["text"]
+        assert prompt.count('"') == 2, prompt
+        assert re.search(r'"([^"]*)"', prompt).group(1) == text, row
+        assert 1 <= len(text.split()) <= 4 and text == text.strip(), row
+        assert re.fullmatch(r"[A-Za-z0-9'\- ]+", text), row
+
+
+def test_ocr_targets_disjoint():
+    train = {r["text"].lower() for r in load("ocr_train.jsonl")}
+    heldout = {r["text"].lower() for r in load("ocr_heldout.jsonl")}
+    assert train & heldout == set()
