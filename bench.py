@@ -7,6 +7,7 @@ the diffusers pipelines it replaces, and the embedded backbone's throughput.
     python bench.py --only loop --device cuda          # one GPU, bfloat16
     python bench.py --only loop --backbones sd35m --model-path /models/sd35m --steps 10 --batch 8
     python bench.py --only threads                     # the main job at 1 thread and at torch's default (minutes)
+    .venv-hps/bin/python bench.py --only ocr           # the OCR reward's time per image (the optional environment)
 
 policy: FLOPs of one SD3.5-Medium transformer step at 1024^2 with CFG against one policy call, counted
 on the meta device (shapes only), and the parameters of each policy size. loop: for each diffusers
@@ -14,7 +15,8 @@ backbone, `Backbone.sample` and the pipeline's own call timed on the same defaul
 embeddings, initial latents and batch (output_type="latent", no decode on either side), and the
 largest relative difference of their outputs. embedded: rollouts per second and the teacher's cost.
 threads: `python train.py` (the main job) at 1 CPU thread and at torch's default, one after the other
-in this run, with the difference of their held-out results.
+in this run, with the difference of their held-out results. ocr: the OCR reward's time per image on
+rendered text at 512^2 and 1024^2, after a warm-up call.
 Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
 """
 import argparse
@@ -28,8 +30,8 @@ import rollout
 from policy import make_policy
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--only", choices=["policy", "loop", "embedded", "threads"], default=None,
-                    help="one benchmark; default: all but threads")
+parser.add_argument("--only", choices=["policy", "loop", "embedded", "threads", "ocr"], default=None,
+                    help="one benchmark; default: all but threads and ocr")
 parser.add_argument("--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names")
 parser.add_argument("--model-path", default=None, help="loop: local diffusers folder of a real backbone")
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -224,6 +226,28 @@ def bench_threads():
           f"{max(abs(one[name] - default[name]) for name in one):.2e}")
 
 
+def bench_ocr(batch=4):
+    from PIL import Image, ImageDraw, ImageFont
+
+    from rewards import load_reward
+
+    class Images:  # a stand-in backbone whose latents are the images
+        device = torch.device("cpu")
+
+        def decode(self, latents):
+            return latents
+
+    reward = load_reward("ocr", Images())
+    for size in (512, 1024):
+        canvas = Image.new("RGB", (size, size), "white")
+        ImageDraw.Draw(canvas).text((size / 2, size / 2), "OPEN LATE", "black", ImageFont.load_default(size=size // 8), anchor="mm")
+        images = torch.tensor(list(canvas.getdata()), dtype=torch.float32).view(size, size, 3).permute(2, 0, 1).div(255).expand(batch, -1, -1, -1)
+        prompts = ['a neon sign that says "OPEN LATE"'] * batch
+        (milliseconds,), (scores,) = timed([lambda: reward(images, prompts, None, None)], 1, torch.device("cpu"))
+        print(f"ocr {size}x{size}, {batch} per call, {torch.get_num_threads()} threads: {milliseconds / batch / 1e3:.2f} s per image, "
+              f"recall {scores.tolist()}")
+
+
 if __name__ == "__main__":
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -237,3 +261,5 @@ if __name__ == "__main__":
         bench_embedded(args, device)
     if args.only == "threads":
         bench_threads()
+    if args.only == "ocr":
+        bench_ocr()

@@ -82,6 +82,11 @@ def load_checkpoint(source, backbone=None, steps=None):
     return checkpoint, policy.eval()
 
 
+def load_policy(source, backbone=None, steps=None):
+    """Just the policy of load_checkpoint: from ckpt.pt, a policy folder or a hub id."""
+    return load_checkpoint(source, backbone, steps)[1]
+
+
 def trained_backbone(config, device):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
     return rollout.load_backbone(config["backbone"], path=config["model_path"], device=device,

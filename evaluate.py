@@ -31,7 +31,7 @@ import rewards as reward_lib
 import rollout
 from checkpoints import load_checkpoint, trained_backbone, write_json_atomic
 from policy import mean_increments, sample_increments, times_from_increments
-from prompts import HELDOUT_SEED, context_noise, heldout_contexts, load_hpdv2, load_prompt_file
+from prompts import HELDOUT_SEED, context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups
 
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
 parser.error = lambda message: parser.exit(2, f"evaluate.py: error: {message}\n")  # one line, without the usage
@@ -119,9 +119,10 @@ def score_batches(backbone, rewards, prompts, seeds, methods, reference=None, ba
                 used = schedule(sub_noise, sub_cond)
                 latents = backbone.sample(sub_noise, sub_cond, used)
                 times[name] = dict(zip(todo[name], used.float().cpu().tolist()))
-            sub_prompts = [prompts[i] for i in todo[name]]
-            scores[name] = {reward_name: dict(zip(todo[name], reward(latents, sub_prompts, sub_noise, sub_cond).float().cpu().tolist()))
-                            for reward_name, reward in rewards.items()}
+            sub_prompts, scores[name] = [prompts[i] for i in todo[name]], {}
+            for reward_name, reward in rewards.items():  # the reward, and for OCR and GenEval a second column
+                for column, values in reward_lib.metrics(reward, reward_name, latents, sub_prompts, sub_noise, sub_cond).items():
+                    scores[name][column] = dict(zip(todo[name], values.tolist()))
         yield scores, times
 
 
@@ -247,8 +248,10 @@ def main(argv=None):
         styles, own = None, not (args.hpdv2 or args.prompts)  # own: train.py's held-out prompts, --count contexts of them
         if args.hpdv2:
             prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
+        elif args.prompts or config["eval_prompts"]:  # a .jsonl's "style" or "tag" groups the table
+            prompt_list, styles = load_prompt_file(args.prompts or config["eval_prompts"]), prompt_groups(args.prompts or config["eval_prompts"])
         else:
-            prompt_list = load_prompt_file(args.prompts or config["eval_prompts"]) if args.prompts or config["eval_prompts"] else None
+            prompt_list = None
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         threads = rollout.BACKBONES[config["backbone"]]["threads"]
         torch.set_num_threads(threads or torch.get_num_threads())
@@ -317,14 +320,19 @@ def main(argv=None):
     lines = [f"# Evaluation of {os.path.abspath(args.ckpt)}\n\nbackbone {config['backbone']}, L = {steps} steps, {len(prompts)} "
              "contexts (prompt + noise seed), every method on the same noise. Mean ± half-width of the 95% Student-t interval; "
              "diff = paired difference to the default schedule on the same contexts. Higher is better.", ""]
-    tables = {reward_name: {row: torch.tensor([store["scores"][row][reward_name][key] for key in keys]) for row in identity}
-              for reward_name in rewards}
-    for reward_name, scores in tables.items():
-        for style in [None] + sorted(set(styles) - {None}):
-            mask = torch.tensor([style is None or s == style for s in styles])
-            lines += [f"## {reward_name}" + (f", {style}" if style else ""), "",
+    columns = [column for reward_name in rewards for column in reward_lib.COLUMNS.get(reward_name, (reward_name,))]
+    tables = {column: {row: torch.tensor([store["scores"][row][column][key] for key in keys]) for row in identity} for column in columns}
+    groups = sorted(set(styles) - {None})
+    for column, scores in tables.items():
+        for group in [None] + groups:
+            mask = torch.tensor([group is None or s == group for s in styles])
+            lines += [f"## {column}" + (f", {group}" if group else ""), "",
                       format_table(summarize({row: values[mask] for row, values in scores.items()})), ""]
-        print(f"\n{reward_name}\n{format_table(summarize(scores))}")
+        if groups:  # GenEval's overall score is this mean over its tasks
+            lines += [f"mean over the {len(groups)} groups: " + ", ".join(
+                f"{row} {sum(values[torch.tensor([s == g for s in styles])].mean() for g in groups) / len(groups):.4g}"
+                for row, values in scores.items()), ""]
+        print(f"\n{column}\n{format_table(summarize(scores))}")
     with open(os.path.join(out_dir, "results.md"), "w") as handle:
         handle.write("\n".join(lines))
     learned_times = {name: torch.tensor([store["times"][name][key] for key in keys]) for name in policies}

@@ -2,7 +2,7 @@
 A trained schedule inside a stock diffusers pipeline.
 
     pipe = StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium", torch_dtype=torch.bfloat16).to("cuda")
-    policy = load_policy("out/policy")                   # what train.py saved, or a hub id (checkpoints.py)
+    policy = checkpoints.load_policy("out/policy").to("cuda")   # what train.py saved, or a hub id
     images = generate(pipe, policy, "a red fox in fresh snow", generator=torch.Generator("cuda").manual_seed(0)).images
 
 generate() draws the initial noise the way the pipeline draws it, asks the policy for that noise and

@@ -253,10 +253,10 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
     def forward(self, latent, text, text_mask, pooled=None):
         if (pooled is None) != (self.pooled_proj is None):
             raise ValueError(f"pooled embedding given: {pooled is not None}, policy built with pooled_dim: {self.pooled_proj is not None}")
+        # x_T as drawn, N(0, I) for every backbone (Backbone.policy_inputs; SD-XL scales it later): its
+        # norm and its mean are information too (on digits-noise the mean's sign says which half a
+        # trajectory reaches), so it is not normalised per sample
         latent, text = latent.float(), text.float()
-        # x_T is N(0, s^2 I) with s = 1 (flow models) or the scheduler's initial sigma; dividing by the
-        # per-sample RMS makes the features independent of that convention
-        latent = latent * torch.rsqrt(latent.pow(2).mean((1, 2, 3), keepdim=True) + 1e-6)
 
         features = self.stem(latent)
         tokens = 0

@@ -9,8 +9,9 @@ Prompt files: a .txt with one prompt per line, a .json list of prompts or of rec
 field (HPDv2's train.json), or a .jsonl of such records (the files in prompts/). A relative path is
 looked up in the current folder, then in this repository, so the shipped prompts/ files are found
 from anywhere. The real backbones train on prompts/train.jsonl and report on prompts/heldout.jsonl
-(HPDv2's four styles, written for this project) unless told otherwise; "hpdv2" means HPDv2's own
-training prompts, from the hub.
+(HPDv2's four styles, written for this project), or on the OCR and GenEval sets for those rewards,
+unless told otherwise; "hpdv2" means HPDv2's own training prompts, from the hub. A .jsonl record's
+"style" or "tag" is its group: evaluate.py reports a table per group.
 """
 import json
 import os
@@ -18,7 +19,10 @@ import os
 import torch
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
-TRAIN_PROMPTS, HELDOUT_PROMPTS = "prompts/train.jsonl", "prompts/heldout.jsonl"
+# (train, held out) shipped per reward: text rendering for OCR, GenEval's templates, HPDv2's styles otherwise
+SHIPPED = {"ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
+           "geneval": ("prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl")}
+DEFAULT = ("prompts/train.jsonl", "prompts/heldout.jsonl")
 HPDV2 = "zhwang/HPDv2"  # the hub dataset: train.json, benchmark/<style>.json
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
 HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds training draws
@@ -60,6 +64,17 @@ def load_prompt_file(path):
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts
+
+
+def prompt_groups(path):
+    """Per prompt of a .jsonl file its "style" or "tag" (None where a record has neither), in
+    load_prompt_file's order; None for other files."""
+    if not path or not path.endswith(".jsonl"):
+        return None
+    path = path if os.path.exists(path) else os.path.join(REPOSITORY, path)
+    with open(path, encoding="utf-8") as handle:
+        records = [json.loads(line) for line in handle if line.strip()]
+    return [record.get("style", record.get("tag")) for record in records if record["prompt"].strip()]
 
 
 def load_hpdv2(folder=None):

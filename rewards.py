@@ -1,8 +1,9 @@
 """
 Rewards: black-box scores of a rollout's final latents, higher is better.
 
-    reward = load_reward("teacher", backbone)              # or "hpsv2", "clip"
+    reward = load_reward("teacher", backbone)              # or "hpsv2", "clip", "ocr", "geneval"
     scores = reward(latents, prompts, noise, cond)         # (N,) float32 on the backbone's device
+    columns = metrics(reward, "ocr", latents, prompts, noise, cond)  # name -> (N,): what evaluate.py reports
 
 Every reward has that one signature, batched over N samples with one prompt each (the contexts of
 a batch repeated K times with repeat_interleave), is built once and reused, and decodes with
@@ -19,6 +20,11 @@ a batch repeated K times with repeat_interleave), is built once and reused, and 
 - "clip": 100 x cosine similarity of a transformers CLIPModel's image and text embeddings
   (default openai/clip-vit-large-patch14, `checkpoint=` a hub id or local folder): a light
   prompt-alignment reward for machines without the HPS environment.
+- "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads in the image, the
+  paper's text-rendering reward; evaluate.py reports 1 - normalised edit distance beside it.
+- "geneval" (geneval.py): the fraction of a GenEval prompt's requirements (objects, counts,
+  colours, positions) that Mask2Former and CLIP find met; evaluate.py reports GenEval's binary
+  correctness beside it. Both read text or objects, which the 8x8 embedded backbones do not have.
 
 Images are quantised to 8 bits before scoring, as the reward models were trained and evaluated on
 8-bit images, and preprocessed on tensors to the same numbers as each model's own transform
@@ -285,7 +291,45 @@ def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
 
 # ----------------------------------------------------------------------------------------------
 
-REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip}
+def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):
+    import ocr  # EasyOCR needs torchvision: imported only when asked for
+
+    return ocr.load_ocr(backbone, device=device, checkpoint=checkpoint, batch_size=batch_size)
+
+
+def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, batch_size=8):
+    import geneval
+
+    return geneval.load_geneval(backbone, device=device, checkpoint=checkpoint, clip_checkpoint=clip_checkpoint, batch_size=batch_size)
+
+
+REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip, "ocr": load_ocr, "geneval": load_geneval}
+IMAGE_CONTENT = ("ocr", "geneval")  # rewards that read text or objects: not for the 8x8 embedded backbones
+COLUMNS = {"ocr": ("ocr", "ocr edit"), "geneval": ("geneval", "geneval correct")}  # what metrics() returns, per reward
+
+
+def check_prompts(name, prompts):
+    """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR needs
+    a "quoted" target text, GenEval one of its templates."""
+    if name in IMAGE_CONTENT:
+        from geneval import parse
+        from ocr import target_text
+
+        for prompt in prompts:
+            (target_text if name == "ocr" else parse)(prompt)
+
+
+@torch.no_grad()
+def metrics(reward, name, latents, prompts, noise, cond):
+    """name -> (N,) float tensor: the reward, and for OCR the edit score, for GenEval the binary
+    correctness (GenEval's own accuracy) beside it."""
+    if name == "ocr":
+        rows = reward.details(latents, prompts)
+        return {"ocr": torch.tensor([row["recall"] for row in rows]), "ocr edit": torch.tensor([row["edit"] for row in rows])}
+    if name == "geneval":
+        rows = reward.details(latents, prompts)
+        return {"geneval": torch.tensor([row["reward"] for row in rows]), "geneval correct": torch.tensor([float(row["correct"]) for row in rows])}
+    return {name: reward(latents, prompts, noise, cond).float().cpu()}
 
 
 def check_reward(name, checkpoint=None):
@@ -300,6 +344,14 @@ def check_reward(name, checkpoint=None):
                 missing.append(str(error))
         if missing:
             raise ValueError("; ".join(missing))
+    if name == "ocr":
+        from ocr import check_ocr
+
+        check_ocr(checkpoint)
+    if name == "geneval":
+        from geneval import CLIP_DEFAULT as GENEVAL_CLIP, DETECTOR_DEFAULT, check_weights
+
+        check_weights(checkpoint or DETECTOR_DEFAULT, "GenEval detector", also=(GENEVAL_CLIP, "CLIP model"))
     if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
         model = checkpoint or CLIP_DEFAULT
         hub_file(model, "config.json", f"CLIP model {model!r} not found: download it with "

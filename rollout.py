@@ -52,6 +52,15 @@ BACKBONES = {
 }
 
 
+def update_cost(name, contexts, rollouts, steps, guidance=None):
+    """One REINFORCE update in model evaluations and reward calls, as a line to print."""
+    spec, samples = BACKBONES[name], contexts * rollouts
+    guidance = spec["guidance"] if guidance is None else guidance
+    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1  # true CFG doubles each batch
+    return (f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} model evaluations"
+            f"{' (each a CFG pair)' if cfg else ''}, {samples} reward calls")
+
+
 class Backbone:
     """What every backbone offers; train.py, evaluate.py and the rewards use nothing else.
 
@@ -528,7 +537,10 @@ def hub_file(repo, filename, missing, repo_type=None):
     reachable: ValueError(`missing` + why) at once, not after the hub client's retries."""
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
-    cached = try_to_load_from_cache(repo, filename, repo_type=repo_type)
+    try:
+        cached = try_to_load_from_cache(repo, filename, repo_type=repo_type)
+    except ValueError:  # not a repository id at all: a local path that does not exist, say
+        raise ValueError(f"{missing} (no such folder, and not a hub repository id)") from None
     if isinstance(cached, str):
         return cached
     host = urllib.parse.urlparse(constants.ENDPOINT).hostname

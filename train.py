@@ -1,7 +1,7 @@
 """
 Train an instance-level sampling schedule with REINFORCE and a James-Stein baseline.
 
-CPU, the embedded digits backbone (no download, about a minute on 2 cores):
+CPU, the embedded digits backbone (no download; minutes on a laptop):
     python train.py
 One GPU, a frozen Stable Diffusion 3.5 Medium with the HPSv2 reward, on the shipped prompts:
     python train.py --backbone sd35m --steps 10
@@ -31,9 +31,9 @@ from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from checkpoints import existing_run, restore, save_checkpoint, save_policy
 from evaluate import format_table, heldout_curve, heldout_report
 from policy import POLICIES, log_prob, make_policy, mean_increments, sample_increments, times_from_increments
-from prompts import HELDOUT_PROMPTS, TRAIN_PROMPTS, context_seed, heldout_contexts, load_prompt_file
-from rewards import REWARDS, check_reward, load_reward
-from rollout import BACKBONES, load_backbone, locate_weights
+from prompts import DEFAULT, SHIPPED, context_seed, heldout_contexts, load_prompt_file
+from rewards import IMAGE_CONTENT, REWARDS, check_prompts, check_reward, load_reward
+from rollout import BACKBONES, load_backbone, locate_weights, update_cost
 from sample import plot_training
 
 # -----------------------------------------------------------------------------
@@ -52,7 +52,7 @@ class Config:
     model_path: str | None = None  # local diffusers folder replacing the hub id
     resolution: int | None = None  # image side in pixels
     guidance: float | None = None  # CFG scale (distilled guidance for flux-dev)
-    prompts: str | None = None  # training prompts: a file (.txt, .json, .jsonl) or hpdv2; None = prompts/train.jsonl
+    prompts: str | None = None  # training prompts: a file (.txt, .json, .jsonl) or hpdv2; None = the shipped ones (prompts/)
     # policy
     policy: str = "instance"  # instance (conditioned on noise and prompt) | global (one schedule for all)
     steps: int = 4  # L, model calls per sample; one policy per L
@@ -68,11 +68,12 @@ class Config:
     # optim
     iterations: int | None = None  # policy updates
     lr: float | None = None  # AdamW learning rate
+    lr_decay: str = "cosine"  # cosine (to 0 at the last iteration) | constant
     weight_decay: float = 1e-4  # AdamW weight decay (the paper)
     grad_clip: float = 1.0  # gradient-norm clip (the paper)
     # evaluation
     eval_contexts: int = 256  # held-out contexts for the final table
-    eval_prompts: str | None = None  # held-out prompt file; None = prompts/heldout.jsonl (embedded: their own prompts)
+    eval_prompts: str | None = None  # held-out prompt file; None = the shipped ones (embedded: their own prompts)
     # system
     seed: int = 0  # seeds contexts, rollouts and the policy initialisation
     device: str | None = None  # cpu | cuda; None = cuda if available (a real backbone needs --device cpu to run on a CPU)
@@ -81,11 +82,10 @@ class Config:
 
 
 CHOICES = dict(backbone=list(BACKBONES), policy=list(POLICIES), init=["default", "uniform"], reward=list(REWARDS),
-               baseline=list(BASELINES), dtype=["bfloat16", "float16", "float32"], device=["cpu", "cuda"])
+               baseline=list(BASELINES), lr_decay=["cosine", "constant"], dtype=["bfloat16", "float16", "float32"],
+               device=["cpu", "cuda"])
 HELP = dict(re.findall(r"^    (\w+): .+?  # (.+)$", inspect.getsource(Config), re.M))  # the comments above
-# The global policy is one vector of logits with no network in front: at the instance policy's
-# learning rate it barely moves in a digits run.
-GLOBAL_LR_FACTOR = 30
+GLOBAL_LR_FACTOR = 30  # the global policy is bare logits: at the instance policy's rate it barely moves
 
 
 def parse_config(argv=None):
@@ -106,9 +106,8 @@ def parse_config(argv=None):
         if getattr(config, key) is None:
             default = BACKBONES[config.backbone][key]
             setattr(config, key, default * GLOBAL_LR_FACTOR if key == "lr" and config.policy == "global" else default)
-    embedded = BACKBONES[config.backbone]["family"] == "mixture"  # the embedded backbones bring their own prompts
-    config.prompts = config.prompts or (None if embedded else TRAIN_PROMPTS)
-    config.eval_prompts = config.eval_prompts or (None if embedded else HELDOUT_PROMPTS)
+    shipped = (None, None) if BACKBONES[config.backbone]["family"] == "mixture" else SHIPPED.get(config.reward, DEFAULT)
+    config.prompts, config.eval_prompts = config.prompts or shipped[0], config.eval_prompts or shipped[1]
     return config
 
 
@@ -131,23 +130,15 @@ def check_config(config, world_size):
     if BACKBONES[config.backbone]["family"] != "mixture" and config.device is None and not torch.cuda.is_available():
         raise SystemExit(f"error: {config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
                          "--device cpu to insist (or try --backbone digits)")
+    if BACKBONES[config.backbone]["family"] == "mixture" and config.reward in IMAGE_CONTENT:
+        raise SystemExit(f"error: the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} images do "
+                         "not have; use a real backbone, or --reward teacher")
     try:
         prompts = load_prompt_file(config.prompts) if config.prompts else None
-        if config.eval_prompts:
-            load_prompt_file(config.eval_prompts)
+        check_prompts(config.reward, (prompts or []) + (load_prompt_file(config.eval_prompts) if config.eval_prompts else []))
         return prompts, existing_run(dataclasses.asdict(config))
     except ValueError as error:
         raise SystemExit(f"error: {error}")
-
-
-def announce_cost(config):
-    """What one update costs, before anything loads: model evaluations and reward calls."""
-    spec, samples = BACKBONES[config.backbone], config.contexts * config.rollouts
-    guidance = spec["guidance"] if config.guidance is None else config.guidance
-    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1  # true CFG doubles each batch
-    print(f"one update: B x K x L = {config.contexts} x {config.rollouts} x {config.steps} = {samples * config.steps:,} model "
-          f"evaluations{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
-          + (f" (the teacher solves {config.contexts} contexts)" if config.reward == "teacher" else ""))
 
 
 # -----------------------------------------------------------------------------
@@ -180,8 +171,9 @@ def main(config):
         torch.set_num_threads(config.threads)
     contexts_per_rank = config.contexts // world_size
     torch.manual_seed(config.seed)
-    if master:
-        announce_cost(config)
+    if master:  # what one update costs, before anything loads
+        print(update_cost(config.backbone, config.contexts, config.rollouts, config.steps, config.guidance)
+              + (f" (the teacher solves {config.contexts} contexts)" if config.reward == "teacher" else ""))
 
     missing = []  # every missing piece in one message, before either model loads
     for check in (lambda: check_reward(config.reward, config.reward_checkpoint), lambda: locate_weights(config.backbone, config.model_path)):
@@ -263,6 +255,8 @@ def main(config):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_policy.parameters(), config.grad_clip)
+        for group in optimizer.param_groups:  # a function of the iteration alone, so a resumed run gets the same
+            group["lr"] = config.lr * (0.5 + 0.5 * math.cos(math.pi * iteration / config.iterations) if config.lr_decay == "cosine" else 1.0)
         optimizer.step()
 
         # ---------------- checkpoint and log ----------------

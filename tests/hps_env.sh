@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# Builds the HPSv2 environment (.venv-hps) and runs tests/test_rewards_hps.py in it.
+# Builds the optional environment of the rewards that need torchvision (.venv-hps: HPSv2 and the
+# OCR reward) and runs tests/test_rewards_hps.py and tests/test_ocr.py in it.
 #
-# Why a separate environment: the HPSv2 reward runs hpsv2x's vendored open_clip, which imports
-# torchvision, and torchvision does not import beside the core torch==2.13.0 CPU wheel
-# ("operator torchvision::nms does not exist"); the only pair that works here is
+# Why a separate environment: the HPSv2 reward runs hpsv2x's vendored open_clip and the OCR reward
+# runs EasyOCR, which both import torchvision, and torchvision does not import beside the core
+# torch==2.13.0 CPU wheel ("operator torchvision::nms does not exist"); the only pair that works is
 # torch==2.14.1 + torchvision==0.29.1 (CUDA builds that also run on CPU, about 6 GB installed).
 # hpsv2x also pins pytest==7.2.0 and protobuf<4, so it is installed with --no-deps and the few
 # packages its scoring code imports come from requirements-hps.txt. The core environment stays
-# light; there tests/test_rewards_hps.py skips.
+# light; there the HPS tests and the OCR engine tests skip.
 #
-#     bash tests/hps_env.sh               # build (or update) .venv-hps, then run the HPS tests
+#     bash tests/hps_env.sh               # build (or update) .venv-hps, then run the tests
 #     HPS_VENV=/path/venv bash tests/hps_env.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,5 +31,6 @@ pip_install -r "$venv/requirements-core.txt" -r requirements-hps.txt
 pip_install --no-deps hpsv2x==1.2.0
 echo "hps_env: $venv ready in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1))"
 
-# HPS_TESTS_REQUIRED turns the test file's skip-when-missing into a failure: here the packages must be there.
-HPS_TESTS_REQUIRED=1 HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q tests/test_rewards_hps.py
+# HPS_TESTS_REQUIRED and OCR_TESTS_REQUIRED turn the test files' skip-when-missing into a failure:
+# here the packages and the OCR weights must be there.
+HPS_TESTS_REQUIRED=1 OCR_TESTS_REQUIRED=1 HF_HUB_OFFLINE=1 "$venv/bin/python" -m pytest -q tests/test_rewards_hps.py tests/test_ocr.py

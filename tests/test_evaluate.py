@@ -320,3 +320,28 @@ def test_a_truncated_checkpoint_fails_in_one_line(tmp_path, ckpt, script):
     with pytest.raises(SystemExit, match=f"{truncated} is not a readable checkpoint") as error:
         script.main(["--ckpt", str(truncated)])
     assert "\n" not in str(error.value)
+
+
+class StandIn:
+    """A GenEval-like reward whose per-image details are known: every image meets half of its
+    requirements, and is correct when its prompt's digit is even."""
+
+    def details(self, latents, prompts):
+        return [dict(reward=0.5, correct=int(prompt[-1]) % 2 == 0) for prompt in prompts]
+
+
+def test_second_columns_and_groups_of_a_fine_grained_reward(tmp_path, monkeypatch, ckpt):
+    real_load_reward = rewards.load_reward
+    monkeypatch.setattr(rewards, "load_reward", lambda name, *args, **kwargs: StandIn() if name == "geneval"
+                        else real_load_reward(name, *args, **kwargs))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(dict(prompt=f"a handwritten {d}", tag="low" if d < 5 else "high")) + "\n" for d in range(10)))
+    evaluate.main(["--ckpt", ckpt, "--prompts", str(prompts), "--rewards", "geneval", "--out-dir", str(tmp_path / "eval")])
+    report = (tmp_path / "eval" / "results.md").read_text()
+    for table in ("## geneval\n", "## geneval correct\n", "## geneval correct, low\n", "## geneval correct, high\n"):
+        assert table in report
+    table = lambda header: report.split(f"## {header}\n")[1].split("##")[0]
+    assert "| default | 5 | 0.4 ±" in table("geneval correct, high")  # digits 5-9: 6 and 8 are even
+    assert "| default | 5 | 0.6 ±" in table("geneval correct, low")  # digits 0-4: 0, 2 and 4
+    # GenEval's overall: the mean over tags of the share of correct images, (3/5 + 2/5) / 2 for both methods
+    assert "mean over the 2 groups: default 0.5, learned 0.5" in report

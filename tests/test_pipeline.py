@@ -7,7 +7,7 @@ import torch
 import pipeline
 import rollout
 from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
-from checkpoints import load_checkpoint, save_policy
+from checkpoints import load_checkpoint, load_policy, save_policy
 from policy import make_policy, mean_increments, times_from_increments
 
 
@@ -79,6 +79,7 @@ def test_policy_folder_round_trip_without_pickle(tmp_path):
     inputs = backbone.policy_inputs(noise, backbone.encode_prompts(backbone.prompts[:3]))
     with torch.no_grad():
         assert torch.equal(loaded(**inputs), policy(**inputs))
+        assert torch.equal(load_policy(str(tmp_path / "policy"))(**inputs), policy(**inputs))  # the README's call
     with pytest.raises(ValueError, match="was trained for L=4 steps, not L=8") as error:
         load_checkpoint(str(tmp_path / "policy"), steps=8)
     assert "\n" not in str(error.value)

