@@ -172,8 +172,8 @@ def save_figures(out_dir, contexts, results, label):
             axes[row][col].set(xticks=[], yticks=[], title=f"{name}: {errors[row]:.4f}" if name != "teacher" else "teacher")
             axes[row][col].title.set_fontsize(7)
         axes[row][0].set_ylabel(f"{prompt[:28]}\nseed {seed}", fontsize=7)
-    figure.suptitle("mean squared distance to the teacher (lower is better)", fontsize=8)
-    figure.tight_layout()
+    figure.suptitle("each image's mean squared distance to the teacher (lower is better)", fontsize=8)
+    figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (2.5 * len(contexts))))  # room for the title above the first row
     figure.savefig(os.path.join(out_dir, "grid.png"), dpi=150)
     plt.close(figure)
     figure, ax = plt.subplots(figsize=(6, 4))

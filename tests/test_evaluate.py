@@ -345,3 +345,9 @@ def test_second_columns_and_groups_of_a_fine_grained_reward(tmp_path, monkeypatc
     assert "| default | 5 | 0.6 ±" in table("geneval correct, low")  # digits 0-4: 0, 2 and 4
     # GenEval's overall: the mean over tags of the share of correct images, (3/5 + 2/5) / 2 for both methods
     assert "mean over the 2 groups: default 0.5, learned 0.5" in report
+
+
+def test_hpdv2_test_prompts_from_the_hub_offline_say_how_to_get_them(ckpt):
+    with pytest.raises(SystemExit, match=r"HPDv2's benchmark/anime.json is not available: fetch it once online") as error:
+        evaluate.main(["--ckpt", ckpt, "--hpdv2"])
+    assert "\n" not in str(error.value)

@@ -393,3 +393,12 @@ def test_the_context_dependent_embedded_backbones_train_end_to_end(tmp_path, bac
     checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
     assert checkpoint["config"]["rollouts"] == 8  # these backbones' own default K
     assert (out / "eval.json").is_file() and (out / "policy" / "model.safetensors").is_file()
+
+
+def test_hpdv2_prompts_offline_say_how_to_get_them(tmp_path):
+    config = train.parse_config(["--backbone", "sd35m", "--prompts", "hpdv2", "--device", "cpu", "--out-dir", str(tmp_path)])
+    started = time.perf_counter()
+    with pytest.raises(SystemExit, match=r"HPDv2's train.json is not available: fetch it once online with "
+                                         r"`hf download zhwang/HPDv2 train.json --repo-type dataset`") as error:
+        train.check_config(config, world_size=1)
+    assert time.perf_counter() - started < 5 and "\n" not in str(error.value)
