@@ -32,7 +32,7 @@ import torch
 
 from checkpoints import write_json_atomic
 from policy import increments_from_times, times_from_increments
-from prompts import context_noise, heldout_contexts
+from prompts import HELDOUT_SEED, context_noise, heldout_contexts
 
 parser = argparse.ArgumentParser(description="embedded backbones: oracles, baselines, global vs instance-level")
 parser.add_argument("--out-dir", default="out/ablation", help="one folder per backbone and training below this")
@@ -79,17 +79,21 @@ def best_schedules(backbone, contexts, groups, steps, iterations, lr=0.05):
     return times_from_increments(torch.softmax(logits.detach(), -1)).float()
 
 
+def contexts(backbone, count, seed):
+    """`count` contexts of the backbone's prompts from noise seed `seed` on, with their teacher."""
+    prompts, seeds = heldout_contexts(backbone.prompts, count, seed)
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    return noise, cond, backbone.reference(noise, cond)
+
+
+# the groups of contexts the oracles fit a schedule per: the prompt's class, the sign of the noise mean
+GROUPINGS = {"class": lambda context: context[1]["label"], "sub-population": lambda context: (context[0].flatten(1).mean(1) > 0).long()}
+
+
 def oracles(backbone, steps):
     """Teacher error on the held-out contexts of the default, the best shift and the oracle schedules,
     with the oracles' schedules."""
-    def contexts(count, seed):
-        prompts, seeds = heldout_contexts(backbone.prompts, count, seed)
-        noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-        return noise, cond, backbone.reference(noise, cond)
-
-    fit, heldout = contexts(FIT_CONTEXTS, FIT_SEED), contexts(HELDOUT_CONTEXTS, 10**6)
-    sign = lambda noise: (noise.flatten(1).mean(1) > 0).long()  # the sub-population a context is in
-    groupings = {"class": lambda c: c[1]["label"], "sub-population": lambda c: sign(c[0])}
+    fit, heldout = contexts(backbone, FIT_CONTEXTS, FIT_SEED), contexts(backbone, HELDOUT_CONTEXTS, HELDOUT_SEED)
     default = backbone.default_times(steps)
     with torch.no_grad():
         shift_errors = {s: teacher_errors(backbone, fit, shifted(default, s).expand(FIT_CONTEXTS, -1)).mean().item() for s in SHIFTS}
@@ -97,13 +101,23 @@ def oracles(backbone, steps):
     rows = {"default": default.expand(HELDOUT_CONTEXTS, -1), f"best time shift ({best_shift})": shifted(default, best_shift).expand(HELDOUT_CONTEXTS, -1)}
     schedules = {"global": best_schedules(backbone, fit, torch.zeros(FIT_CONTEXTS, dtype=torch.long), steps, 300)}
     rows["oracle: best global schedule"] = schedules["global"].expand(HELDOUT_CONTEXTS, -1)
-    for name, group in groupings.items():
+    for name, group in GROUPINGS.items():
         schedules[name] = best_schedules(backbone, fit, group(fit), steps, 300)
         rows[f"oracle: best schedule per {name}"] = schedules[name][group(heldout)]
     rows["oracle: best schedule per context (hindsight)"] = best_schedules(backbone, heldout, torch.arange(HELDOUT_CONTEXTS), steps, 600)
     with torch.no_grad():
         errors = {name: teacher_errors(backbone, heldout, times).mean().item() for name, times in rows.items()}
     return dict(errors=errors, schedules={name: times.tolist() for name, times in schedules.items()})
+
+
+@torch.no_grad()
+def without_stop_margin(backbone, oracle, grouping):
+    """The teacher error of the best per-group schedules with their stop margin t_L set to 0: how much
+    the learnable margin is worth."""
+    heldout = contexts(backbone, HELDOUT_CONTEXTS, HELDOUT_SEED)
+    times = torch.tensor(oracle["schedules"][grouping])
+    times[:, -1] = 0.0
+    return teacher_errors(backbone, heldout, times[GROUPINGS[grouping](heldout)]).mean().item()
 
 
 def train_run(backbone, name, seed, args):
@@ -178,11 +192,14 @@ def main(args):
         grouping = "sub-population" if name == "digits-noise" else "class"
         group = oracle[name]["errors"][f"oracle: best schedule per {grouping}"]
         lines += [f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, seeds {args.seeds}",
-                  "| schedule | error (mean over seeds) | spread (min-max) | vs default | gap captured |", "|---|---|---|---|---|"]
+                  "| schedule | error (mean over seeds) | spread (min-max) | vs default | gap captured (spread) |", "|---|---|---|---|---|"]
+        margin_free = without_stop_margin(rollout.load_backbone(name), oracle[name], grouping)
+        oracle[name]["errors"][f"oracle: best schedule per {grouping}, with t_L = 0"] = margin_free
         for row, values in [*((row, [error]) for row, error in oracle[name]["errors"].items()), *((f"learned {t}", v) for t, v in learned.items())]:
             mean = statistics.mean(values)
             spread = f"{min(values):.5f}-{max(values):.5f}" if len(values) > 1 else "-"
-            captured = f"{100 * (best_global - mean) / (best_global - group):.0f}%" if row.startswith("learned") else "-"
+            shares = [100 * (best_global - value) / (best_global - group) for value in values]
+            captured = f"{statistics.mean(shares):.0f}% ({min(shares):.0f}-{max(shares):.0f}%)" if row.startswith("learned") else "-"
             lines.append(f"| {row} | {mean:.5f} | {spread} | {100 * (mean / default - 1):+.1f}% | {captured} |")
         lines.append(f"gap captured = (best global - learned) / (best global - best per {grouping}) on the same contexts")
         for seed, instance, glob in zip(args.seeds, learned["instance, js"], learned["global, js"]):

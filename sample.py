@@ -33,7 +33,6 @@ import torch
 import rollout
 from checkpoints import load_checkpoint, trained_backbone
 from evaluate import default_schedule, policy_schedule
-from pipeline import generate, schedule_json
 from prompts import context_noise, load_prompt_file
 
 # -----------------------------------------------------------------------------
@@ -106,6 +105,7 @@ def sample_contexts(backbone, policy, prompts, seeds, stochastic=False, draw_see
 def pipeline_contexts(backbone, policy, prompts, seeds):
     """The diffusers pipeline's own images for contexts (prompts[i], seeds[i]): its default schedule,
     and the learned one through pipeline.generate, both from the noise of torch.Generator(seed)."""
+    from pipeline import generate  # diffusers' schedulers load only on this path
     results = {"default": [], "learned": []}
     for prompt, seed in zip(prompts, seeds):
         options = dict(height=backbone.resolution, width=backbone.resolution, guidance_scale=backbone.guidance or 0.0)
@@ -199,6 +199,7 @@ def main(argv=None):
     except ValueError as error:
         sys.exit(f"sample.py: error: {error}")
     if args.export:
+        from pipeline import schedule_json
         try:
             schedule = schedule_json(policy, backbone)
         except ValueError as error:

@@ -85,7 +85,7 @@ CHOICES = dict(backbone=list(BACKBONES), policy=list(POLICIES), init=["default",
                baseline=list(BASELINES), lr_decay=["cosine", "constant"], dtype=["bfloat16", "float16", "float32"],
                device=["cpu", "cuda"])
 HELP = dict(re.findall(r"^    (\w+): .+?  # (.+)$", inspect.getsource(Config), re.M))  # the comments above
-GLOBAL_LR_FACTOR = 30  # the global policy is bare logits: at the instance policy's rate it barely moves
+GLOBAL_LR_FACTOR = 60  # the global policy is bare logits: at the instance policy's rate it barely moves
 
 
 def parse_config(argv=None):

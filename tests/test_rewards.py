@@ -33,8 +33,10 @@ def to_pil(image):
 
 
 def test_import_stays_light():
-    # The core install has no torchvision or hpsv2x: importing rewards must not need them.
-    code = "import sys, rewards; print(sorted(m for m in ('torchvision', 'hpsv2', 'open_clip', 'transformers') if m in sys.modules))"
+    # The core install has no torchvision, hpsv2x or easyocr: importing the scripts and rewards must not need
+    # them, and a command line that fails on its input must answer before diffusers or transformers load.
+    heavy = ('torchvision', 'hpsv2', 'open_clip', 'easyocr', 'cv2', 'easyocr_en_models', 'transformers', 'diffusers', 'matplotlib')
+    code = f"import sys, train, evaluate, sample, ocr, geneval; print(sorted(m for m in {heavy} if m in sys.modules))"
     repo = pathlib.Path(__file__).parents[1]
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
     assert result.stdout.strip() == "[]"
