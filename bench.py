@@ -15,7 +15,8 @@ backbone, `Backbone.sample` and the pipeline's own call timed on the same defaul
 embeddings, initial latents and batch (output_type="latent", no decode on either side), and the
 largest relative difference of their outputs. embedded: rollouts per second and the teacher's cost.
 threads: `python train.py` (the main job) at 1 CPU thread and at torch's default, one after the other
-in this run, with the difference of their held-out results. ocr: the OCR reward's time per image on
+in this run, with the difference of their held-out results; then both again for a few iterations
+while another process keeps every core busy. ocr: the OCR reward's time per image on
 rendered text at 512^2 and 1024^2, after a warm-up call.
 Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
 """
@@ -204,26 +205,45 @@ def bench_embedded(args, device, count=64):
     print(f"digits teacher (RK4, {backbone.reference_steps} steps) for {count} contexts: {milliseconds:8.1f} ms")
 
 
-def bench_threads():
+def bench_threads(busy_iterations=20):
+    """The main job at 1 thread and at torch's default, on this machine as it is, then the first
+    `busy_iterations` of it with another process keeping every core busy (a machine shared with other
+    jobs): seconds per iteration from metrics.jsonl."""
     import json
     import subprocess
     import sys
     import tempfile
 
+    here = os.path.dirname(os.path.abspath(__file__))
+    settings = (1, torch.get_num_threads())
+
+    def train(threads, folder, *args):
+        started = time.perf_counter()
+        subprocess.run([sys.executable, "train.py", "--threads", str(threads), "--out-dir", folder, *args], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=here)
+        with open(os.path.join(folder, "metrics.jsonl")) as file:
+            rows = [json.loads(line) for line in file]
+        return time.perf_counter() - started, sum(row["step_s"] for row in rows) / len(rows)
+
     results = {}
-    for threads in (1, torch.get_num_threads()):
+    for threads in settings:
         with tempfile.TemporaryDirectory() as folder:
-            started = time.perf_counter()
-            subprocess.run([sys.executable, "train.py", "--threads", str(threads), "--out-dir", folder], check=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=os.path.dirname(os.path.abspath(__file__)))
-            seconds = time.perf_counter() - started
+            seconds, per_iteration = train(threads, folder)
             with open(os.path.join(folder, "eval.json")) as file:
-                rows = {row["method"]: row["mean"] for row in json.load(file)["rows"]}
-        results[threads] = rows
-        print(f"python train.py --threads {threads}: {seconds:.1f} s, held-out learned (mean) {rows['learned (mean)']:.6f}")
+                results[threads] = {row["method"]: row["mean"] for row in json.load(file)["rows"]}
+        print(f"python train.py --threads {threads}: {seconds:.1f} s ({per_iteration:.3f} s per iteration), "
+              f"held-out learned (mean) {results[threads]['learned (mean)']:.6f}")
     one, default = results.values()
-    print("largest difference of a held-out mean between the two: "
-          f"{max(abs(one[name] - default[name]) for name in one):.2e}")
+    print(f"largest difference of a held-out mean between the two: {max(abs(one[name] - default[name]) for name in one):.2e}")
+    hog = subprocess.Popen([sys.executable, "-c", "import torch\nx = torch.randn(1024, 1024)\nwhile True: x = (x @ x).tanh()"])
+    try:
+        for threads in settings:
+            with tempfile.TemporaryDirectory() as folder:
+                _, per_iteration = train(threads, folder, "--iterations", str(busy_iterations), "--eval-contexts", "8")
+            print(f"every core busy with another process: --threads {threads}: {per_iteration:.3f} s per iteration "
+                  f"(first {busy_iterations} iterations)")
+    finally:
+        hog.kill()
 
 
 def bench_ocr(batch=4):

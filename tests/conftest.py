@@ -72,3 +72,12 @@ def tiny_runs(tmp_path_factory):
                 "--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4", "--rollout-batch", "3",
                 "--device", "cpu")
     return runs, folder
+
+
+def pytest_collection_modifyitems(items):
+    """With pytest-xdist (pytest.ini runs one worker per core): all tests that read the shared train.py
+    runs above go to one worker, the tests of each other file to one worker, so each run and each
+    module fixture is built once."""
+    for item in items:
+        shared = {"tiny_runs", "digits_run", "digits_global_run"} & set(item.fixturenames)
+        item.add_marker(pytest.mark.xdist_group("train-runs" if shared else item.path.name))
