@@ -4,7 +4,7 @@ held-out contexts, the default schedule, the best time shift, the oracle schedul
 per prompt class, best per sub-population, best per context with hindsight), a learned global
 schedule and learned instance-level schedules with each baseline, over several training seeds.
 
-    python ablation.py --jobs 2                             # 3 backbones x 6 trainings x 3 seeds (about 1.5 hours, 2 cores)
+    python ablation.py --jobs 2                             # 3 backbones x 6 trainings x 3 seeds (about 75 minutes, 2 idle cores)
     python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed of each training
 
 Each training is `python train.py --backbone B --seed S [--baseline ...] [--policy global]` with that
@@ -193,7 +193,8 @@ def main(args):
         group = oracle[name]["errors"][f"oracle: best schedule per {grouping}"]
         lines += [f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, seeds {args.seeds}",
                   "| schedule | error (mean over seeds) | spread (min-max) | vs default | gap captured (spread) |", "|---|---|---|---|---|"]
-        margin_free = without_stop_margin(rollout.load_backbone(name), oracle[name], grouping)
+        backbone = rollout.load_backbone(name)
+        margin_free = without_stop_margin(backbone, oracle[name], grouping)
         oracle[name]["errors"][f"oracle: best schedule per {grouping}, with t_L = 0"] = margin_free
         for row, values in [*((row, [error]) for row, error in oracle[name]["errors"].items()), *((f"learned {t}", v) for t, v in learned.items())]:
             mean = statistics.mean(values)
@@ -205,7 +206,7 @@ def main(args):
         for seed, instance, glob in zip(args.seeds, learned["instance, js"], learned["global, js"]):
             lines.append(f"seed {seed}: learned instance-level (js) {100 * (1 - instance / glob):.1f}% below learned global")
         seed_dir = lambda training: os.path.join(args.out_dir, name, training.replace(", ", "-").replace(" ", "-"), f"seed{args.seeds[0]}", "ckpt.pt")
-        plot(os.path.join(args.out_dir, name, "schedules.png"), rollout.load_backbone(name), oracle[name],
+        plot(os.path.join(args.out_dir, name, "schedules.png"), backbone, oracle[name],
              {t: seed_dir(t) for t in ("instance, js", "global, js")})
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
