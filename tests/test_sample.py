@@ -3,7 +3,6 @@
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -29,14 +28,15 @@ def run_sample(args, cwd):
     return run_script("sample.py", args, cwd)
 
 
-def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt):
-    # what `python train.py` leaves behind: out/ckpt.pt in the working directory
+def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt, monkeypatch, capsys):
+    # `python sample.py` where `python train.py` left out/ckpt.pt in the working directory
     (tmp_path / "out").mkdir()
     shutil.copy(ckpt, tmp_path / "out" / "ckpt.pt")
-    result = run_sample([], tmp_path)
-    assert result.returncode == 0, result.stderr
+    monkeypatch.chdir(tmp_path)
+    sample.main([])
+    stdout = capsys.readouterr().out
     samples = tmp_path / "out" / "samples"
-    assert str(samples) in result.stdout
+    assert str(samples) in stdout
     images = sorted(path.name for path in samples.glob("0*.png"))
     assert len(images) == 3 * 10  # one context per class: default, learned and the teacher
     assert images[:3] == [f"000_a-handwritten-0_seed0_{name}.png" for name in ("default", "learned", "teacher")]
@@ -44,7 +44,7 @@ def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt):
     grid = Image.open(samples / "grid.png")
     assert grid.height >= 2.5 * grid.width  # ten rows of three square columns
     # every context's distance to the teacher, learned and default, is printed (and titles the grid's images)
-    assert result.stdout.count("distance to the teacher") == 10
+    assert stdout.count("distance to the teacher") == 10
     assert (samples / "schedules.png").stat().st_size > 0
     saved = json.loads((samples / "schedules.json").read_text())
     assert saved["default"] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])

@@ -285,13 +285,6 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
     assert "(default: 0.0001)" in text  # --weight-decay
 
 
-def test_bad_input_exits_before_loading_anything(tmp_path):
-    result = run_script("train.py", ["--contexts", "2"], tmp_path)
-    assert result.returncode != 0
-    assert result.stderr.strip().splitlines() == ["error: --contexts must be at least 3 for --baseline js (got 2)"]
-    assert not (tmp_path / "out").exists()
-
-
 def test_threads_one_for_the_embedded_backbones():
     assert train.parse_config([]).threads == 1 and train.parse_config(["--backbone", "digits-noise"]).threads == 1
     assert train.parse_config(["--backbone", "sd35m"]).threads is None and train.parse_config(["--threads", "2"]).threads == 2
