@@ -75,12 +75,9 @@ def edit_score(read, target):
 
 
 def _import_easyocr():
-    try:
-        import easyocr
-    except Exception as error:  # ImportError, or RuntimeError from a torchvision built for another torch
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ImportError(f"the ocr reward needs easyocr and a matching torchvision ({first_line}): {OCR_INSTALL}") from None
-    return easyocr
+    from rewards import import_optional  # imported here so that rewards.py can import this module
+
+    return import_optional(["easyocr"], "the ocr reward needs easyocr and a matching torchvision", OCR_INSTALL)
 
 
 def weights_folder(checkpoint=None):

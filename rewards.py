@@ -34,6 +34,7 @@ Rewards are returned as computed, NaN included: the trainer stops at a non-finit
 than dropping or clamping samples, which would bias the estimator and hide a broken model.
 """
 import hashlib
+import importlib
 import os
 from collections import OrderedDict
 
@@ -156,14 +157,20 @@ def hps_preprocess(images, size=224):
     return _normalize(images)
 
 
-def _import_hps():
+def import_optional(modules, needs, install):
+    """Import `modules` in order and return the last; any failure (ImportError, or RuntimeError from a
+    torchvision built for another torch) becomes an ImportError in one line: `needs`, the error's first
+    line and the install command."""
     try:
-        import torchvision  # noqa: F401  (hpsv2's transforms need it; fails beside a mismatched torch)
-        from hpsv2.src import open_clip
-    except Exception as error:  # ImportError, or RuntimeError from a torchvision built for another torch
+        return [importlib.import_module(name) for name in modules][-1]
+    except Exception as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ImportError(f"the hpsv2 reward needs hpsv2x and a matching torchvision ({first_line}): {HPS_INSTALL}") from None
-    return open_clip
+        raise ImportError(f"{needs} ({first_line}): {install}") from None
+
+
+def _import_hps():  # hpsv2's transforms need torchvision, which fails to import beside a mismatched torch
+    return import_optional(["torchvision", "hpsv2.src.open_clip"], "the hpsv2 reward needs hpsv2x and a matching torchvision",
+                           HPS_INSTALL)
 
 
 class HPSReward:
