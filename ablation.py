@@ -6,6 +6,14 @@ schedule and learned instance-level schedules with each baseline, over several t
 
     python ablation.py --jobs 2                             # 3 backbones x 6 trainings x 3 seeds (about 75 minutes, 2 idle cores)
     python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed of each training
+    python ablation.py --miniatures --jobs 2                # the trained miniatures: 3 x 3 L x 2 policies x 3 seeds
+
+The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniature.py) have no exact
+oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out paraphrases,
+fresh noise), the default schedule, the best time shift (picked on other contexts), the learned
+global and instance-level schedules (JS, each miniature's defaults, three seeds), scored by the
+digit reward, the classifier's accuracy and the teacher error, and the number of default steps
+that matches each row's digit reward; and docs/miniatures.png.
 
 Each training is `python train.py --backbone B --seed S [--baseline ...] [--policy global]` with that
 backbone's defaults; runs already finished (their eval.json exists) and oracles already computed
@@ -40,6 +48,7 @@ parser.add_argument("--backbones", nargs="+", default=["digits", "digits-prompt"
 parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
 parser.add_argument("--steps", type=int, default=4, help="L")
 parser.add_argument("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
+parser.add_argument("--miniatures", action="store_true", help="the trained miniatures' evidence instead (L = 2, 3, 4)")
 TRAININGS = {  # name -> train.py arguments
     "global, js": ["--baseline", "js", "--policy", "global"],
     "instance, js": ["--baseline", "js"],
@@ -120,11 +129,16 @@ def without_stop_margin(backbone, oracle, grouping):
     return teacher_errors(backbone, heldout, times[GROUPINGS[grouping](heldout)]).mean().item()
 
 
-def train_run(backbone, name, seed, args):
-    out_dir = os.path.join(args.out_dir, backbone, name.replace(", ", "-").replace(" ", "-"), f"seed{seed}")
+def run_dir(backbone, name, seed, args, steps=None):
+    folder = os.path.join(args.out_dir, backbone, name.replace(", ", "-").replace(" ", "-"))
+    return os.path.join(folder, f"seed{seed}" if steps is None else f"L{steps}-seed{seed}")
+
+
+def train_run(backbone, name, seed, args, steps=None, trainings=TRAININGS):
+    out_dir = run_dir(backbone, name, seed, args, steps)
     if not os.path.isfile(os.path.join(out_dir, "eval.json")):
-        command = [sys.executable, "train.py", "--backbone", backbone, "--seed", str(seed), "--steps", str(args.steps),
-                   "--out-dir", out_dir, *TRAININGS[name]]
+        command = [sys.executable, "train.py", "--backbone", backbone, "--seed", str(seed),
+                   "--steps", str(steps or args.steps), "--out-dir", out_dir, *trainings[name]]
         if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
             command.append("--resume")
         os.makedirs(out_dir, exist_ok=True)
@@ -169,6 +183,142 @@ def plot(path, backbone, oracle, checkpoints):
     plt.close(figure)
 
 
+# -----------------------------------------------------------------------------
+# the trained miniatures: a black-box pixel reward, no exact oracle
+
+MINIATURES = ["mini-sd3", "mini-flux", "mini-sdxl"]
+MINI_STEPS = [2, 3, 4]
+EQUIVALENT_STEPS = [*range(1, 13), 14, 16, 20, 25, 30, 40, 50]  # default step counts to match a learned schedule
+MINI_TRAININGS = {"global": ["--policy", "global"], "instance": []}  # with each miniature's defaults (JS baseline)
+
+
+def mini_scores(backbone, rewards, prompts, seeds, methods):
+    """row -> column -> (N,) tensor on the contexts: digit log-prob, digit accuracy, teacher error."""
+    from evaluate import score_batches
+
+    collected = {}
+    for scores, _ in score_batches(backbone, rewards, prompts, seeds, methods, batch_size=128):
+        for row, columns in scores.items():
+            for column, values in columns.items():
+                collected.setdefault(row, {}).setdefault(column, {}).update(values)
+    return {row: {column: torch.tensor([values[i] for i in range(len(prompts))]) for column, values in columns.items()}
+            for row, columns in collected.items()}
+
+
+def equivalent_steps(default_means, value):
+    """The default step count whose mean digit reward first reaches `value`, linearly interpolated
+    between the counts of EQUIVALENT_STEPS; "> 50" when none does."""
+    previous = None
+    for steps, mean in default_means.items():
+        if mean >= value:
+            if previous is None:
+                return f"{steps}"
+            low, low_mean = previous
+            return f"{low + (steps - low) * (value - low_mean) / (mean - low_mean):.1f}"
+        previous = (steps, mean)
+    return f"> {max(default_means)}"
+
+
+def miniature_evidence(args):
+    """For each miniature and L in MINI_STEPS, on the same held-out contexts: the default schedule, the
+    best time shift (chosen on other contexts), the learned global and instance-level schedules of
+    each seed; scored by the digit reward, the classifier's accuracy and the teacher error (minus the
+    50-step default solution's squared distance); and the default step count that matches each."""
+    import rollout
+    from checkpoints import load_checkpoint
+    from evaluate import default_schedule, fixed_schedule, policy_schedule
+    from miniature import prompt_lists
+    from prompts import load_prompt_file
+    from rewards import load_reward
+
+    runs = [(name, training, seed, steps) for name in args.backbones for steps in MINI_STEPS
+            for training in MINI_TRAININGS for seed in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda run: train_run(*run[:3], args, steps=run[3], trainings=MINI_TRAININGS), runs))
+    train_prompts, heldout_prompts = prompt_lists()
+    prompts, seeds = heldout_contexts(heldout_prompts, HELDOUT_CONTEXTS)
+    fit_prompts, fit_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS, FIT_SEED)
+    lines, figure_policies = [], {}
+    for name in args.backbones:
+        backbone = rollout.load_backbone(name)
+        rewards = {"digit": load_reward("digit", backbone), "teacher": load_reward("teacher", backbone)}
+        digit_only = {"digit": rewards["digit"]}
+        defaults = {n: default_schedule(backbone, n) for n in EQUIVALENT_STEPS}
+        default_means = {n: score["digit"].mean().item() for n, score in
+                         mini_scores(backbone, digit_only, prompts, seeds, defaults).items()}
+        lines += [f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), seeds {args.seeds}",
+                  "| L | schedule | digit log-prob (spread) | accuracy | teacher error | equivalent default steps |",
+                  "|---|---|---|---|---|---|"]
+        for steps in MINI_STEPS:
+            default = backbone.default_times(steps)
+            shifts = {s: fixed_schedule(shifted(default, s)) for s in SHIFTS}
+            fit = mini_scores(backbone, digit_only, fit_prompts, fit_seeds, shifts)
+            best = max(SHIFTS, key=lambda s: fit[s]["digit"].mean().item())
+            methods = {"default": fixed_schedule(default), f"best time shift (x{best})": shifts[best]}
+            for training in MINI_TRAININGS:
+                for seed in args.seeds:
+                    policy = load_checkpoint(os.path.join(run_dir(name, training, seed, args, steps), "ckpt.pt"))[1]
+                    methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
+                    figure_policies[name, training, seed, steps] = policy
+            scores = mini_scores(backbone, rewards, prompts, seeds, methods)
+            rows = {"default": ["default"], f"best time shift (x{best})": [f"best time shift (x{best})"]}
+            rows.update({f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in MINI_TRAININGS})
+            for row, members in rows.items():
+                per_seed = {column: [scores[m][column].mean().item() for m in members]
+                            for column in ("digit", "digit accuracy", "teacher")}
+                digit = per_seed["digit"]
+                spread = f" ({min(digit):.4f} to {max(digit):.4f})" if len(digit) > 1 else ""
+                lines.append(f"| {steps} | {row} | {statistics.mean(digit):.4f}{spread} | "
+                             f"{statistics.mean(per_seed['digit accuracy']):.3f} | "
+                             f"{-statistics.mean(per_seed['teacher']):.4f} | "
+                             f"{equivalent_steps(default_means, statistics.mean(digit))} |")
+        curve = ", ".join(f"{n}: {m:.4f}" for n, m in default_means.items())
+        lines.append(f"default schedule's digit log-prob by step count: {curve}")
+    plot_miniatures(os.path.join(args.out_dir, "miniatures.png"), args.backbones, figure_policies, args.seeds[0])
+    print("\n".join(lines))
+    with open(os.path.join(args.out_dir, "results.md"), "w") as file:
+        file.write("\n".join(lines) + "\n")
+
+
+@torch.no_grad()
+def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
+    """The same noises sampled with the default and the learned instance-level schedule at L = 2 and
+    3, and with 50 default steps, for each miniature (a held-out paraphrase per digit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    import rollout
+    from evaluate import policy_schedule
+
+    columns = ["default, L=2", "learned, L=2", "default, L=3", "learned, L=3", "default, 50 steps"]
+    figure, axes = plt.subplots(len(digits), len(names) * len(columns), figsize=(1.1 * len(names) * len(columns), 1.2 * len(digits) + 0.6))
+    for panel, name in enumerate(names):
+        backbone = rollout.load_backbone(name)
+        prompts = [f"a hand-drawn {d}" for d in digits]
+        noise = context_noise(backbone, [HELDOUT_SEED + 7 * d for d in digits])
+        cond = backbone.encode_prompts(prompts)
+        times = {}
+        for steps in (2, 3):
+            times[f"default, L={steps}"] = backbone.default_times(steps).expand(len(digits), -1)
+            times[f"learned, L={steps}"] = policy_schedule(policies[name, "instance", seed, steps], backbone)(noise, cond)
+        times["default, 50 steps"] = backbone.default_times(50).expand(len(digits), -1)
+        for column, label in enumerate(columns):
+            images = backbone.decode(backbone.sample(noise, cond, times[label]))
+            for row in range(len(digits)):
+                ax = axes[row, panel * len(columns) + column]
+                ax.imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
+                ax.set_xticks([]), ax.set_yticks([])
+                if row == 0:
+                    ax.set_title(f"{name}\n{label}" if column == 0 else label, fontsize=6)
+                if panel == 0 and column == 0:
+                    ax.set_ylabel(prompts[row], fontsize=5)
+    figure.tight_layout()
+    figure.savefig(path, dpi=130)
+    plt.close(figure)
+
+
 def main(args):
     import rollout
 
@@ -205,13 +355,19 @@ def main(args):
         lines.append(f"gap captured = (best global - learned) / (best global - best per {grouping}) on the same contexts")
         for seed, instance, glob in zip(args.seeds, learned["instance, js"], learned["global, js"]):
             lines.append(f"seed {seed}: learned instance-level (js) {100 * (1 - instance / glob):.1f}% below learned global")
-        seed_dir = lambda training: os.path.join(args.out_dir, name, training.replace(", ", "-").replace(" ", "-"), f"seed{args.seeds[0]}", "ckpt.pt")
         plot(os.path.join(args.out_dir, name, "schedules.png"), backbone, oracle[name],
-             {t: seed_dir(t) for t in ("instance, js", "global, js")})
+             {t: os.path.join(run_dir(name, t, args.seeds[0], args), "ckpt.pt") for t in ("instance, js", "global, js")})
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
-    main(parser.parse_args())
+    arguments = parser.parse_args()
+    if arguments.miniatures:
+        arguments.backbones = [name for name in arguments.backbones if name.startswith("mini-")] or MINIATURES
+        if arguments.out_dir == parser.get_default("out_dir"):
+            arguments.out_dir = "out/ablation-miniatures"
+        miniature_evidence(arguments)
+    else:
+        main(arguments)

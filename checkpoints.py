@@ -118,18 +118,83 @@ def existing_run(config):
     return checkpoint
 
 
+def check_writable(folder):
+    """ValueError in one line unless `folder` is, or can be made, a folder this user writes to;
+    creates nothing (the nearest existing ancestor is what is checked)."""
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        what = "a file, not a folder" if parent == os.path.abspath(folder) else f"not writable here ({parent})"
+        raise ValueError(f"--out-dir {folder} is {what}; pass a folder this user can write")
+
+
+def lock_run(out_dir):
+    """One writer per run folder: an exclusive flock on out_dir/run.lock, held while this process
+    lives and released by the operating system when it ends, however it ends (a killed run never
+    blocks the next). ValueError in one line, naming the holder's PID, if another process holds it.
+    Returns the open lock file: keep it referenced."""
+    import fcntl
+
+    os.makedirs(out_dir, exist_ok=True)
+    handle = open(os.path.join(out_dir, "run.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ValueError(f"{out_dir} is in use by another run (PID {holder}); wait for it to end, or pass another "
+                         "--out-dir") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def metric_rows(path):
+    """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at most
+    the last one unfinished): those are skipped, not fatal."""
+    rows, torn = [], 0
+    with open(path) as file:
+        for line in file:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                torn += 1
+    return rows, torn
+
+
 def restore(checkpoint, policy, optimizer, metrics_path=None):
     """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl (on
-    the rank that writes it) cut back to its iteration, whose later rows will be logged again.
-    Returns that iteration."""
+    the rank that writes it) cut back to its iteration, whose later rows will be logged again; a
+    torn line is dropped with a note. Returns that iteration."""
     policy.load_state_dict(checkpoint["policy"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     torch.set_rng_state(checkpoint["rng"]["torch"])
     if metrics_path is None:
         return checkpoint["iteration"]
-    with open(metrics_path) as file:
-        rows = [line for line in file if json.loads(line)["iteration"] <= checkpoint["iteration"]]
-    with open(metrics_path + ".tmp", "w") as file:
-        file.writelines(rows)
-    os.replace(metrics_path + ".tmp", metrics_path)
+    rows, torn = metric_rows(metrics_path)
+    if torn:
+        print(f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)")
+    write_lines_atomic(metrics_path, [json.dumps(row) + "\n" for row in rows if row["iteration"] <= checkpoint["iteration"]])
     return checkpoint["iteration"]
+
+
+def write_lines_atomic(path, lines):
+    with open(path + ".tmp", "w") as file:
+        file.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
+def discard_failed_start(metrics_path):
+    """A metrics.jsonl without a checkpoint beside it is what a run that failed before its first
+    checkpoint left: kept as metrics.jsonl.failed (replacing an older one) so that the new run's
+    rows are never mixed with it. Returns the note to print, or None."""
+    if not os.path.isfile(metrics_path):
+        return None
+    rows, _ = metric_rows(metrics_path)
+    os.replace(metrics_path, metrics_path + ".failed")
+    return (f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first checkpoint; "
+            f"moved to {metrics_path}.failed, this run starts afresh")

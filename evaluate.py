@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 import rewards as reward_lib
 import rollout
-from checkpoints import load_checkpoint, trained_backbone, write_json_atomic
+from checkpoints import check_writable, load_checkpoint, trained_backbone, write_json_atomic
 from policy import mean_increments, sample_increments, times_from_increments
-from prompts import HELDOUT_SEED, context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups
+from prompts import HELDOUT_SEED, context_noise, heldout_contexts, load_hpdv2, load_prompt_file, noise_seed, prompt_groups
 
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
 parser.error = lambda message: parser.exit(2, f"evaluate.py: error: {message}\n")  # one line, without the usage
@@ -44,7 +44,7 @@ parser.add_argument("--prompts", default=None, help="prompt file (.txt, .json, .
 parser.add_argument("--hpdv2", nargs="?", const="hub", default=None,
                     help="the HPDv2 test prompts: from a folder holding anime/concept-art/paintings/photo.json, or the hub")
 parser.add_argument("--count", type=int, default=None, help="contexts of train.py's held-out prompts (default: train.py's own count)")
-parser.add_argument("--seed", type=int, default=HELDOUT_SEED, help="noise seed of the first context; context i uses seed + i")
+parser.add_argument("--seed", type=noise_seed, default=HELDOUT_SEED, help="noise seed of the first context; context i uses seed + i")
 parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N contexts (HPDv2: styles interleaved)")
 # methods and rewards
 parser.add_argument("--rewards", nargs="+", choices=list(reward_lib.REWARDS), default=None,
@@ -240,11 +240,17 @@ def main(argv=None):
         if args.global_ckpt:
             policies["global"] = (args.global_ckpt, *load_checkpoint(args.global_ckpt, config["backbone"], steps))
         reward_names = args.rewards or [config["reward"]] + (["clip"] if config["reward"] == "hpsv2" else [])
+        malformed = [item for item in args.reward_checkpoint if "=" not in item or not item.split("=", 1)[0]]
+        if malformed:
+            raise ValueError(f"--reward-checkpoint takes NAME=PATH (e.g. hpsv2=/path/HPS_v2.1_compressed.pt), got {malformed[0]!r}")
         local = {config["reward"]: config["reward_checkpoint"], **dict(item.split("=", 1) for item in args.reward_checkpoint)}
         if args.schnell and config["backbone"] != "flux-dev":
             raise ValueError(f"--schnell is the reference for flux-dev, not for {config['backbone']!r}")
-        if args.count is not None and args.count < 1:
-            raise ValueError(f"--count must be at least 1 (got {args.count})")
+        for flag, value in (("--count", args.count), ("--limit", args.limit), ("--batch-size", args.batch_size)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} must be at least 1 (got {value})")
+        out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
+        check_writable(out_dir)
         styles, own = None, not (args.hpdv2 or args.prompts)  # own: train.py's held-out prompts, --count contexts of them
         if args.hpdv2:
             prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
@@ -261,7 +267,6 @@ def main(argv=None):
         sys.exit(f"evaluate.py: error: {error}")
     prompts, seeds = heldout_contexts(prompt_list or backbone.prompts, args.count or (config["eval_contexts"] if own else None), args.seed)
     prompts, seeds, styles = prompts[:args.limit], seeds[:args.limit], (styles or [None] * len(prompts))[:args.limit]
-    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
 
     rewards = {}
     for name in reward_names:
@@ -296,8 +301,12 @@ def main(argv=None):
     store_path = os.path.join(out_dir, "scores.json")
     store = dict(rows={}, contexts={}, scores={}, times={})
     if os.path.isfile(store_path):
-        with open(store_path) as handle:
-            store = json.load(handle)
+        try:
+            with open(store_path) as handle:
+                store = json.load(handle)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            sys.exit(f"evaluate.py: error: {store_path} is damaged ({type(error).__name__}); move it away to score afresh, "
+                     "or use another --out-dir")
     for name, value in identity.items():
         if store["rows"].setdefault(name, value) != value:
             sys.exit(f"evaluate.py: error: {store_path} holds '{name}' scores of {store['rows'][name]}, not {value}: "

@@ -7,7 +7,9 @@ text-rendering experiment, scored by OCR recall).
     rows = reward.details(latents, prompts)            # per image: {"text", "recall", "edit"}
 
 The target is the prompt's one double-quoted span: `a neon sign that says "OPEN LATE"`. Texts are
-compared as words: lower case, punctuation deleted ("DON'T" -> "dont"), split on whitespace.
+compared as words: Unicode-normalised (NFKC), lower case, punctuation deleted ("DON'T" -> "dont"),
+split on whitespace. EasyOCR's English model reads unaccented Latin letters, digits and ASCII
+punctuation only: a target with accents ("CAFÉ") can never be read in full.
 - recall (the reward): the fraction of the target's words that were read, as multisets: a word the
   target has twice needs two readings ("BOOM BOOM" read as "boom": 0.5); extra words cost nothing.
 - edit: 1 - Levenshtein(read, target) / len(target) on the words joined without spaces (OCR often
@@ -26,6 +28,7 @@ the detector's memory), then the recogniser reads each image's boxes. Its time p
 """
 import os
 import re
+import unicodedata
 from collections import Counter
 
 import numpy as np
@@ -46,8 +49,9 @@ def target_text(prompt):
 
 
 def words(text):
-    """Lower case, punctuation (anything but letters, digits, whitespace) deleted, split."""
-    return re.sub(r"[^\w\s]|_", "", text.lower()).split()
+    """Unicode-normalised (NFKC: "É" written as one code point or as E + combining accent is the same
+    word), lower case, punctuation (anything but letters, digits, whitespace) deleted, split."""
+    return re.sub(r"[^\w\s]|_", "", unicodedata.normalize("NFKC", text).lower()).split()
 
 
 def word_recall(read, target):

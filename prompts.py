@@ -113,6 +113,19 @@ def heldout_contexts(prompts, count=None, seed=HELDOUT_SEED):
     return [prompts[index % len(prompts)] for index in range(count)], [seed + index for index in range(count)]
 
 
+def noise_seed(text):
+    """argparse type of a noise seed: an integer torch.Generator.manual_seed takes, 0 <= seed < 2^63."""
+    import argparse
+
+    try:
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a seed is an integer, got {text!r}") from None
+    if not 0 <= seed < 2**63:
+        raise argparse.ArgumentTypeError(f"a seed is an integer from 0 to 2^63 - 1, got {text}")
+    return seed
+
+
 def context_noise(backbone, seeds):
     """Initial noise per seed, drawn one by one, so it is identical for every method and batch size."""
     return torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])

@@ -22,6 +22,9 @@ a batch repeated K times with repeat_interleave), is built once and reused, and 
   prompt-alignment reward for machines without the HPS environment.
 - "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads in the image, the
   paper's text-rendering reward; evaluate.py reports 1 - normalised edit distance beside it.
+- "digit": log p(prompted digit | image) under the small classifier that miniature.py trains on
+  digits the miniature pipelines never saw: the default reward of the mini-* backbones, a black box
+  on their decoded pixels as HPSv2 is on a real model's; evaluate.py reports its accuracy beside it.
 - "geneval" (geneval.py): the fraction of a GenEval prompt's requirements (objects, counts,
   colours, positions) that Mask2Former and CLIP find met; evaluate.py reports GenEval's binary
   correctness beside it. Both read text or objects, which the 8x8 embedded backbones do not have.
@@ -297,6 +300,46 @@ def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
 
 
 # ----------------------------------------------------------------------------------------------
+# digit: the miniatures' classifier reads their decoded pixels
+
+
+class DigitReward:
+    """log p(prompted digit | image) under the classifier of miniature.py, a black box on the decoded
+    pixels as HPSv2 is on a real model's: 8-bit images, resized to the classifier's side (bicubic,
+    antialiased; the miniatures already decode at its 16 px), its own normalisation. 0 is certainty.
+    The classifier was trained on digits that no miniature saw (miniature.py)."""
+
+    def __init__(self, backbone, checkpoint=None, device=None):
+        from miniature import load_classifier
+
+        self.backbone = backbone
+        self.device = torch.device(device or backbone.device)
+        self.model = load_classifier(checkpoint).to(self.device).requires_grad_(False)
+
+    def log_probs(self, latents):
+        images = quantize(self.backbone.decode(latents)).to(self.device)
+        side = self.model.side
+        if images.shape[-1] != side or images.shape[-2] != side:
+            images = F.interpolate(images, (side, side), mode="bicubic", align_corners=False, antialias=True)
+        return torch.log_softmax(self.model(images.clamp(0, 1)).float(), dim=1)  # (N, 10)
+
+    @torch.no_grad()
+    def details(self, latents, prompts):
+        from miniature import digit_of
+
+        log_probs = self.log_probs(latents)
+        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=log_probs.device)
+        return log_probs.gather(1, digits[:, None]).squeeze(1), (log_probs.argmax(1) == digits).float()
+
+    def __call__(self, latents, prompts, noise, cond):
+        return self.details(latents, prompts)[0]
+
+
+def load_digit(backbone, device=None, checkpoint=None):
+    return DigitReward(backbone, checkpoint=checkpoint, device=device)
+
+
+# ----------------------------------------------------------------------------------------------
 
 def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):
     import ocr  # EasyOCR needs torchvision: imported only when asked for
@@ -310,14 +353,21 @@ def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, b
     return geneval.load_geneval(backbone, device=device, checkpoint=checkpoint, clip_checkpoint=clip_checkpoint, batch_size=batch_size)
 
 
-REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip, "ocr": load_ocr, "geneval": load_geneval}
+REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip, "ocr": load_ocr, "geneval": load_geneval,
+           "digit": load_digit}
 IMAGE_CONTENT = ("ocr", "geneval")  # rewards that read text or objects: not for the 8x8 embedded backbones
-COLUMNS = {"ocr": ("ocr", "ocr edit"), "geneval": ("geneval", "geneval correct")}  # what metrics() returns, per reward
+COLUMNS = {"ocr": ("ocr", "ocr edit"), "geneval": ("geneval", "geneval correct"),
+           "digit": ("digit", "digit accuracy")}  # what metrics() returns, per reward
 
 
 def check_prompts(name, prompts):
     """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR needs
     a "quoted" target text, GenEval one of its templates."""
+    if name == "digit":
+        from miniature import digit_of
+
+        for prompt in prompts:
+            digit_of(prompt)
     if name in IMAGE_CONTENT:
         from geneval import parse
         from ocr import target_text
@@ -336,6 +386,9 @@ def metrics(reward, name, latents, prompts, noise, cond):
     if name == "geneval":
         rows = reward.details(latents, prompts)
         return {"geneval": torch.tensor([row["reward"] for row in rows]), "geneval correct": torch.tensor([float(row["correct"]) for row in rows])}
+    if name == "digit":
+        log_prob, correct = reward.details(latents, prompts)
+        return {"digit": log_prob.cpu(), "digit accuracy": correct.cpu()}
     return {name: reward(latents, prompts, noise, cond).float().cpu()}
 
 
@@ -359,6 +412,10 @@ def check_reward(name, checkpoint=None):
         from geneval import CLIP_DEFAULT as GENEVAL_CLIP, DETECTOR_DEFAULT, check_weights
 
         check_weights(checkpoint or DETECTOR_DEFAULT, "GenEval detector", also=(GENEVAL_CLIP, "CLIP model"))
+    if name == "digit":
+        from miniature import classifier_folder
+
+        classifier_folder(checkpoint)
     if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
         model = checkpoint or CLIP_DEFAULT
         hub_file(model, "config.json", f"CLIP model {model!r} not found: download it with "

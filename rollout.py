@@ -25,17 +25,21 @@ import urllib.parse
 
 import torch
 
+REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 # Every per-backbone fact. family: the class that runs it; hub_id: its diffusers weights; resolution:
 # the image side; guidance: the true-CFG scale (SD3.5, SD-XL), the distilled guidance embedding
 # (Flux-Dev) or None (no guidance input); the values recommended by the SD3.5 model cards (Medium 4.5,
 # Large 3.5) and the SD-XL and Flux-Dev pipelines' defaults (5.0, 3.5). policy: the size in
-# policy.PRESETS. contexts, rollouts: the paper's B and K. iterations, lr, reward, rollout_batch (samples
+# policy.PRESETS. steps: the default L. contexts, rollouts: the paper's B and K. iterations, lr, reward, rollout_batch (samples
 # per backbone call, for memory): this project's defaults for train.py; the paper states none of them.
 # threads: CPU threads (None: torch's default; the embedded backbones' tensors are tiny, so a second
 # thread only adds contention).
-REAL = dict(resolution=1024, policy="real", rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2", threads=None)
-EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", contexts=32,
+REAL = dict(resolution=1024, policy="real", steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2", threads=None)
+EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", steps=4, contexts=32,
                 iterations=300, lr=3e-3, reward="teacher", rollout_batch=None, threads=1)
+MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", steps=3, contexts=16, rollouts=4, iterations=200, lr=3e-3,
+                 reward="digit", rollout_batch=None, threads=1,
+                 prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"))
 BACKBONES = {
     "sd35m": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, contexts=32, rollout_batch=16),
     "sd35l": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5, contexts=16, rollout_batch=8),
@@ -50,6 +54,12 @@ BACKBONES = {
     # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise says which
     # (a weaker signal than the prompt: it takes more iterations).
     "digits-noise": dict(EMBEDDED, rollouts=8, iterations=600, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
+    # The trained miniatures (miniature.py): the real families' classes with shipped 16x16 digit
+    # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
+    # repository; prompts: (training, held-out) paraphrase files; the reward reads their pixels.
+    "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=4.0),
+    "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=3.5),
+    "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=5.0),
 }
 
 
@@ -286,6 +296,14 @@ def _call_default(pipe, argument):
     return inspect.signature(type(pipe).__call__).parameters[argument].default
 
 
+def _text_length(pipe, t5_tokenizer):
+    """The T5 sequence length: the pipeline's default max_sequence_length (256 for SD3.5, 512 for Flux),
+    or its T5 tokenizer's model_max_length when that is shorter (the miniatures' 12; the real T5
+    tokenizers take 512)."""
+    default = _call_default(pipe, "max_sequence_length")
+    return min(default, t5_tokenizer.model_max_length) if t5_tokenizer is not None else default
+
+
 def _token_mask(tokenizer, prompts, length):
     """(N, length) bool, True = a real token, exactly as the pipeline pads and truncates."""
     if tokenizer is None:
@@ -312,7 +330,7 @@ class SD3Backbone(PipelineBackbone):
         multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
         super().__init__(pipe, pipe.transformer, name, resolution, guidance, multiple)
         self.cfg = self.guidance > 1  # the pipeline's do_classifier_free_guidance
-        self.text_length = _call_default(pipe, "max_sequence_length")
+        self.text_length = _text_length(pipe, pipe.tokenizer_3)
         config = self.model.config
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
         self.policy_dims = dict(latent_channels=config.in_channels, text_dim=config.joint_attention_dim,
@@ -369,7 +387,7 @@ class FluxBackbone(PipelineBackbone):
         config = self.model.config
         if not config.guidance_embeds:  # schnell: no guidance input, any value is ignored
             self.guidance = None
-        self.text_length = _call_default(pipe, "max_sequence_length")
+        self.text_length = _text_length(pipe, pipe.tokenizer_2)
         self.latent_size = self.resolution // pipe.vae_scale_factor  # unpacked latent height = width
         self.latent_channels = config.in_channels // 4
         self.latent_shape = (self.latent_channels, self.latent_size, self.latent_size)  # as the policy sees it
@@ -560,7 +578,13 @@ def hub_file(repo, filename, missing, repo_type=None):
 def locate_weights(name, path=None):
     """Where from_pretrained loads backbone `name` from: the local diffusers folder `path`, or its hub
     id once its files are cached or reachable. ValueError in one line saying how to get them."""
-    hub_id = BACKBONES[name]["hub_id"]
+    hub_id, folder = BACKBONES[name]["hub_id"], BACKBONES[name].get("folder")
+    if path is None and folder is not None:  # a miniature shipped in this repository
+        path = os.path.join(REPOSITORY, folder)
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            family = BACKBONES[name]["family"]
+            raise ValueError(f"{name}: {folder} is missing from this checkout; restore it with git, or retrain it with "
+                             f"`python miniature.py --family {family}`")
     if path is not None:
         if not os.path.isfile(os.path.join(path, "model_index.json")):
             raise ValueError(f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "

@@ -33,7 +33,7 @@ import torch
 import rollout
 from checkpoints import load_checkpoint, trained_backbone
 from evaluate import default_schedule, policy_schedule
-from prompts import context_noise, load_prompt_file
+from prompts import context_noise, load_prompt_file, noise_seed
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -45,7 +45,7 @@ parser.add_argument("--out-dir", default=None, help="output folder; default: sam
 # contexts
 parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
 parser.add_argument("--prompts", default=None, help="prompt file (.txt, .json, .jsonl)")
-parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="noise seeds; every prompt is sampled with each")
+parser.add_argument("--seeds", type=noise_seed, nargs="+", default=[0], help="noise seeds; every prompt is sampled with each")
 # schedule
 parser.add_argument("--stochastic", action="store_true", help="draw one schedule from the Dirichlet instead of its mean")
 parser.add_argument("--draw-seed", type=int, default=0, help="seed of the Dirichlet draws with --stochastic")
@@ -190,6 +190,9 @@ def main(argv=None):
         ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
         config = ckpt["config"]
         prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
+        shipped = rollout.BACKBONES[config["backbone"]].get("prompts")  # the miniatures' held-out paraphrases
+        if not prompts and shipped:
+            prompts = load_prompt_file(shipped[1])[:10]
         if not prompts and rollout.BACKBONES[config["backbone"]]["family"] != "mixture":
             raise ValueError(f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE")
         torch.set_num_threads(rollout.BACKBONES[config["backbone"]]["threads"] or torch.get_num_threads())

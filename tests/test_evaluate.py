@@ -305,12 +305,37 @@ def test_an_unknown_reward_fails_in_one_line_with_the_choices(capsys, ckpt):
 
 @pytest.mark.parametrize("args, message", [
     (["--count", "0"], "--count must be at least 1 \\(got 0\\)"),
+    (["--limit", "0"], "--limit must be at least 1 \\(got 0\\)"),
+    (["--limit", "-1"], "--limit must be at least 1 \\(got -1\\)"),
+    (["--reward-checkpoint", "teacher"], "--reward-checkpoint takes NAME=PATH .* got 'teacher'"),
     (["--steps", "5"], "was trained for L=4 steps, not L=5"),
+    (["--out-dir", "{file}"], "--out-dir .* is a file, not a folder"),
 ])
-def test_bad_evaluate_input_fails_in_one_line(ckpt, args, message):
+def test_bad_evaluate_input_fails_in_one_line_before_loading(tmp_path, monkeypatch, ckpt, args, message):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
     with pytest.raises(SystemExit, match=message) as error:
-        evaluate.main(["--ckpt", ckpt, *args])
+        evaluate.main(["--ckpt", ckpt, *(arg.replace("{file}", str(tmp_path / "file")) for arg in args)])
     assert "\n" not in str(error.value)
+
+
+def test_a_damaged_score_store_fails_in_one_line_and_is_kept(tmp_path, ckpt):
+    (tmp_path / "scores.json").write_text('{"rows": {')
+    with pytest.raises(SystemExit, match="scores.json is damaged \\(JSONDecodeError\\); move it away") as error:
+        evaluate.main(["--ckpt", ckpt, "--out-dir", str(tmp_path), "--limit", "2"])
+    assert "\n" not in str(error.value) and (tmp_path / "scores.json").read_text() == '{"rows": {'
+
+
+def test_a_seed_out_of_range_fails_in_one_line(capsys, ckpt):
+    import sample
+
+    for script in (sample, evaluate):
+        flag = "--seeds" if script is sample else "--seed"
+        with pytest.raises(SystemExit) as error:
+            script.main(["--ckpt", ckpt, flag, "18446744073709551616"])
+        assert error.value.code == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and "a seed is an integer from 0 to 2^63 - 1" in lines[0]
 
 
 @pytest.mark.parametrize("script", [evaluate, __import__("sample")])

@@ -41,6 +41,16 @@ def test_words_normalise():
     assert ocr.words("  Don't STOP,\n e-mail_me! 24/7 Café ") == ["dont", "stop", "emailme", "247", "café"]
 
 
+def test_the_same_word_matches_however_it_is_encoded():
+    import unicodedata
+
+    composed, decomposed = unicodedata.normalize("NFC", "CAFÉ"), unicodedata.normalize("NFD", "CAFÉ")
+    assert composed != decomposed
+    assert ocr.word_recall(decomposed, composed) == ocr.word_recall(composed, decomposed) == 1.0
+    assert ocr.word_recall("CAFE", composed) == ocr.word_recall("CAFE", decomposed) == 0.0  # an accent is a letter
+    assert ocr.edit_score(decomposed, composed) == 1.0
+
+
 @pytest.mark.parametrize("read,target,recall", [
     ("OPEN LATE", "OPEN LATE", 1.0),
     ("open, late!", "OPEN LATE", 1.0),          # case and punctuation do not count

@@ -24,8 +24,12 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     return policy.eval()
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux-dev", "sdxl"])
+@pytest.fixture(scope="module", params=["sd3", "flux-dev", "sdxl", "mini-sd3", "mini-flux", "mini-sdxl"])
 def tiny(request):
+    """A tiny random pipeline of each family, and the trained miniatures (miniature.py) as shipped."""
+    if request.param.startswith("mini-"):
+        backbone = rollout.load_backbone(request.param)
+        return backbone.pipe, backbone
     pipe = tiny_pipeline(request.param)
     return pipe, rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[request.param])
 
@@ -36,7 +40,7 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     policy = learned_policy(backbone, steps)
     prompts = ["a cat", "a red house on a hill"]
     latents = pipeline.generate(pipe, policy, prompts, generator=torch.Generator().manual_seed(5), output_type="latent",
-                                height=TINY_RESOLUTION, guidance_scale=backbone.guidance or 0.0).images
+                                height=backbone.resolution, guidance_scale=backbone.guidance or 0.0).images
     noise = pipeline.pipeline_noise(backbone, 2, torch.Generator().manual_seed(5))
     cond = backbone.encode_prompts(prompts)
     with torch.no_grad():
@@ -55,7 +59,7 @@ def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
     handle = original.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
         kwargs.get("hidden_states", args[0] if args else kwargs.get("sample"))), with_kwargs=True)
     try:
-        pipe("a cat", num_inference_steps=1, height=TINY_RESOLUTION, width=TINY_RESOLUTION, output_type="latent",
+        pipe("a cat", num_inference_steps=1, height=backbone.resolution, width=backbone.resolution, output_type="latent",
              generator=torch.Generator().manual_seed(3), guidance_scale=backbone.guidance or 0.0)
     finally:
         handle.remove()

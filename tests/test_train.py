@@ -203,6 +203,66 @@ def test_a_killed_run_continues_from_its_checkpoint_without_resume(short_run, tm
     assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3] and (out / "eval.json").is_file()
 
 
+def test_a_torn_last_metrics_line_is_dropped_on_resume(short_run, tmp_path, capsys):
+    out = copy_of(short_run, tmp_path)
+    checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
+    torch.save({**checkpoint, "iteration": 2}, out / "ckpt.pt")  # killed while appending the row of iteration 3
+    text = (out / "metrics.jsonl").read_text()
+    (out / "metrics.jsonl").write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
+    (out / "eval.json").unlink()
+    train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
+    assert "dropped 1 torn line(s)" in capsys.readouterr().out
+    assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3]
+
+
+def test_a_second_writer_is_refused_naming_the_first_and_a_dead_one_blocks_nothing(tmp_path):
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); import checkpoints; "
+                               f"lock = checkpoints.lock_run({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True, env=ENV)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(SystemExit, match=f"is in use by another run \\(PID {holder.pid}\\); wait for it to end") as error:
+            train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
+        assert "\n" not in str(error.value) and not (out / "metrics.jsonl").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))  # the killed holder's lock went with it
+    assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3]
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_is_never_mixed_with_the_next(tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "rew')  # a torn row too
+    train.main(train.parse_config([*SHORT, "--seed", "3", "--out-dir", str(out)]))
+    assert "held 1 row(s) of a run that stopped before its first checkpoint" in capsys.readouterr().out
+    assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3]
+    assert (out / "metrics.jsonl.failed").read_text().startswith('{"iteration": 1, "reward": 0.5}')
+
+
+@pytest.mark.parametrize("make, args, message", [
+    (lambda tmp: (tmp / "file").write_text("x"), ["--out-dir", "{tmp}/file"], "--out-dir .*/file is a file, not a folder"),
+    (lambda tmp: (tmp / "file").write_text("x"), ["--out-dir", "{tmp}/file/run"], "is not writable here"),
+    (lambda tmp: None, ["--device", "cuda"], "--device cuda, but this machine has no CUDA device"),
+])
+def test_unusable_places_and_devices_fail_in_one_line_before_loading(tmp_path, make, args, message):
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    make(tmp_path)
+    args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
+    with pytest.raises(SystemExit, match=message) as error:
+        train.check_config(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out"), *args]), world_size=1)
+    assert "\n" not in str(error.value)
+
+
+def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
+    config = train.parse_config([*SHORT, "--threads", "1000", "--out-dir", str(tmp_path / "out")])
+    train.check_config(config, world_size=1)
+    assert config.threads == os.cpu_count() and "is more than the" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("change, message", [
     (["--baseline", "rloo"], "holds a run with baseline='js', not 'rloo'; pass --baseline js to continue it"),
     (["--seed", "1"], "holds a run with seed=0, not 1"),
@@ -281,7 +341,7 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
     text = " ".join(capsys.readouterr().out.split())
     for field in train.dataclasses.fields(train.Config):
         assert f"--{field.name.replace('_', '-')}" in text and " ".join(train.HELP[field.name].split()) in text, field.name
-    assert "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise}" in text
+    assert "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,mini-sd3,mini-flux,mini-sdxl}" in text
     assert "(default: 0.0001)" in text  # --weight-decay
 
 

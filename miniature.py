@@ -1,0 +1,536 @@
+"""
+Trained miniature text-to-image pipelines: real SD3, Flux and SD-XL architectures, small enough to
+train on a laptop CPU and to ship in the repository (miniatures/, about 10 MB with the classifier).
+
+    python miniature.py --family classifier   # the digit reward's classifier (about a minute)
+    python miniature.py --family sd3          # miniatures/mini-sd3 from scratch (minutes, 2 cores)
+    python miniature.py --family flux         # miniatures/mini-flux
+    python miniature.py --family sdxl         # miniatures/mini-sdxl
+    python miniature.py --check               # what the shipped folders reach (the README's table)
+
+Why they exist: random weights prove that rollout.py equals the diffusers pipelines, not that a
+learned schedule makes a trained model's images better. These are trained models of the real
+families, loaded with the stock `from_pretrained` of StableDiffusion3Pipeline, FluxPipeline and
+StableDiffusionXLPipeline, with a black-box reward read from their decoded pixels (a classifier, as
+HPSv2 reads images), so the paper's setting runs end to end on a CPU.
+
+Data: scikit-learn's 1,797 handwritten 8x8 digits (they ship inside the package), upsampled to
+16x16 with Pillow's bicubic filter, grey ink replicated to RGB. A seeded half trains the pipelines
+(VAE and denoiser); the other half trains the classifier, which is then tested on the pipelines'
+half: no image it is scored on was seen by it, and the pipelines never saw the classifier's images.
+Prompts are paraphrases, "a handwritten 7", "the digit 7", ... (prompts/digit_train.txt); the
+held-out paraphrases (prompts/digit_heldout.txt) are never seen in training.
+
+Each pipeline is the family's real layout in miniature:
+- text encoders and tokenizers of the pipeline's own classes (CLIP, and T5 for SD3 and Flux), a
+  vocabulary with a token per common word and per character otherwise, randomly initialised,
+  seeded and frozen: different prompts give different embeddings, and the denoiser learns to read
+  the digit from them; sequences of 12 tokens (the T5 tokenizers' model_max_length, which
+  rollout.py takes as the pipelines' max_sequence_length);
+- an AutoencoderKL trained here (16x16x3 <-> 8x8 latents, 16 channels for SD3 and Flux, 4 for
+  SD-XL, as the real families), its scaling (and shift) factor set from the latent statistics;
+- mini-sd3: SD3Transformer2DModel, rectified flow as SD3 trains it (x_t = (1 - t) x_0 + t noise,
+  t logit-normal, shifted by 3 as SD3 does at high resolution, velocity target noise - x_0), 10% of
+  prompts dropped to "" for CFG;
+- mini-flux: FluxTransformer2DModel on packed 2x2 latent tokens, the same flow objective, and a
+  guidance input as FLUX.1-dev has it: for the second half of training, half of each batch learns,
+  at a guidance g drawn from U(1, 5), the guided velocity v("") + g (v(prompt) - v("")) of a frozen
+  snapshot of the network taken at half time (distilled guidance; the pipeline feeds g = 3.5 and
+  runs no CFG batch; distilling from the live network instead collapses its use of the prompt);
+- mini-sdxl: UNet2DConditionModel with the text/time added conditioning, epsilon prediction on
+  SD-XL's noise table (scaled-linear betas 0.00085..0.012, 1,000 steps), prompts dropped to zero
+  embeddings (the SD-XL pipeline's force_zeros_for_empty_prompt).
+"""
+import argparse
+import copy
+import json
+import math
+import os
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
+
+REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+FOLDER = os.path.join(REPOSITORY, "miniatures")
+SIDE = 16  # image side in pixels; the VAEs downsample 2x, so latents are 8x8
+TEXT_LENGTH = 12  # tokens per prompt (CLIP and T5 alike): the longest paraphrase has 8
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sdxl": 4}
+DROP = 0.1  # fraction of training prompts replaced by the empty one (CFG)
+TRAIN_SHIFT = 3.0  # flow times are drawn logit-normal, then shifted by this (SD3's high-resolution sampling): the
+# default schedules spend many steps near t = 1, where an unshifted logit-normal barely trains
+FAMILIES = ("sd3", "flux", "sdxl")
+DISTIL_FROM = 0.5  # mini-flux: the share of training after which half of each batch distils guidance
+
+# training budget per family: denoiser updates, batch, peak learning rate (AdamW, one-cycle schedule)
+DENOISER = dict(sd3=(6000, 64, 1e-3), flux=(6000, 64, 1e-3), sdxl=(5000, 64, 1e-3))
+VAE_UPDATES, VAE_BATCH, VAE_LR, VAE_KL = 800, 64, 2e-3, 1e-7
+
+
+# -----------------------------------------------------------------------------
+# data
+
+
+def digit_images():
+    """(1797, 3, 16, 16) float images in [0, 1] and their labels: scikit-learn's 8x8 digits
+    upsampled with Pillow's bicubic filter."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
+    upsampled = [np.asarray(Image.fromarray(image).resize((SIDE, SIDE), Image.BICUBIC)) for image in pixels]
+    images = torch.from_numpy(np.stack(upsampled)).float().div(255.0)[:, None].expand(-1, 3, -1, -1)
+    return images.contiguous(), torch.from_numpy(digits.target).long()
+
+
+def split():
+    """A seeded half of the digits for the pipelines, the other half for the classifier."""
+    images, labels = digit_images()
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
+    pipelines, classifier = order[: len(order) // 2], order[len(order) // 2 :]
+    return (images[pipelines], labels[pipelines]), (images[classifier], labels[classifier])
+
+
+def digit_of(prompt):
+    """The digit a prompt asks for: its one character 0-9. ValueError in one line otherwise."""
+    found = [character for character in prompt if character.isdigit()]
+    if len(found) != 1:
+        raise ValueError(f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}")
+    return int(found[0])
+
+
+def prompt_lists():
+    from prompts import load_prompt_file
+
+    return load_prompt_file("prompts/digit_train.txt"), load_prompt_file("prompts/digit_heldout.txt")
+
+
+# -----------------------------------------------------------------------------
+# the classifier behind the digit reward
+
+
+# Trained with label smoothing, the classifier's log-probability grades how clearly an image shows
+# its digit; without it, every recognisable image scores about 0 and the reward saturates.
+LABEL_SMOOTHING = 0.1
+
+
+class DigitClassifier(nn.Module, PyTorchModelHubMixin):
+    """A small CNN over 16x16 RGB digits in [0, 1]: logits (N, 10)."""
+
+    def __init__(self, side=SIDE, width=24):
+        super().__init__()
+        self.config = dict(side=side, width=width)
+        self.side = side
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(2 * width * (side // 4) ** 2, 64),
+                                  nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, images):
+        return self.head(self.features(2.0 * images - 1.0))
+
+
+def augment(images, generator):
+    """Shifts of up to 2 pixels, a random blur and pixel noise: the classifier must read generated
+    digits, which are less crisp than the data."""
+    count = len(images)
+    padded = F.pad(images, (2, 2, 2, 2))
+    dx, dy = torch.randint(0, 5, (2, count), generator=generator)
+    shifted = torch.stack([padded[i, :, dy[i] : dy[i] + SIDE, dx[i] : dx[i] + SIDE] for i in range(count)])
+    blur = torch.rand(count, 1, 1, 1, generator=generator) < 0.3
+    blurred = F.avg_pool2d(F.pad(shifted, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
+    noisy = torch.where(blur, blurred, shifted) + 0.03 * torch.randn(shifted.shape, generator=generator)
+    return noisy.clamp(0, 1)
+
+
+def train_classifier(epochs=60, seed=0):
+    (test_images, test_labels), (images, labels) = split()
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    model = DigitClassifier()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
+    batches = math.ceil(len(images) / 64)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 2e-3, total_steps=epochs * batches)
+    for _ in range(epochs):
+        for batch in torch.randperm(len(images), generator=generator).split(64):
+            loss = F.cross_entropy(model(augment(images[batch], generator)), labels[batch], label_smoothing=LABEL_SMOOTHING)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            scheduler.step()
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(test_images).argmax(1) == test_labels).float().mean().item()
+    return model, accuracy
+
+
+def classifier_folder(folder=None):
+    """Where the classifier is: `folder`, else the shipped one. ValueError in one line if absent."""
+    folder = folder or os.path.join(FOLDER, "classifier")
+    if not all(os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")):
+        raise ValueError(f"no digit classifier in {folder}; restore miniatures/classifier with git, retrain it "
+                         "with `python miniature.py --family classifier`, or pass --reward-checkpoint FOLDER")
+    return folder
+
+
+def load_classifier(folder=None):
+    return DigitClassifier.from_pretrained(classifier_folder(folder)).eval()
+
+
+# -----------------------------------------------------------------------------
+# the pipelines' components
+
+
+WORDS = tuple("a an the of by digit number numeral handwritten written hand drawn drawing scribbled image picture "
+              "photo zero one two three four five six seven eight nine".split())
+
+
+def clip_vocabulary():
+    """A byte-level CLIP BPE vocabulary (every byte, alone and word-final) with merges that make each
+    word of WORDS one token; any other word falls apart into characters, as in a real BPE."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    characters = list(bytes_to_unicode().values())
+    vocab = {**{c: i for i, c in enumerate(characters)}, **{c + "</w>": i + 256 for i, c in enumerate(characters)}}
+    merges = []
+    for word in dict.fromkeys(WORDS):
+        pieces = list(word[:-1]) + [word[-1] + "</w>"]
+        while len(pieces) > 1:
+            merges.append((pieces[0], pieces[1]))
+            pieces = [pieces[0] + pieces[1]] + pieces[2:]
+            vocab.setdefault(pieces[0], len(vocab))
+    vocab.update({"<|startoftext|>": len(vocab), "<|endoftext|>": len(vocab) + 1})
+    return vocab, list(dict.fromkeys(merges))
+
+
+def tokenizers_and_encoders(family):
+    """The family's tokenizers and frozen random text encoders, seeded: the pipeline keyword
+    arguments. CLIP BPE and T5 Unigram vocabularies with a token per word of WORDS and per character
+    otherwise."""
+    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
+                              T5EncoderModel, T5Tokenizer)
+
+    torch.manual_seed({"sd3": 1, "flux": 2, "sdxl": 3}[family])
+    vocab, merges = clip_vocabulary()
+    start, end = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
+    clip_config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, projection_dim=32, max_position_embeddings=TEXT_LENGTH,
+                                 bos_token_id=start, eos_token_id=end, pad_token_id=end, hidden_act="gelu")
+    clip_tokenizer = lambda: CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=TEXT_LENGTH)
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?-'"]
+    pieces += [("\u2581" + word, -1.0) for word in dict.fromkeys(WORDS + tuple("0123456789"))]
+
+    def t5(word_scale=1.0):
+        model = T5EncoderModel(T5Config(vocab_size=len(pieces), d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                        num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
+                                        eos_token_id=1, decoder_start_token_id=0))
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(word_scale)
+        return model
+
+    t5_tokenizer = lambda: T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TEXT_LENGTH)
+
+    def clip(model_class):
+        # word vectors at std 1 (T5's scale): at CLIP's 0.02 the random layers' mixing buries which word
+        # a token is, and a digit's token state no longer tells the digit apart in an unseen paraphrase
+        model = model_class(clip_config)
+        torch.nn.init.normal_(model.get_input_embeddings().weight, std=1.0)
+        return model
+
+    if family == "sd3":
+        return dict(text_encoder=clip(CLIPTextModelWithProjection), tokenizer=clip_tokenizer(),
+                    text_encoder_2=clip(CLIPTextModelWithProjection), tokenizer_2=clip_tokenizer(),
+                    text_encoder_3=t5(), tokenizer_3=t5_tokenizer())
+    if family == "flux":
+        # Flux's only token sequence is T5's: its word vectors at std 5 keep a digit's token state apart
+        # from the other digits' in any paraphrase (between/within-digit spread 2.2 against 1.1 at std 1)
+        return dict(text_encoder=clip(CLIPTextModel), tokenizer=clip_tokenizer(), text_encoder_2=t5(5.0),
+                    tokenizer_2=t5_tokenizer())
+    return dict(text_encoder=clip(CLIPTextModel), tokenizer=clip_tokenizer(),
+                text_encoder_2=clip(CLIPTextModelWithProjection), tokenizer_2=clip_tokenizer())
+
+
+def build_pipeline(family, vae):
+    """An untrained pipeline of `family` around a trained `vae`, seeded."""
+    from diffusers import (EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline,
+                           FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
+                           StableDiffusionXLPipeline, UNet2DConditionModel)
+
+    text = tokenizers_and_encoders(family)
+    torch.manual_seed(10)
+    if family == "sd3":  # joint_attention_dim = T5 width >= both CLIP widths; pooled = both projections
+        transformer = SD3Transformer2DModel(sample_size=SIDE // 2, patch_size=2, in_channels=16, out_channels=16,
+                                            num_layers=3, attention_head_dim=32, num_attention_heads=2,
+                                            joint_attention_dim=64, caption_projection_dim=64,
+                                            pooled_projection_dim=64, pos_embed_max_size=SIDE // 2)
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's static shift
+        return StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, **text)
+    if family == "flux":  # 16 channels pack 2x2 to 64; sum(axes_dims_rope) = attention_head_dim
+        transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,
+                                             attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
+                                             pooled_projection_dim=32, axes_dims_rope=[8, 12, 12],
+                                             guidance_embeds=True)
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+        return FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **text)
+    unet = UNet2DConditionModel(sample_size=SIDE // 2, in_channels=4, out_channels=4, block_out_channels=(24, 48),
+                                layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
+                                use_linear_projection=True, addition_embed_type="text_time",
+                                addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32,
+                                cross_attention_dim=64, norm_num_groups=8)
+    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+                                       steps_offset=1, timestep_spacing="leading")  # SD-XL's
+    return StableDiffusionXLPipeline(unet=unet, scheduler=scheduler, vae=vae, add_watermarker=False, **text)
+
+
+def train_vae(channels, images, seed=0):
+    """An AutoencoderKL 16x16x3 <-> 8x8 x channels: reconstruction error plus a small KL term (1e-7:
+    larger weights leave most of 16 channels at the prior, i.e. pure noise to the denoiser); its
+    scaling factor (and, for the flow families, shift factor) from the latent statistics, as the
+    real VAEs' are set. Returns the VAE and its reconstruction RMSE on its own images."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=channels, block_out_channels=(16, 32),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        layers_per_block=1, norm_num_groups=8, sample_size=SIDE)
+    optimizer = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, VAE_UPDATES)
+    for _ in range(VAE_UPDATES):
+        batch = images[torch.randint(len(images), (VAE_BATCH,), generator=generator)] * 2 - 1
+        posterior = vae.encode(batch).latent_dist
+        reconstruction = vae.decode(posterior.sample(generator)).sample
+        loss = F.mse_loss(reconstruction, batch) + VAE_KL * posterior.kl().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+    vae.eval().requires_grad_(False)
+    with torch.no_grad():
+        posterior = vae.encode(images * 2 - 1).latent_dist
+        error = (vae.decode(posterior.mode()).sample.clamp(-1, 1) / 2 + 0.5 - images).square().mean().sqrt().item()
+        latents = posterior.sample(generator)  # the denoisers train on posterior draws
+    mean, std = latents.mean().item(), latents.std().item()
+    flow = channels == 16
+    vae.register_to_config(scaling_factor=1.0 / (std if flow else latents.square().mean().sqrt().item()),
+                           shift_factor=mean if flow else None)
+    return vae, error
+
+
+# -----------------------------------------------------------------------------
+# the denoisers
+
+
+def encode_texts(pipe, family, prompts):
+    """Each prompt's embeddings as the pipeline computes them (no CFG batch): a dict of tensors."""
+    with torch.no_grad():
+        if family == "sd3":
+            embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
+                                                      max_sequence_length=TEXT_LENGTH)
+        elif family == "flux":
+            embeds, pooled, _ = pipe.encode_prompt(prompts, None, max_sequence_length=TEXT_LENGTH)
+        else:
+            embeds, _, pooled, _ = pipe.encode_prompt(prompts, do_classifier_free_guidance=False)
+    return dict(embeds=embeds, pooled=pooled)
+
+
+def flow_prediction(pipe, family, state, sigma, text, guidance=None, transformer=None):
+    """The velocity the transformer (pipe's, or `transformer`) predicts, called as the pipeline calls it."""
+    transformer = transformer or pipe.transformer
+    if family == "sd3":
+        return transformer(hidden_states=state, timestep=sigma * 1000, encoder_hidden_states=text["embeds"],
+                                pooled_projections=text["pooled"], return_dict=False)[0]
+    count, patches = state.shape[0], SIDE // 2 // 2
+    image_ids = pipe._prepare_latent_image_ids(count, patches, patches, state.device, state.dtype)
+    text_ids = torch.zeros(text["embeds"].shape[1], 3)
+    guidance = guidance if transformer.config.guidance_embeds else None
+    return transformer(hidden_states=state, timestep=sigma, guidance=guidance,
+                            pooled_projections=text["pooled"], encoder_hidden_states=text["embeds"],
+                            txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+
+
+def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
+    """Train pipe's transformer / UNet on the latents (N, C, 8x8) of the digits `labels` (N,)."""
+    updates, batch_size, lr = DENOISER[family]
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    by_digit = [[i for i, prompt in enumerate(prompts) if digit_of(prompt) == d] for d in range(10)]
+    texts = encode_texts(pipe, family, prompts + [""])
+    if family == "sdxl":  # the SD-XL pipeline's negative for an empty prompt is zeros
+        texts = {key: torch.cat([value[:-1], torch.zeros_like(value[-1:])]) for key, value in texts.items()}
+        size = (SIDE, SIDE)
+        time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=torch.float32,
+                                          text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim)
+        alphas_cumprod = pipe.scheduler.alphas_cumprod
+    model = pipe.transformer if family != "sdxl" else pipe.unet
+    model.train().requires_grad_(True)
+    teacher = None  # mini-flux: the snapshot its guidance input is distilled from
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=updates, pct_start=0.05)
+    started = time.time()
+    for update in range(updates):
+        batch = torch.randint(len(latents), (batch_size,), generator=generator)
+        x0 = latents[batch]
+        choice = [by_digit[d][torch.randint(len(by_digit[d]), (1,), generator=generator).item()]
+                  for d in labels[batch].tolist()]
+        dropped = torch.rand(batch_size, generator=generator) < DROP
+        which = torch.where(dropped, len(prompts), torch.tensor(choice))
+        text = {key: value[which] for key, value in texts.items()}
+        noise = torch.randn(x0.shape, generator=generator)
+        if family == "sdxl":
+            step = torch.randint(1000, (batch_size,), generator=generator)
+            alpha = alphas_cumprod[step].view(-1, 1, 1, 1)
+            noisy = alpha.sqrt() * x0 + (1 - alpha).sqrt() * noise
+            prediction = model(noisy, step, encoder_hidden_states=text["embeds"], return_dict=False,
+                               added_cond_kwargs=dict(text_embeds=text["pooled"],
+                                                      time_ids=time_ids.repeat(batch_size, 1)))[0]
+            loss = F.mse_loss(prediction, noise)
+        else:
+            sigma = torch.sigmoid(torch.randn(batch_size, generator=generator))  # logit-normal, as SD3, and
+            sigma = TRAIN_SHIFT * sigma / (1 + (TRAIN_SHIFT - 1) * sigma)  # shifted as the schedulers shift
+            if family == "flux":
+                x0, noise = pipe._pack_latents(x0, batch_size, 16, 8, 8), pipe._pack_latents(noise, batch_size, 16, 8, 8)
+            view = (-1,) + (1,) * (x0.dim() - 1)
+            noisy = (1 - sigma.view(view)) * x0 + sigma.view(view) * noise
+            target = noise - x0
+            guidance = None
+            if family == "flux":
+                guidance = torch.ones(batch_size)
+                if update >= DISTIL_FROM * updates:  # distil the teacher's guided velocity into the guidance input
+                    if teacher is None:  # a frozen snapshot: distilling from the network itself collapses its prompt use
+                        teacher = copy.deepcopy(model).eval().requires_grad_(False)
+                    distil = torch.rand(batch_size, generator=generator) < 0.5
+                    distil &= ~dropped
+                    guidance = torch.where(distil, 1 + 4 * torch.rand(batch_size, generator=generator), guidance)
+                    if distil.any():
+                        pick = distil.nonzero().squeeze(1)
+                        empty = {key: value[len(prompts)].expand(len(pick), *value.shape[1:]) for key, value in texts.items()}
+                        picked = {key: value[pick] for key, value in text.items()}
+                        with torch.no_grad():
+                            ones = torch.ones(len(pick))
+                            both = torch.cat([noisy[pick]] * 2)
+                            pair = {key: torch.cat([empty[key], picked[key]]) for key in text}
+                            uncond, cond = flow_prediction(pipe, family, both, torch.cat([sigma[pick]] * 2), pair,
+                                                           torch.cat([ones, ones]), teacher).chunk(2)
+                        target = target.clone()
+                        target[pick] = uncond + guidance[pick].view(-1, 1, 1) * (cond - uncond)
+            prediction = flow_prediction(pipe, family, noisy, sigma, text, guidance)
+            loss = F.mse_loss(prediction, target)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if (update + 1) % 500 == 0:
+            log(f"  {family} update {update + 1}/{updates} | loss {loss.item():.4f} | {time.time() - started:.0f} s")
+    model.eval().requires_grad_(False)
+
+
+def latents_of(vae, images):
+    """The VAE latents of the images as the pipeline's denoiser sees them (scaled, shifted)."""
+    with torch.no_grad():
+        posterior = vae.encode(images * 2 - 1).latent_dist
+    config = vae.config
+    shift = config.shift_factor or 0.0
+    return posterior, lambda sample: (sample - shift) * config.scaling_factor
+
+
+def train_family(family, seed=0, out=None):
+    """Train a miniature from scratch and save it with save_pretrained (safetensors)."""
+    started = time.time()
+    (images, labels), _ = split()
+    vae, error = train_vae(LATENT_CHANNELS[family], images, seed)
+    print(f"{family}: VAE trained, reconstruction RMSE {error:.4f} ({time.time() - started:.0f} s)")
+    pipe = build_pipeline(family, vae)
+    for component in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)):
+        if component is not None:
+            component.eval().requires_grad_(False)
+    posterior, scale = latents_of(vae, images)
+    generator = torch.Generator().manual_seed(seed + 1)
+    # one latent draw per image per epoch-like pass: 8 draws of every image from its posterior
+    samples = torch.cat([scale(posterior.sample(generator)) for _ in range(8)])
+    train_prompts, _ = prompt_lists()
+    train_denoiser(pipe, family, samples, labels.repeat(8), train_prompts, seed)
+    out = out or os.path.join(FOLDER, f"mini-{family}")
+    pipe.save_pretrained(out, safe_serialization=True)
+    with open(os.path.join(out, "training.json"), "w") as handle:
+        json.dump(dict(family=family, seed=seed, seconds=round(time.time() - started), vae_rmse=error,
+                       command=f"python miniature.py --family {family}"), handle, indent=1)
+    print(f"{family}: saved {out} ({folder_size(out) / 1e6:.2f} MB) in {time.time() - started:.0f} s")
+    return out
+
+
+def folder_size(folder):
+    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+
+
+# -----------------------------------------------------------------------------
+# what the shipped folders reach
+
+
+def check(contexts=200):
+    """What the shipped folders reach: the classifier's held-out accuracy; per miniature, the share
+    of held-out contexts (held-out paraphrases, fresh noise) recognised at 50, 4, 3 and 2 default
+    steps; the digit reward of bfloat16 against float32 (the dtype a GPU run takes); the sizes."""
+    import rollout
+    from evaluate import default_schedule
+    from prompts import heldout_contexts
+    from rewards import load_reward
+
+    classifier = load_classifier()
+    (images, labels), _ = split()
+    with torch.no_grad():
+        accuracy = (classifier(images).argmax(1) == labels).float().mean().item()
+    print(f"classifier: accuracy {accuracy:.4f} on the {len(images)} images the pipelines train on "
+          "(it never saw them)")
+    _, heldout = prompt_lists()
+    prompts, seeds = heldout_contexts(heldout, contexts)
+    for family in FAMILIES:
+        name, line, rewards = f"mini-{family}", [], {}
+        for dtype in (torch.float32, torch.bfloat16):
+            backbone = rollout.load_backbone(name, dtype=dtype)
+            reward = load_reward("digit", backbone)
+            for steps in ((50, 4, 3, 2) if dtype == torch.float32 else (3,)):
+                noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
+                cond = backbone.encode_prompts(prompts)
+                latents = backbone.sample(noise, cond, default_schedule(backbone, steps)(noise, cond))
+                log_prob, correct = reward.details(latents, prompts)
+                rewards[dtype, steps] = log_prob
+                if dtype == torch.float32:
+                    line.append(f"{correct.mean().item():.3f} at {steps} steps")
+        gap = (rewards[torch.bfloat16, 3] - rewards[torch.float32, 3]).abs()
+        print(f"{name}: recognised {', '.join(line)} ({contexts} held-out contexts); digit reward at 3 steps "
+              f"{rewards[torch.float32, 3].mean():.4f} in float32, {rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
+              f"(per context |difference| median {gap.median():.4f}, max {gap.max():.4f}); "
+              f"{folder_size(os.path.join(FOLDER, name)) / 1e6:.2f} MB")
+    print(f"miniatures/: {folder_size(FOLDER) / 1e6:.2f} MB in all")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)")
+    parser.add_argument("--check", action="store_true", help="score the shipped folders")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.family == "classifier":
+        began = time.time()
+        model, accuracy = train_classifier(seed=args.seed)
+        model.save_pretrained(os.path.join(FOLDER, "classifier"))
+        print(f"classifier: held-out accuracy {accuracy:.4f} ({time.time() - began:.0f} s)")
+    elif args.family:
+        train_family(args.family, args.seed)
+    if args.check or not args.family:
+        check()
