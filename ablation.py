@@ -223,7 +223,8 @@ def miniature_evidence(args):
     """For each miniature and L in MINI_STEPS, on the same held-out contexts: the default schedule, the
     best time shift (chosen on other contexts), the learned global and instance-level schedules of
     each seed; scored by the digit reward, the classifier's accuracy and the teacher error (minus the
-    50-step default solution's squared distance); and the default step count that matches each."""
+    50-step default solution's squared distance); the default step count that matches each; and the
+    digit reward on the training paraphrases with the same held-out noise seeds."""
     import rollout
     from checkpoints import load_checkpoint
     from evaluate import default_schedule, fixed_schedule, policy_schedule
@@ -238,6 +239,7 @@ def miniature_evidence(args):
     train_prompts, heldout_prompts = prompt_lists()
     prompts, seeds = heldout_contexts(heldout_prompts, HELDOUT_CONTEXTS)
     fit_prompts, fit_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS, FIT_SEED)
+    seen_prompts, seen_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS)  # held-out noise, seen wording
     lines, figure_policies = [], {}
     for name in args.backbones:
         backbone = rollout.load_backbone(name)
@@ -247,8 +249,8 @@ def miniature_evidence(args):
         default_means = {n: score["digit"].mean().item() for n, score in
                          mini_scores(backbone, digit_only, prompts, seeds, defaults).items()}
         lines += [f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), seeds {args.seeds}",
-                  "| L | schedule | digit log-prob (spread) | accuracy | teacher error | equivalent default steps |",
-                  "|---|---|---|---|---|---|"]
+                  "| L | schedule | digit log-prob (spread) | accuracy | teacher error | equivalent default steps "
+                  "| digit log-prob, training paraphrases |", "|---|---|---|---|---|---|---|"]
         for steps in MINI_STEPS:
             default = backbone.default_times(steps)
             shifts = {s: fixed_schedule(shifted(default, s)) for s in SHIFTS}
@@ -261,17 +263,19 @@ def miniature_evidence(args):
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
             scores = mini_scores(backbone, rewards, prompts, seeds, methods)
+            seen = mini_scores(backbone, digit_only, seen_prompts, seen_seeds, methods)  # training paraphrases
             rows = {"default": ["default"], f"best time shift (x{best})": [f"best time shift (x{best})"]}
             rows.update({f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in MINI_TRAININGS})
             for row, members in rows.items():
                 per_seed = {column: [scores[m][column].mean().item() for m in members]
                             for column in ("digit", "digit accuracy", "teacher")}
+                seen_digit = statistics.mean(seen[m]["digit"].mean().item() for m in members)
                 digit = per_seed["digit"]
                 spread = f" ({min(digit):.4f} to {max(digit):.4f})" if len(digit) > 1 else ""
                 lines.append(f"| {steps} | {row} | {statistics.mean(digit):.4f}{spread} | "
                              f"{statistics.mean(per_seed['digit accuracy']):.3f} | "
                              f"{-statistics.mean(per_seed['teacher']):.4f} | "
-                             f"{equivalent_steps(default_means, statistics.mean(digit))} |")
+                             f"{equivalent_steps(default_means, statistics.mean(digit))} | {seen_digit:.4f} |")
         curve = ", ".join(f"{n}: {m:.4f}" for n, m in default_means.items())
         lines.append(f"default schedule's digit log-prob by step count: {curve}")
     plot_miniatures(os.path.join(args.out_dir, "miniatures.png"), args.backbones, figure_policies, args.seeds[0])

@@ -480,8 +480,9 @@ def folder_size(folder):
 
 def check(contexts=200):
     """What the shipped folders reach: the classifier's held-out accuracy; per miniature, the share
-    of held-out contexts (held-out paraphrases, fresh noise) recognised at 50, 4, 3 and 2 default
-    steps; the digit reward of bfloat16 against float32 (the dtype a GPU run takes); the sizes."""
+    of contexts of unseen noise recognised at 50 default steps (training and held-out paraphrases)
+    and at 4, 3 and 2 (held-out paraphrases); the digit reward of bfloat16 against float32 (the dtype
+    a GPU run takes) on the held-out contexts at 3 steps; the sizes."""
     import rollout
     from evaluate import default_schedule
     from prompts import heldout_contexts
@@ -493,23 +494,24 @@ def check(contexts=200):
         accuracy = (classifier(images).argmax(1) == labels).float().mean().item()
     print(f"classifier: accuracy {accuracy:.4f} on the {len(images)} images the pipelines train on "
           "(it never saw them)")
-    _, heldout = prompt_lists()
-    prompts, seeds = heldout_contexts(heldout, contexts)
+    training, heldout = prompt_lists()
     for family in FAMILIES:
         name, line, rewards = f"mini-{family}", [], {}
         for dtype in (torch.float32, torch.bfloat16):
             backbone = rollout.load_backbone(name, dtype=dtype)
             reward = load_reward("digit", backbone)
-            for steps in ((50, 4, 3, 2) if dtype == torch.float32 else (3,)):
+            runs = [(50, "training"), (50, "held-out"), (4, "held-out"), (3, "held-out"), (2, "held-out")]
+            for steps, paraphrases in (runs if dtype == torch.float32 else [(3, "held-out")]):
+                prompts, seeds = heldout_contexts(heldout if paraphrases == "held-out" else training, contexts)
                 noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
                 cond = backbone.encode_prompts(prompts)
                 latents = backbone.sample(noise, cond, default_schedule(backbone, steps)(noise, cond))
                 log_prob, correct = reward.details(latents, prompts)
                 rewards[dtype, steps] = log_prob
                 if dtype == torch.float32:
-                    line.append(f"{correct.mean().item():.3f} at {steps} steps")
+                    line.append(f"{correct.mean().item():.3f} at {steps} steps ({paraphrases} paraphrases)")
         gap = (rewards[torch.bfloat16, 3] - rewards[torch.float32, 3]).abs()
-        print(f"{name}: recognised {', '.join(line)} ({contexts} held-out contexts); digit reward at 3 steps "
+        print(f"{name}: recognised {', '.join(line)}, {contexts} contexts of unseen noise each; digit reward at 3 steps "
               f"{rewards[torch.float32, 3].mean():.4f} in float32, {rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
               f"(per context |difference| median {gap.median():.4f}, max {gap.max():.4f}); "
               f"{folder_size(os.path.join(FOLDER, name)) / 1e6:.2f} MB")

@@ -48,7 +48,11 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     assert (times[0] - times[1]).abs().max() > 1e-4 and (times[:, -1] > 1e-3).all()  # per-context schedules, a stop margin
     expected = backbone.sample(noise, cond, times)
     assert latents.shape == expected.shape
-    assert ((latents - expected).abs().max() / expected.abs().max()).item() < 1e-5
+    # float32 rounding is relative to the largest state on the way: the output, or for SD-XL the start,
+    # noise * sqrt(sigma(t_0)^2 + 1), about 15x the noise at t_0 = 1 (a trained UNet's steps are large)
+    start = (backbone.sigma(times[:, :1]) ** 2 + 1).sqrt().view(-1, 1, 1, 1) if isinstance(backbone, rollout.SDXLBackbone) else 1.0
+    scale = max(expected.abs().max().item(), (noise.float() * start).abs().max().item())
+    assert (latents - expected).abs().max().item() / scale < 1e-5
     assert type(pipe.scheduler).__name__ in ("FlowMatchEulerDiscreteScheduler", "EulerDiscreteScheduler")  # restored
 
 
