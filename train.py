@@ -3,6 +3,8 @@ Train an instance-level sampling schedule with REINFORCE and a James-Stein basel
 
 CPU, the embedded digits backbone (no download; minutes on a laptop):
     python train.py
+CPU, a trained miniature SD3 / Flux / SD-XL pipeline shipped in miniatures/ (about 2 minutes):
+    python train.py --backbone mini-sd3 --steps 3
 One GPU, a frozen Stable Diffusion 3.5 Medium with the HPSv2 reward, on the shipped prompts:
     python train.py --backbone sd35m --steps 10
 Several GPUs (the global batch is the same; each rank takes its share of contexts):
