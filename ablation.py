@@ -192,19 +192,6 @@ EQUIVALENT_STEPS = [*range(1, 13), 14, 16, 20, 25, 30, 40, 50]  # default step c
 MINI_TRAININGS = {"global": ["--policy", "global"], "instance": []}  # with each miniature's defaults (JS baseline)
 
 
-def mini_scores(backbone, rewards, prompts, seeds, methods):
-    """row -> column -> (N,) tensor on the contexts: digit log-prob, digit accuracy, teacher error."""
-    from evaluate import score_batches
-
-    collected = {}
-    for scores, _ in score_batches(backbone, rewards, prompts, seeds, methods, batch_size=128):
-        for row, columns in scores.items():
-            for column, values in columns.items():
-                collected.setdefault(row, {}).setdefault(column, {}).update(values)
-    return {row: {column: torch.tensor([values[i] for i in range(len(prompts))]) for column, values in columns.items()}
-            for row, columns in collected.items()}
-
-
 def equivalent_steps(default_means, value):
     """The default step count whose mean digit reward first reaches `value`, linearly interpolated
     between the counts of EQUIVALENT_STEPS; "> 50" when none does."""
@@ -227,9 +214,8 @@ def miniature_evidence(args):
     digit reward on the training paraphrases with the same held-out noise seeds."""
     import rollout
     from checkpoints import load_checkpoint
-    from evaluate import default_schedule, fixed_schedule, policy_schedule
+    from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
     from miniature import prompt_lists
-    from prompts import load_prompt_file
     from rewards import load_reward
 
     runs = [(name, training, seed, steps) for name in args.backbones for steps in MINI_STEPS
@@ -247,14 +233,14 @@ def miniature_evidence(args):
         digit_only = {"digit": rewards["digit"]}
         defaults = {n: default_schedule(backbone, n) for n in EQUIVALENT_STEPS}
         default_means = {n: score["digit"].mean().item() for n, score in
-                         mini_scores(backbone, digit_only, prompts, seeds, defaults).items()}
+                         score_table(backbone, digit_only, prompts, seeds, defaults, batch_size=128).items()}
         lines += [f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), seeds {args.seeds}",
                   "| L | schedule | digit log-prob (spread) | accuracy | teacher error | equivalent default steps "
                   "| digit log-prob, training paraphrases |", "|---|---|---|---|---|---|---|"]
         for steps in MINI_STEPS:
             default = backbone.default_times(steps)
             shifts = {s: fixed_schedule(shifted(default, s)) for s in SHIFTS}
-            fit = mini_scores(backbone, digit_only, fit_prompts, fit_seeds, shifts)
+            fit = score_table(backbone, digit_only, fit_prompts, fit_seeds, shifts, batch_size=128)
             best = max(SHIFTS, key=lambda s: fit[s]["digit"].mean().item())
             methods = {"default": fixed_schedule(default), f"best time shift (x{best})": shifts[best]}
             for training in MINI_TRAININGS:
@@ -262,8 +248,8 @@ def miniature_evidence(args):
                     policy = load_checkpoint(os.path.join(run_dir(name, training, seed, args, steps), "ckpt.pt"))[1]
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
-            scores = mini_scores(backbone, rewards, prompts, seeds, methods)
-            seen = mini_scores(backbone, digit_only, seen_prompts, seen_seeds, methods)  # training paraphrases
+            scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)
+            seen = score_table(backbone, digit_only, seen_prompts, seen_seeds, methods, batch_size=128)  # training paraphrases
             rows = {"default": ["default"], f"best time shift (x{best})": [f"best time shift (x{best})"]}
             rows.update({f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in MINI_TRAININGS})
             for row, members in rows.items():

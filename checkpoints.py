@@ -188,13 +188,16 @@ def write_lines_atomic(path, lines):
     os.replace(path + ".tmp", path)
 
 
-def discard_failed_start(metrics_path):
-    """A metrics.jsonl without a checkpoint beside it is what a run that failed before its first
-    checkpoint left: kept as metrics.jsonl.failed (replacing an older one) so that the new run's
-    rows are never mixed with it. Returns the note to print, or None."""
-    if not os.path.isfile(metrics_path):
-        return None
-    rows, _ = metric_rows(metrics_path)
-    os.replace(metrics_path, metrics_path + ".failed")
-    return (f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first checkpoint; "
-            f"moved to {metrics_path}.failed, this run starts afresh")
+def claim_run(out_dir, fresh):
+    """Take out_dir for this run (lock_run; ValueError in one line if another run holds it). A fresh
+    run (no checkpoint) finding a metrics.jsonl finds what a run that failed before its first
+    checkpoint left: it is kept as metrics.jsonl.failed (replacing an older one), with a note, so
+    that the two runs' rows are never mixed. Returns the lock: keep it referenced."""
+    lock = lock_run(out_dir)
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if fresh and os.path.isfile(metrics_path):
+        rows, _ = metric_rows(metrics_path)
+        os.replace(metrics_path, metrics_path + ".failed")
+        print(f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first checkpoint; "
+              f"moved to {metrics_path}.failed, this run starts afresh")
+    return lock

@@ -126,14 +126,22 @@ def score_batches(backbone, rewards, prompts, seeds, methods, reference=None, ba
         yield scores, times
 
 
-def evaluate(backbone, reward, prompts, seeds, methods, reference=None, batch_size=64, progress=False):
-    """Per-sample scores of each row on the contexts (prompts[i], seeds[i]): name -> Tensor (N,) in
-    context order, independent of batch_size."""
+def score_table(backbone, rewards, prompts, seeds, methods, reference=None, batch_size=64, progress=False):
+    """Per-sample scores of each row and column (each reward's metrics) on the contexts (prompts[i],
+    seeds[i]): row -> column -> Tensor (N,) in context order, independent of batch_size."""
     collected = {}
-    for scores, _ in score_batches(backbone, {"reward": reward}, prompts, seeds, methods, reference, batch_size, progress=progress):
-        for name, per_reward in scores.items():
-            collected.setdefault(name, {}).update(per_reward["reward"])
-    return {name: torch.tensor([values[i] for i in range(len(prompts))]) for name, values in collected.items()}
+    for scores, _ in score_batches(backbone, rewards, prompts, seeds, methods, reference, batch_size, progress=progress):
+        for name, columns in scores.items():
+            for column, values in columns.items():
+                collected.setdefault(name, {}).setdefault(column, {}).update(values)
+    return {name: {column: torch.tensor([values[i] for i in range(len(prompts))]) for column, values in columns.items()}
+            for name, columns in collected.items()}
+
+
+def evaluate(backbone, reward, prompts, seeds, methods, reference=None, batch_size=64, progress=False):
+    """score_table for one reward: name -> Tensor (N,)."""
+    table = score_table(backbone, {"reward": reward}, prompts, seeds, methods, reference, batch_size, progress)
+    return {name: columns["reward"] for name, columns in table.items()}
 
 
 def heldout_curve(backbone, reward, prompts, seeds, steps):

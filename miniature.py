@@ -349,14 +349,14 @@ def flow_prediction(pipe, family, state, sigma, text, guidance=None, transformer
     transformer = transformer or pipe.transformer
     if family == "sd3":
         return transformer(hidden_states=state, timestep=sigma * 1000, encoder_hidden_states=text["embeds"],
-                                pooled_projections=text["pooled"], return_dict=False)[0]
+                           pooled_projections=text["pooled"], return_dict=False)[0]
     count, patches = state.shape[0], SIDE // 2 // 2
     image_ids = pipe._prepare_latent_image_ids(count, patches, patches, state.device, state.dtype)
     text_ids = torch.zeros(text["embeds"].shape[1], 3)
     guidance = guidance if transformer.config.guidance_embeds else None
     return transformer(hidden_states=state, timestep=sigma, guidance=guidance,
-                            pooled_projections=text["pooled"], encoder_hidden_states=text["embeds"],
-                            txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+                       pooled_projections=text["pooled"], encoder_hidden_states=text["embeds"],
+                       txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
 
 
 def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):

@@ -30,15 +30,18 @@ REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 # the image side; guidance: the true-CFG scale (SD3.5, SD-XL), the distilled guidance embedding
 # (Flux-Dev) or None (no guidance input); the values recommended by the SD3.5 model cards (Medium 4.5,
 # Large 3.5) and the SD-XL and Flux-Dev pipelines' defaults (5.0, 3.5). policy: the size in
-# policy.PRESETS. steps: the default L. contexts, rollouts: the paper's B and K. iterations, lr, reward, rollout_batch (samples
-# per backbone call, for memory): this project's defaults for train.py; the paper states none of them.
+# policy.PRESETS. steps: the default L. contexts, rollouts: the paper's B and K. iterations, lr,
+# reward, rollout_batch (samples per backbone call, for memory): this project's defaults for
+# train.py; the paper states none of them.
 # threads: CPU threads (None: torch's default; the embedded backbones' tensors are tiny, so a second
 # thread only adds contention).
-REAL = dict(resolution=1024, policy="real", steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2", threads=None)
-EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", steps=4, contexts=32,
-                iterations=300, lr=3e-3, reward="teacher", rollout_batch=None, threads=1)
-MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", steps=3, contexts=16, rollouts=4, iterations=200, lr=3e-3,
-                 reward="digit", rollout_batch=None, threads=1,
+REAL = dict(resolution=1024, policy="real", steps=4, rollouts=2, iterations=1000, lr=1e-4,
+            reward="hpsv2", threads=None)
+EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded",
+                steps=4, contexts=32, iterations=300, lr=3e-3, reward="teacher", rollout_batch=None,
+                threads=1)
+MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", steps=3, contexts=16, rollouts=4,
+                 iterations=200, lr=3e-3, reward="digit", rollout_batch=None, threads=1,
                  prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"))
 BACKBONES = {
     "sd35m": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, contexts=32, rollout_batch=16),
@@ -297,9 +300,9 @@ def _call_default(pipe, argument):
 
 
 def _text_length(pipe, t5_tokenizer):
-    """The T5 sequence length: the pipeline's default max_sequence_length (256 for SD3.5, 512 for Flux),
-    or its T5 tokenizer's model_max_length when that is shorter (the miniatures' 12; the real T5
-    tokenizers take 512)."""
+    """The T5 sequence length: the pipeline's default max_sequence_length (256 for SD3.5, 512 for
+    Flux), or its T5 tokenizer's model_max_length when that is shorter (the miniatures' 12; the real
+    T5 tokenizers take 512)."""
     default = _call_default(pipe, "max_sequence_length")
     return min(default, t5_tokenizer.model_max_length) if t5_tokenizer is not None else default
 
@@ -583,8 +586,8 @@ def locate_weights(name, path=None):
         path = os.path.join(REPOSITORY, folder)
         if not os.path.isfile(os.path.join(path, "model_index.json")):
             family = BACKBONES[name]["family"]
-            raise ValueError(f"{name}: {folder} is missing from this checkout; restore it with git, or retrain it with "
-                             f"`python miniature.py --family {family}`")
+            raise ValueError(f"{name}: {folder} is missing from this checkout; restore it with "
+                             f"git, or retrain it with `python miniature.py --family {family}`")
     if path is not None:
         if not os.path.isfile(os.path.join(path, "model_index.json")):
             raise ValueError(f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "

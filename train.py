@@ -30,7 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
-from checkpoints import check_writable, discard_failed_start, existing_run, lock_run, restore, save_checkpoint, save_policy
+from checkpoints import (check_writable, claim_run, existing_run, restore, save_checkpoint,
+                         save_policy)
 from evaluate import format_table, heldout_curve, heldout_report
 from policy import POLICIES, log_prob, make_policy, mean_increments, sample_increments, times_from_increments
 from prompts import DEFAULT, SHIPPED, context_seed, heldout_contexts, load_prompt_file
@@ -50,7 +51,7 @@ class Config:
     ckpt_interval: int = 50  # iterations between checkpoints (a kill loses at most this many)
     log_interval: int = 10  # iterations between log lines
     # backbone
-    backbone: str = "digits"  # a name in rollout.BACKBONES (mini-sd3, mini-flux, mini-sdxl: trained miniatures)
+    backbone: str = "digits"  # a name in rollout.BACKBONES (mini-*: the trained miniatures)
     model_path: str | None = None  # local diffusers folder replacing the hub id
     resolution: int | None = None  # image side in pixels
     guidance: float | None = None  # CFG scale (distilled guidance for flux-dev)
@@ -104,12 +105,15 @@ def parse_config(argv=None):
             kind = next(arg for arg in kind.__args__ if arg is not type(None))
         parser.add_argument(flag, type=kind, default=field.default, choices=CHOICES.get(field.name), help=help)
     config = Config(**vars(parser.parse_args(argv)))
-    for key in ("steps", "contexts", "rollouts", "iterations", "lr", "reward", "rollout_batch", "threads"):
+    per_backbone = ("steps", "contexts", "rollouts", "iterations", "lr", "reward", "rollout_batch",
+                    "threads")
+    for key in per_backbone:
         if getattr(config, key) is None:
             default = BACKBONES[config.backbone][key]
             setattr(config, key, default * GLOBAL_LR_FACTOR if key == "lr" and config.policy == "global" else default)
     spec = BACKBONES[config.backbone]
-    shipped = spec.get("prompts") or ((None, None) if spec["family"] == "mixture" else SHIPPED.get(config.reward, DEFAULT))
+    own = (None, None) if spec["family"] == "mixture" else SHIPPED.get(config.reward, DEFAULT)
+    shipped = spec.get("prompts") or own
     config.prompts, config.eval_prompts = config.prompts or shipped[0], config.eval_prompts or shipped[1]
     return config
 
@@ -128,20 +132,23 @@ def check_config(config, world_size):
         if value is not None and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
             raise SystemExit(f"error: --{key.replace('_', '-')} must be a finite number {'> 0' if positive else '>= 0'} (got {value})")
     if config.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"error: --device cuda, but this machine has no CUDA device (torch {torch.__version__}); "
-                         "drop --device to run on the CPU")
+        raise SystemExit(f"error: --device cuda, but this machine has no CUDA device (torch "
+                         f"{torch.__version__}); drop --device to run on the CPU")
     if config.threads and config.threads > (os.cpu_count() or 1):
-        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores; using {os.cpu_count()}")
+        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores; "
+              f"using {os.cpu_count()}")
         config.threads = os.cpu_count()
     if config.contexts % world_size:
         raise SystemExit(f"error: --contexts {config.contexts} is not divisible by the {world_size} ranks; "
                          "choose a multiple of the number of processes")
-    if BACKBONES[config.backbone]["hub_id"] and config.device is None and not torch.cuda.is_available():
+    hub_model = BACKBONES[config.backbone]["hub_id"] is not None
+    if hub_model and config.device is None and not torch.cuda.is_available():
         raise SystemExit(f"error: {config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
                          "--device cpu to insist (or try --backbone digits)")
     if config.reward == "digit" and "folder" not in BACKBONES[config.backbone]:
-        raise SystemExit(f"error: the digit reward reads the 16x16 handwritten digits that only the mini-* backbones draw, "
-                         f"not {config.backbone}'s images; use --reward teacher, or a mini-* backbone")
+        raise SystemExit("error: the digit reward reads the 16x16 handwritten digits that only "
+                         f"the mini-* backbones draw, not {config.backbone}'s images; use "
+                         "--reward teacher, or a mini-* backbone")
     if BACKBONES[config.backbone]["family"] == "mixture" and config.reward in IMAGE_CONTENT:
         raise SystemExit(f"error: the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} images do "
                          "not have; use a real backbone, or --reward teacher")
@@ -196,14 +203,10 @@ def main(config):
             missing.append(str(error))
     if missing:
         raise SystemExit("error: " + "; ".join(missing))
-    if master:  # one writer per run folder, from here until this process ends
-        try:
-            lock = lock_run(config.out_dir)  # noqa: F841 (held by keeping the file open)
-        except ValueError as error:
-            raise SystemExit(f"error: {error}")
-        note = None if checkpoint else discard_failed_start(metrics_path)
-        if note:
-            print(note)
+    try:  # one writer per run folder until this process ends (held by keeping the file open)
+        lock = claim_run(config.out_dir, fresh=not checkpoint) if master else None  # noqa: F841
+    except ValueError as error:
+        raise SystemExit(f"error: {error}")
     backbone = load_backbone(config.backbone, path=config.model_path, device=device, resolution=config.resolution,
                              dtype=getattr(torch, config.dtype) if config.dtype else None, guidance=config.guidance)
     prompts = prompts or backbone.prompts
@@ -265,9 +268,12 @@ def main(config):
         if not torch.isfinite(all_rewards).all():  # every baseline pools rewards: one NaN would reach every gradient
             last = (f"{ckpt_path} holds the last good state" if os.path.isfile(ckpt_path) else
                     "no checkpoint was written yet")
-            raise SystemExit(f"error: iteration {iteration + 1}: {int((~torch.isfinite(all_rewards)).sum())} rewards are NaN "
-                             f"or inf: the policy diverged (learning rate too high? --lr {config.lr:g}) or the backbone "
-                             f"({config.dtype or 'default'} dtype) or the reward model overflowed; {last}")
+            bad = int((~torch.isfinite(all_rewards)).sum())
+            dtype = config.dtype or "default"
+            raise SystemExit(f"error: iteration {iteration + 1}: {bad} rewards are NaN or inf: "
+                             f"the policy diverged (learning rate too high? --lr {config.lr:g}) "
+                             f"or the backbone ({dtype} dtype) or the reward model overflowed; "
+                             f"{last}")
         baseline = BASELINES[config.baseline](all_rewards)  # (B, K), detached
         advantages = (all_rewards - baseline)[first : first + contexts_per_rank].to(device)
 
