@@ -63,6 +63,13 @@ TRAIN_SHIFT = 3.0  # flow times are drawn logit-normal, then shifted by this (SD
 # default schedules spend many steps near t = 1, where an unshifted logit-normal barely trains
 FAMILIES = ("sd3", "flux", "sdxl")
 DISTIL_FROM = 0.5  # mini-flux: the share of training after which half of each batch distils guidance
+# mini-flux reads its prompt through T5 alone, whose random word vectors say nothing of meaning: trained
+# on the 16 paraphrases only, it draws the wrong digit for a fifth of unseen wordings (a word it never
+# saw derails it). It also trains on this many noisy variants of them (words dropped, filler words and
+# stray letters inserted), so that it learns to read the digit's token whatever surrounds it.
+NOISY_PARAPHRASES = dict(flux=2000)
+FILLERS = tuple("small large black white simple clear bold thin neat messy quick careful ink pencil pen "
+                "paper sketch style old new".split())  # in no paraphrase, training or held-out
 
 # training budget per family: denoiser updates, batch, peak learning rate (AdamW, one-cycle schedule)
 DENOISER = dict(sd3=(6000, 64, 1e-3), flux=(6000, 64, 1e-3), sdxl=(5000, 64, 1e-3))
@@ -107,6 +114,27 @@ def prompt_lists():
     from prompts import load_prompt_file
 
     return load_prompt_file("prompts/digit_train.txt"), load_prompt_file("prompts/digit_heldout.txt")
+
+
+def noisy_paraphrases(prompts, count, tokenizers, seed=0):
+    """`count` variants of the training prompts: each word but the digit dropped with probability 0.2,
+    and one or two FILLERS or strings of 1-4 random letters inserted (never a word of WORDS, so no
+    held-out word is seen); only variants that every tokenizer fits in TEXT_LENGTH tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    letters, variants = "abcdefghijklmnopqrstuvwxyz", []
+    draw = lambda n: torch.randint(n, (1,), generator=generator).item()
+    while len(variants) < count:
+        words = prompts[draw(len(prompts))].split()
+        words = [w for w in words if any(c.isdigit() for c in w) or torch.rand(1, generator=generator) > 0.2]
+        for _ in range(1 + draw(2)):
+            stray = "".join(letters[draw(26)] for _ in range(1 + draw(4)))
+            stray = FILLERS[draw(len(FILLERS))] if draw(2) else stray
+            if stray not in WORDS:
+                words.insert(draw(len(words) + 1), stray)
+        variant = " ".join(words)
+        if all(len(tokenizer(variant).input_ids) <= TEXT_LENGTH for tokenizer in tokenizers):
+            variants.append(variant)
+    return variants
 
 
 # -----------------------------------------------------------------------------
@@ -192,15 +220,15 @@ WORDS = tuple("a an the of by digit number numeral handwritten written hand draw
               "photo zero one two three four five six seven eight nine".split())
 
 
-def clip_vocabulary():
+def clip_vocabulary(words=WORDS):
     """A byte-level CLIP BPE vocabulary (every byte, alone and word-final) with merges that make each
-    word of WORDS one token; any other word falls apart into characters, as in a real BPE."""
+    word of `words` one token; any other word falls apart into characters, as in a real BPE."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     characters = list(bytes_to_unicode().values())
     vocab = {**{c: i for i, c in enumerate(characters)}, **{c + "</w>": i + 256 for i, c in enumerate(characters)}}
     merges = []
-    for word in dict.fromkeys(WORDS):
+    for word in dict.fromkeys(words):
         pieces = list(word[:-1]) + [word[-1] + "</w>"]
         while len(pieces) > 1:
             merges.append((pieces[0], pieces[1]))
@@ -218,7 +246,8 @@ def tokenizers_and_encoders(family):
                               T5EncoderModel, T5Tokenizer)
 
     torch.manual_seed({"sd3": 1, "flux": 2, "sdxl": 3}[family])
-    vocab, merges = clip_vocabulary()
+    words = WORDS + (FILLERS if family in NOISY_PARAPHRASES else ())  # the fillers: see NOISY_PARAPHRASES
+    vocab, merges = clip_vocabulary(words)
     start, end = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
     clip_config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                  num_attention_heads=2, projection_dim=32, max_position_embeddings=TEXT_LENGTH,
@@ -226,7 +255,7 @@ def tokenizers_and_encoders(family):
     clip_tokenizer = lambda: CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=TEXT_LENGTH)
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?-'"]
-    pieces += [("\u2581" + word, -1.0) for word in dict.fromkeys(WORDS + tuple("0123456789"))]
+    pieces += [("\u2581" + word, -1.0) for word in dict.fromkeys(words + tuple("0123456789"))]
 
     def t5(word_scale=1.0):
         model = T5EncoderModel(T5Config(vocab_size=len(pieces), d_model=64, d_kv=16, d_ff=128, num_layers=2,
@@ -460,6 +489,9 @@ def train_family(family, seed=0, out=None):
     # one latent draw per image per epoch-like pass: 8 draws of every image from its posterior
     samples = torch.cat([scale(posterior.sample(generator)) for _ in range(8)])
     train_prompts, _ = prompt_lists()
+    if family in NOISY_PARAPHRASES:
+        tokenizers = [pipe.tokenizer, pipe.tokenizer_2]
+        train_prompts += noisy_paraphrases(train_prompts, NOISY_PARAPHRASES[family], tokenizers, seed)
     train_denoiser(pipe, family, samples, labels.repeat(8), train_prompts, seed)
     out = out or os.path.join(FOLDER, f"mini-{family}")
     pipe.save_pretrained(out, safe_serialization=True)
