@@ -36,10 +36,6 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import torch
-
-from checkpoints import write_json_atomic
-from policy import increments_from_times, times_from_increments
 from prompts import HELDOUT_SEED, context_noise, heldout_contexts
 
 parser = argparse.ArgumentParser(description="embedded backbones: oracles, baselines, global vs instance-level")
@@ -49,6 +45,14 @@ parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="tra
 parser.add_argument("--steps", type=int, default=4, help="L")
 parser.add_argument("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
 parser.add_argument("--miniatures", action="store_true", help="the trained miniatures' evidence instead (L = 2, 3, 4)")
+
+if __name__ == "__main__":
+    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
+
+import torch  # noqa: E402
+
+from checkpoints import write_json_atomic  # noqa: E402
+from policy import increments_from_times, times_from_increments  # noqa: E402
 TRAININGS = {  # name -> train.py arguments
     "global, js": ["--baseline", "js", "--policy", "global"],
     "instance, js": ["--baseline", "js"],

@@ -25,20 +25,24 @@ import math
 import os
 import time
 
-import torch
-
-import rollout
-from policy import make_policy
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("--only", choices=["policy", "loop", "embedded", "threads", "ocr"], default=None,
                     help="one benchmark; default: all but threads and ocr")
 parser.add_argument("--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names")
 parser.add_argument("--model-path", default=None, help="loop: local diffusers folder of a real backbone")
-parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
 parser.add_argument("--steps", type=int, default=4, help="L, model calls per rollout")
 parser.add_argument("--batch", type=int, default=4, help="loop: rollouts per call")
 parser.add_argument("--repeats", type=int, default=10, help="timed calls after one warm-up; the best is shown")
+
+if __name__ == "__main__":
+    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
+
+import torch  # noqa: E402
+
+import rollout  # noqa: E402
+from policy import make_policy  # noqa: E402
 
 # The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux unpacked),
 # text tokens (text_len, text_dim), pooled embedding.
@@ -270,7 +274,7 @@ def bench_ocr(batch=4):
 
 if __name__ == "__main__":
     args = parser.parse_args()
-    device = torch.device(args.device)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} CPU threads")
     if args.only in (None, "policy"):
         bench_policy()

@@ -24,14 +24,8 @@ import math
 import os
 import sys
 
-import torch
-from tqdm import tqdm
+from prompts import HELDOUT_SEED, noise_seed
 
-import rewards as reward_lib
-import rollout
-from checkpoints import check_writable, load_checkpoint, trained_backbone, write_json_atomic
-from policy import mean_increments, sample_increments, times_from_increments
-from prompts import HELDOUT_SEED, context_noise, heldout_contexts, load_hpdv2, load_prompt_file, noise_seed, prompt_groups
 
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
 parser.error = lambda message: parser.exit(2, f"evaluate.py: error: {message}\n")  # one line, without the usage
@@ -47,8 +41,8 @@ parser.add_argument("--count", type=int, default=None, help="contexts of train.p
 parser.add_argument("--seed", type=noise_seed, default=HELDOUT_SEED, help="noise seed of the first context; context i uses seed + i")
 parser.add_argument("--limit", type=int, default=None, help="evaluate only the first N contexts (HPDv2: styles interleaved)")
 # methods and rewards
-parser.add_argument("--rewards", nargs="+", choices=list(reward_lib.REWARDS), default=None,
-                    help="rewards to report; default: the training reward, and clip beside hpsv2")
+parser.add_argument("--rewards", nargs="+", default=None, metavar="NAME",
+                    help="rewards to report (names in rewards.REWARDS); default: the training reward, and clip beside hpsv2")
 parser.add_argument("--reward-checkpoint", action="append", default=[], metavar="NAME=PATH",
                     help="local weights of a reward (repeatable); default: the training reward's, else the hub cache")
 parser.add_argument("--reference", action="store_true", help="also score the teacher solution (backbone.reference)")
@@ -60,6 +54,18 @@ parser.add_argument("--steps", type=int, default=None, help="expected L; an erro
 # system
 parser.add_argument("--batch-size", type=int, default=None, help="contexts per batch; default 200 for digits, 8 otherwise")
 parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+
+if __name__ == "__main__":
+    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
+
+import torch  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+import rewards as reward_lib  # noqa: E402
+import rollout  # noqa: E402
+from checkpoints import check_writable, load_checkpoint, trained_backbone, write_json_atomic  # noqa: E402
+from policy import mean_increments, sample_increments, times_from_increments  # noqa: E402
+from prompts import context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # methods: callables (noise, cond) -> times (N, L+1)
@@ -206,7 +212,8 @@ def format_table(rows, baseline="default"):
 
 def plot_results(path, scores_per_reward, learned_times, default_times, baseline="default"):
     """One panel per reward: histograms of the paired differences to the baseline method on the same
-    contexts; last panel: where the learned schedules put their steps (mean, 10-90% band over contexts)."""
+    contexts; last panel: how far the learned schedules move each step from the default's (mean,
+    10-90% and min-max bands over contexts)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,13 +229,19 @@ def plot_results(path, scores_per_reward, learned_times, default_times, baseline
         ax.axvline(0.0, color="black", linestyle="--")
         ax.set(xlabel=f"{reward_name}: method - {baseline}, same context (> 0: better)", ylabel="contexts")
         ax.legend(fontsize=8)
+    # the times themselves differ from the default's by far less than their range of 0..1: drawn as
+    # learned - default, the spread over contexts (10-90% and min-max bands) is visible
     steps = torch.arange(default_times.numel())
-    axes[-1].plot(steps, default_times, "k--o", markersize=4, label="default")
+    axes[-1].axhline(0.0, color="black", linestyle="--", linewidth=0.8, label="default")
     for name, times in learned_times.items():
-        low, high = torch.quantile(times, torch.tensor([0.1, 0.9]), dim=0)
-        line, = axes[-1].plot(steps, times.mean(0), "-o", markersize=4, label=f"{name} (mean, 10-90% band)")
-        axes[-1].fill_between(steps, low, high, color=line.get_color(), alpha=0.25)
-    axes[-1].set(xlabel="step index l", ylabel="time t_l (1 = noise, 0 = data)", xticks=steps.tolist())
+        shift = times - default_times
+        low, high = torch.quantile(shift, torch.tensor([0.1, 0.9]), dim=0)
+        line, = axes[-1].plot(steps, shift.mean(0), "-o", markersize=4, label=f"{name}: mean over contexts")
+        axes[-1].fill_between(steps, low, high, color=line.get_color(), alpha=0.3, label=f"{name}: 10-90%")
+        axes[-1].fill_between(steps, shift.min(0).values, shift.max(0).values, color=line.get_color(), alpha=0.1,
+                              label=f"{name}: min-max")
+    axes[-1].set(xlabel="step index l", ylabel="t_l learned - t_l default (> 0: noisier)", xticks=steps.tolist(),
+                 title="where the learned schedules move each step")
     axes[-1].legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -241,6 +254,10 @@ def plot_results(path, scores_per_reward, learned_times, default_times, baseline
 
 def main(argv=None):
     args = parser.parse_args(argv)
+    unknown = [name for name in args.rewards or [] if name not in reward_lib.REWARDS]
+    if unknown:  # checked here, not by choices=, so that --help needs no torch
+        choices = ", ".join(map(repr, reward_lib.REWARDS))
+        parser.error(f"argument --rewards: invalid choice: {unknown[0]!r} (choose from {choices})")
     try:  # cheap checks before anything heavy
         checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
         config, steps = checkpoint["config"], checkpoint["config"]["steps"]

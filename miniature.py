@@ -48,10 +48,20 @@ import math
 import os
 import time
 
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from huggingface_hub import PyTorchModelHubMixin
+FAMILIES = ("sd3", "flux", "sdxl")
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)")
+parser.add_argument("--check", action="store_true", help="score the shipped folders")
+parser.add_argument("--seed", type=int, default=0)
+parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+
+if __name__ == "__main__":
+    parser.parse_args()  # --help and bad flags answer here, before torch loads
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from huggingface_hub import PyTorchModelHubMixin  # noqa: E402
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 FOLDER = os.path.join(REPOSITORY, "miniatures")
@@ -61,7 +71,6 @@ LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sdxl": 4}
 DROP = 0.1  # fraction of training prompts replaced by the empty one (CFG)
 TRAIN_SHIFT = 3.0  # flow times are drawn logit-normal, then shifted by this (SD3's high-resolution sampling): the
 # default schedules spend many steps near t = 1, where an unshifted logit-normal barely trains
-FAMILIES = ("sd3", "flux", "sdxl")
 DISTIL_FROM = 0.5  # mini-flux: the share of training after which half of each batch distils guidance
 # mini-flux reads its prompt through T5 alone, whose random word vectors say nothing of meaning: trained
 # on the 16 paraphrases only, it draws the wrong digit for a fifth of unseen wordings (a word it never
@@ -551,11 +560,6 @@ def check(contexts=200):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)")
-    parser.add_argument("--check", action="store_true", help="score the shipped folders")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -31,7 +31,6 @@ import re
 import unicodedata
 from collections import Counter
 
-import numpy as np
 import torch
 
 WEIGHT_FILES = ("craft_mlt_25k.pth", "english_g2.pth")  # EasyOCR's English detector, recogniser

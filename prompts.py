@@ -16,8 +16,6 @@ unless told otherwise; "hpdv2" means HPDv2's own training prompts, from the hub.
 import json
 import os
 
-import torch
-
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 # (train, held out) shipped per reward: text rendering for OCR, GenEval's templates, HPDv2's styles otherwise
 SHIPPED = {"ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
@@ -128,4 +126,6 @@ def noise_seed(text):
 
 def context_noise(backbone, seeds):
     """Initial noise per seed, drawn one by one, so it is identical for every method and batch size."""
+    import torch  # here, so that the scripts' parsers can use this module before torch loads
+
     return torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])

@@ -14,7 +14,8 @@ a batch repeated K times with repeat_interleave), is built once and reused, and 
   so 0 is the best possible score. No reward model, works for every backbone, the default for
   digits. Teacher solutions are cached per context (hash of the noise bytes and the prompt): the K
   rollouts of a context cost one reference solve and a fixed held-out set is solved once.
-- "hpsv2": Human Preference Score v2.1 (or v2.0), the paper's reward, x100 as reported: the cosine
+- "hpsv2": Human Preference Score v2.1 (or v2.0), x100 as the paper reports HPSv2 (its text does not
+  say which version; v2.1 is this project's choice): the cosine
   similarity of HPS's open_clip ViT-H-14 image and text embeddings. Needs requirements-hps.txt and
   the checkpoint HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2 (`checkpoint=` a local path).
 - "clip": 100 x cosine similarity of a transformers CLIPModel's image and text embeddings

@@ -26,37 +26,30 @@ import urllib.parse
 import torch
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
-# Every per-backbone fact. family: the class that runs it; hub_id: its diffusers weights; resolution:
-# the image side; guidance: the true-CFG scale (SD3.5, SD-XL), the distilled guidance embedding
-# (Flux-Dev) or None (no guidance input); the values recommended by the SD3.5 model cards (Medium 4.5,
-# Large 3.5) and the SD-XL and Flux-Dev pipelines' defaults (5.0, 3.5). policy: the size in
-# policy.PRESETS. steps: the default L. contexts, rollouts: the paper's B and K. iterations, lr,
-# reward, rollout_batch (samples per backbone call, for memory): this project's defaults for
-# train.py; the paper states none of them.
-# threads: CPU threads (None: torch's default; the embedded backbones' tensors are tiny, so a second
-# thread only adds contention).
-REAL = dict(resolution=1024, policy="real", steps=4, rollouts=2, iterations=1000, lr=1e-4,
-            reward="hpsv2", threads=None)
-EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded",
-                steps=4, contexts=32, iterations=300, lr=3e-3, reward="teacher", rollout_batch=None,
-                threads=1)
-MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", steps=3, contexts=16, rollouts=4,
-                 iterations=200, lr=3e-3, reward="digit", rollout_batch=None, threads=1,
+# Every per-backbone model fact (train.py's TRAINING holds the training defaults). family: the class
+# that runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG
+# scale (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input):
+# the values recommended by the SD3.5 model cards (Medium 4.5, Large 3.5) and the SD-XL and Flux-Dev
+# pipelines' defaults (5.0, 3.5). policy: the size in policy.PRESETS. threads: CPU threads (None:
+# torch's default; the small backbones' tensors are tiny, so a second thread only adds contention).
+REAL = dict(resolution=1024, policy="real", threads=None)
+EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", threads=1)
+MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", threads=1,
                  prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"))
 BACKBONES = {
-    "sd35m": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5, contexts=32, rollout_batch=16),
-    "sd35l": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5, contexts=16, rollout_batch=8),
-    "sdxl": dict(REAL, family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0, contexts=32, rollout_batch=16),
-    "flux-dev": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-dev", guidance=3.5, contexts=16, rollout_batch=8),
-    "flux-schnell": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None, contexts=16, rollout_batch=8),
+    "sd35m": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5),
+    "sd35l": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5),
+    "sdxl": dict(REAL, family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0),
+    "flux-dev": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-dev", guidance=3.5),
+    "flux-schnell": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None),
     # The embedded backbones: (spread, std, shift) of each sub-population of a digit class, see MixtureBackbone.
     # digits: one population per class; the best schedule is nearly the same for every context.
-    "digits": dict(EMBEDDED, rollouts=2, populations=[[(1.0, 0.1, 0.0)]] * 10),
+    "digits": dict(EMBEDDED, populations=[[(1.0, 0.1, 0.0)]] * 10),
     # digits-prompt: sharp, spread-out digits 0-4 and blurred ones 5-9 want opposite schedules: the prompt says which.
-    "digits-prompt": dict(EMBEDDED, rollouts=8, populations=[[(1.5, 0.02, 0.0)]] * 5 + [[(1.0, 0.5, 0.0)]] * 5),
+    "digits-prompt": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.0)]] * 5 + [[(1.0, 0.5, 0.0)]] * 5),
     # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise says which
-    # (a weaker signal than the prompt: it takes more iterations).
-    "digits-noise": dict(EMBEDDED, rollouts=8, iterations=600, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
+    # (a weaker signal than the prompt).
+    "digits-noise": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
     # The trained miniatures (miniature.py): the real families' classes with shipped 16x16 digit
     # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
     # repository; prompts: (training, held-out) paraphrase files; the reward reads their pixels.

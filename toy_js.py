@@ -24,23 +24,26 @@ import json
 import math
 import os
 import time
-from functools import partial
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt
-import torch
-import torch.nn.functional as F
-from torch.distributions import Dirichlet
-
-from baselines import cross_context, james_stein, rloo, shrinkage
 
 parser = argparse.ArgumentParser(description="James-Stein baselines on toy problems")
 parser.add_argument("--out-dir", default="out/toy_js", help="the JSON and PNG go here")
 parser.add_argument("--quick", action="store_true", help="a few seconds: far fewer simulations, same tables")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (the simulated batches are small: one is fastest)")
+
+if __name__ == "__main__":
+    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributions import Dirichlet  # noqa: E402
+
+from baselines import cross_context, james_stein, james_stein_unbiased, rloo, shrinkage  # noqa: E402
 
 RATIOS = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0)  # delta^2 / sigma^2
 ROLLOUTS, CONTEXTS = (2, 4, 8), (4, 16, 32)  # the K and B of part A
@@ -49,7 +52,7 @@ SIGNIFICANT = 3.5  # |z| above this: two-sided p < 4.7e-4 per look
 OFFSET_SPREADS = (0.0, 1.0, 10.0)  # part B: std of the hidden per-context offsets, in units of the rollout noise
 BANDIT = dict(actions=5, features=4, contexts=16, rollouts=2, batches=4000)
 QUICK = dict(rewards=(2**14, 2**14), batches=256)
-ESTIMATORS = {"rloo": rloo, "xctx": cross_context, "js": james_stein, "js-unbiased": partial(james_stein, unbiased=True)}
+ESTIMATORS = {"rloo": rloo, "xctx": cross_context, "js": james_stein, "js-unbiased": james_stein_unbiased}
 
 # -----------------------------------------------------------------------------
 # part A: estimating mu_c under the random-effects model

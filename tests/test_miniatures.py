@@ -12,6 +12,7 @@ from diffusers import (AutoencoderKL, FluxPipeline, FluxTransformer2DModel, SD3T
 
 import miniature
 import rollout
+import launch
 import train
 from prompts import heldout_contexts
 from rewards import DigitReward, load_reward
@@ -97,16 +98,16 @@ def test_the_digit_reward_is_the_log_probability_of_the_prompted_digit():
 
 def test_the_digit_reward_is_refused_on_other_backbones(tmp_path):
     with pytest.raises(SystemExit, match="the digit reward reads the 16x16 handwritten digits that only the mini-") as error:
-        train.check_config(train.parse_config(["--reward", "digit", "--out-dir", str(tmp_path / "out")]), world_size=1)
+        launch.check_config(train.parse_config(["--reward", "digit", "--out-dir", str(tmp_path / "out")]), world_size=1)
     assert "\n" not in str(error.value)
 
 
-def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases():
+def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases(tmp_path):
     for name in STOCK:
-        config = train.parse_config(["--backbone", name])
+        config = train.parse_config(["--backbone", name, "--out-dir", str(tmp_path / "out")])
+        launch.check_config(config, world_size=1)  # no "--device cpu to insist"
         assert config.reward == "digit" and config.device is None and config.threads == 1
         assert (config.prompts, config.eval_prompts) == ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
-        train.check_config(config, world_size=1)  # no "--device cpu to insist"
     train_prompts, heldout = miniature.prompt_lists()
     assert not set(train_prompts) & set(heldout) and {miniature.digit_of(p) for p in heldout} == set(range(10))
 

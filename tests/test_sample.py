@@ -1,9 +1,7 @@
 """sample.py on the digits backbone: the files it promises, what they hold, and its errors."""
 
 import json
-import os
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -49,6 +47,47 @@ def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt, mo
     saved = json.loads((samples / "schedules.json").read_text())
     assert saved["default"] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
     assert [c["prompt"] for c in saved["contexts"]] == [f"a handwritten {d}" for d in range(10)]
+    # the per-context gains and losses are counted, from the printed distances
+    pairs = [line.split("distance to the teacher ")[1] for line in stdout.splitlines() if "distance to the teacher " in line]
+    closer = sum(float(pair.split()[0]) < float(pair.split("(default ")[1].rstrip(")")) for pair in pairs)
+    assert f"closer to the teacher on {closer} of 10 contexts, farther on {10 - closer}" in stdout
+
+
+def test_a_global_schedule_is_drawn_as_one_line():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    default = torch.linspace(1, 0, 5)
+    for learned, lines in ((torch.tensor([[1.0, 0.6, 0.3, 0.1, 0.0]] * 6), 2), (torch.rand(6, 5), 7)):
+        figure, ax = plt.subplots()
+        sample.draw_schedules(ax, learned, default, [f"context {i}" for i in range(6)])
+        assert len(ax.get_lines()) == lines  # one learned line (a global policy) or one per context, and the default
+        plt.close(figure)
+
+
+def test_results_figure_draws_the_schedules_as_a_shift_from_the_default(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    default = torch.linspace(1, 0, 5)
+    learned = default + 0.01 * torch.randn(50, 5)
+    saved = {}
+    real_savefig = plt.Figure.savefig
+
+    def keep(figure, *args, **kwargs):
+        saved["axes"] = figure.axes
+        return real_savefig(figure, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(plt.Figure, "savefig", keep)
+        evaluate.plot_results(str(tmp_path / "results.png"), {"teacher": {"default": torch.zeros(50), "learned": torch.rand(50)}},
+                              {"learned": learned}, default)
+    mean_line = saved["axes"][-1].get_lines()[-1]
+    np.testing.assert_allclose(mean_line.get_ydata(), (learned - default).mean(0).numpy(), atol=1e-6)
 
 
 def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):

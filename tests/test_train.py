@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+import launch
 import train
 from conftest import ENV, ROOT, run_script
 
@@ -57,7 +58,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch)
 
     # Kill the run in the middle of iteration 6's rollouts: the checkpoint of iteration 3 stays,
     # the rows of iterations 4 and 5 were logged after it.
-    real_load_reward = train.load_reward
+    real_load_reward = launch.load_reward
 
     def load_dying_reward(*a, **k):
         reward = real_load_reward(*a, **k)
@@ -71,13 +72,13 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch)
 
         return dying
 
-    monkeypatch.setattr(train, "load_reward", load_dying_reward)
+    monkeypatch.setattr(launch, "load_reward", load_dying_reward)
     killed = tmp_path / "killed"
     with pytest.raises(Killed):
         train.main(train.parse_config([*args, "--out-dir", str(killed)]))
     assert torch.load(killed / "ckpt.pt", weights_only=False)["iteration"] == 3
     assert len(read_metrics(killed)) == 5
-    monkeypatch.setattr(train, "load_reward", real_load_reward)
+    monkeypatch.setattr(launch, "load_reward", real_load_reward)
     train.main(train.parse_config([*args, "--out-dir", str(killed), "--resume"]))
     resumed = read_metrics(killed)
 
@@ -159,14 +160,14 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
     config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match=message) as error:
-        train.check_config(config, world_size=1)
+        launch.check_config(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
 def test_contexts_must_split_over_ranks(tmp_path):
     config = train.parse_config(["--contexts", "9", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="not divisible by the 2 ranks"):
-        train.check_config(config, world_size=2)
+        launch.check_config(config, world_size=2)
 
 
 SHORT = ["--iterations", "3", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "2"]
@@ -253,13 +254,13 @@ def test_unusable_places_and_devices_fail_in_one_line_before_loading(tmp_path, m
     make(tmp_path)
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     with pytest.raises(SystemExit, match=message) as error:
-        train.check_config(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out"), *args]), world_size=1)
+        launch.check_config(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out"), *args]), world_size=1)
     assert "\n" not in str(error.value)
 
 
 def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
     config = train.parse_config([*SHORT, "--threads", "1000", "--out-dir", str(tmp_path / "out")])
-    train.check_config(config, world_size=1)
+    launch.check_config(config, world_size=1)
     assert config.threads == os.cpu_count() and "is more than the" in capsys.readouterr().out
 
 
@@ -272,7 +273,7 @@ def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
 def test_a_run_folder_of_another_run_is_refused(short_run, tmp_path, change, message):
     out = copy_of(short_run, tmp_path)
     with pytest.raises(SystemExit, match=message) as error:
-        train.check_config(train.parse_config([*SHORT, *change, "--out-dir", str(out), "--resume"]), world_size=1)
+        launch.check_config(train.parse_config([*SHORT, *change, "--out-dir", str(out), "--resume"]), world_size=1)
     assert "\n" not in str(error.value)
 
 
@@ -304,7 +305,7 @@ def test_a_bad_prompt_file_fails_in_one_line_naming_it(tmp_path, name, content, 
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(SystemExit, match=message) as error:
-        train.check_config(train.parse_config(["--prompts", str(path), "--out-dir", str(tmp_path / "out")]), world_size=1)
+        launch.check_config(train.parse_config(["--prompts", str(path), "--out-dir", str(tmp_path / "out")]), world_size=1)
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
@@ -317,7 +318,7 @@ def test_a_prompt_the_backbone_cannot_take_fails_before_training(tmp_path):
 
 
 def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real_load_reward = train.load_reward
+    real_load_reward = launch.load_reward
 
     def load_broken_reward(*args, **kwargs):
         reward, calls = real_load_reward(*args, **kwargs), []
@@ -328,7 +329,7 @@ def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path
             return torch.full_like(scores, float("nan")) if sum(calls) == 3 else scores
         return broken
 
-    monkeypatch.setattr(train, "load_reward", load_broken_reward)
+    monkeypatch.setattr(launch, "load_reward", load_broken_reward)
     with pytest.raises(SystemExit, match="iteration 3: 16 rewards are NaN or inf.*ckpt.pt holds the last good state") as error:
         train.main(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out")]))
     assert "\n" not in str(error.value)
@@ -340,14 +341,43 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
         train.parse_config(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for field in train.dataclasses.fields(train.Config):
-        assert f"--{field.name.replace('_', '-')}" in text and " ".join(train.HELP[field.name].split()) in text, field.name
+        assert f"--{field.name.replace('_', '-')}" in text and " ".join(field.metadata["help"].split()) in text, field.name
     assert "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,mini-sd3,mini-flux,mini-sdxl}" in text
     assert "(default: 0.0001)" in text  # --weight-decay
 
 
-def test_threads_one_for_the_embedded_backbones():
-    assert train.parse_config([]).threads == 1 and train.parse_config(["--backbone", "digits-noise"]).threads == 1
-    assert train.parse_config(["--backbone", "sd35m"]).threads is None and train.parse_config(["--threads", "2"]).threads == 2
+def test_threads_one_for_the_embedded_backbones(tmp_path):
+    def threads(*args):
+        config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
+        launch.check_config(config, world_size=1)
+        return config.threads
+
+    assert threads() == 1 and threads("--backbone", "digits-noise") == 1 and threads("--threads", "2") == 2
+    assert threads("--backbone", "sd35m", "--device", "cpu") is None
+
+
+def test_the_names_train_offers_are_the_registries():
+    """train.py names its choices without importing the registries (so that --help needs no torch)."""
+    import baselines
+    import policy
+    import rewards
+    import rollout
+
+    choices = train.CHOICES
+    assert choices["backbone"] == list(rollout.BACKBONES) == list(train.TRAINING)
+    assert choices["reward"] == list(rewards.REWARDS) and choices["baseline"] == list(baselines.BASELINES)
+    assert choices["policy"] == list(policy.POLICIES)
+
+
+@pytest.mark.parametrize("script", ["train.py", "evaluate.py", "sample.py", "toy_js.py", "ablation.py", "bench.py",
+                                    "miniature.py"])
+def test_help_answers_before_torch_loads(script):
+    """--help builds the parser before the heavy imports: torch is never imported."""
+    probe = (f"import runpy, sys; sys.argv = [{script!r}, '--help']\n"
+             f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout + result.stderr
 
 
 def test_no_arguments_is_the_digits_main_job():
@@ -384,7 +414,7 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
     one line naming the missing weights and how to get them, in seconds; on a CPU machine only with --device cpu."""
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as refused:
-            train.check_config(train.parse_config(["--backbone", "sd35m", "--steps", "10", "--out-dir", str(tmp_path / "out")]), world_size=1)
+            launch.check_config(train.parse_config(["--backbone", "sd35m", "--steps", "10", "--out-dir", str(tmp_path / "out")]), world_size=1)
         assert str(refused.value) == ("error: sd35m on a CPU takes hours per update; run on a CUDA machine, or pass --device cpu "
                                       "to insist (or try --backbone digits)")
     started = time.perf_counter()
@@ -402,7 +432,7 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
 @pytest.mark.parametrize("reward", ["ocr", "geneval"])
 def test_text_and_object_rewards_are_refused_on_the_embedded_backbones(tmp_path, reward):
     with pytest.raises(SystemExit, match=f"the {reward} reward reads text or objects, which the 8x8 digits images do not have"):
-        train.check_config(train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]), world_size=1)
+        launch.check_config(train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]), world_size=1)
 
 
 @pytest.mark.parametrize("reward, train_file, heldout_file", [
@@ -412,8 +442,8 @@ def test_text_and_object_rewards_are_refused_on_the_embedded_backbones(tmp_path,
 ])
 def test_each_reward_trains_on_its_shipped_prompts(tmp_path, reward, train_file, heldout_file):
     config = train.parse_config(["--backbone", "sd35m", "--reward", reward, "--device", "cpu", "--out-dir", str(tmp_path / "out")])
+    prompts, _ = launch.check_config(config, world_size=1)  # every shipped prompt is one the reward can score
     assert (config.prompts, config.eval_prompts) == (train_file, heldout_file)
-    prompts, _ = train.check_config(config, world_size=1)  # every shipped prompt is one the reward can score
     assert len(prompts) >= 200
 
 
@@ -427,7 +457,7 @@ def test_a_prompt_the_reward_cannot_score_fails_in_one_line(tmp_path, reward, me
     config = train.parse_config(["--backbone", "sd35m", "--reward", reward, "--device", "cpu", "--prompts", str(prompts),
                                  "--out-dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match=message) as error:
-        train.check_config(config, world_size=1)
+        launch.check_config(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
@@ -455,5 +485,5 @@ def test_hpdv2_prompts_offline_say_how_to_get_them(tmp_path):
     started = time.perf_counter()
     with pytest.raises(SystemExit, match=r"HPDv2's train.json is not available: fetch it once online with "
                                          r"`hf download zhwang/HPDv2 train.json --repo-type dataset`") as error:
-        train.check_config(config, world_size=1)
+        launch.check_config(config, world_size=1)
     assert time.perf_counter() - started < 5 and "\n" not in str(error.value)
