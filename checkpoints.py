@@ -9,6 +9,8 @@ with load_policy. evaluate.py, sample.py and pipeline.py take either ckpt.pt or 
 id and rebuild the policy and its frozen backbone from it alone. Every way a file can be missing,
 truncated or of another run ends in one line that says what to do.
 """
+import contextlib
+import io
 import json
 import os
 
@@ -46,9 +48,10 @@ def read_checkpoint(path):
 
 
 def save_policy(folder, policy, config, iteration):
-    """The policy in the Hub format: config.json holds its constructor arguments, the backbone, L, the
-    iteration and the training configuration; model.safetensors its weights."""
-    policy.save_pretrained(folder, config=dict(policy.config, backbone=config["backbone"], iteration=iteration, training=config))
+    """The policy in the Hub format: config.json holds its constructor arguments, among them the
+    backbone and the training configuration (with the iteration); model.safetensors its weights."""
+    policy.save_pretrained(folder, config=dict(policy.config, backbone=config["backbone"],
+                                               training_config=dict(config, iteration=iteration)))
 
 
 def load_checkpoint(source, backbone=None, steps=None):
@@ -58,7 +61,8 @@ def load_checkpoint(source, backbone=None, steps=None):
     otherwise, before anything heavy."""
     if os.path.isfile(source):
         checkpoint = read_checkpoint(source)
-        policy = build_policy(checkpoint["policy_config"])
+        policy = build_policy(dict(checkpoint["policy_config"], backbone=checkpoint["config"]["backbone"],
+                                   training_config=dict(checkpoint["config"], iteration=checkpoint["iteration"])))
         policy.load_state_dict(checkpoint["policy"])
     elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):  # a folder, or a hub id user/name
         missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
@@ -68,14 +72,23 @@ def load_checkpoint(source, backbone=None, steps=None):
                  for name in ("config.json", "model.safetensors")}
         with open(files["config.json"]) as handle:
             saved = json.load(handle)
-        if "training" not in saved:
+        if "steps" not in saved:
             raise ValueError(missing)
-        checkpoint = dict(config=saved["training"], iteration=saved["iteration"])
-        policy = POLICIES[saved["kind"]].from_pretrained(os.path.dirname(files["config.json"]))
+        # whatever save_pretrained / push_to_hub wrote: the training configuration when there is one,
+        # else what the folder itself says (backbone, L)
+        training = saved.get("training_config") or saved.get("training")  # "training": older folders
+        if training is None:
+            training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
+        training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
+        checkpoint = dict(config=training, iteration=training["iteration"])
+        kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
+        with contextlib.redirect_stdout(io.StringIO()):  # the mixin prints "Loading weights from local directory"
+            policy = POLICIES[kind].from_pretrained(os.path.dirname(files["config.json"]),
+                                                    backbone=training["backbone"], training_config=training)
     else:
         raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
     config = checkpoint["config"]
-    if backbone is not None and backbone != config["backbone"]:
+    if backbone is not None and config["backbone"] is not None and backbone != config["backbone"]:
         raise ValueError(f"{source} was trained on backbone {config['backbone']!r}, not {backbone!r}")
     if steps is not None and steps != config["steps"]:
         raise ValueError(f"{source} was trained for L={config['steps']} steps, not L={steps}")

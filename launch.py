@@ -172,7 +172,7 @@ def setup(config):
     init_times = run.backbone.default_times(config.steps) if config.init == "default" else None
     run.raw_policy = make_policy(config.policy, run.backbone.policy_dims, config.steps,
                                  preset=BACKBONES[config.backbone]["policy"],
-                                 init_times=init_times).to(device)
+                                 init_times=init_times, backbone=config.backbone).to(device)
     run.optimizer = torch.optim.AdamW(run.raw_policy.parameters(), lr=config.lr,
                                       weight_decay=config.weight_decay)
     run.start = 0

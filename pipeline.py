@@ -18,6 +18,8 @@ rollout.py's loop (tests/test_pipeline.py checks they give the same latents). A 
 schedule is one list of times for every context: schedule_json() writes it, with the sigmas, for other
 tools.
 """
+import inspect
+
 import torch
 from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
@@ -57,12 +59,24 @@ class LearnedEulerScheduler(EulerDiscreteScheduler):
         self._step_index, self._begin_index = None, None
 
 
+# Scheduler options that would change the update rule or the times: always off in a learned scheduler
+# (set_timesteps is replaced, so the sigma-spacing ones matter only for a later set_timesteps call;
+# stochastic_sampling would re-noise at every step instead of an Euler step)
+EXACT = {"stochastic_sampling": False, "use_karras_sigmas": False, "use_exponential_sigmas": False,
+         "use_beta_sigmas": False, "use_dynamic_shifting": False, "shift_terminal": None, "invert_sigmas": False}
+
+
 def learned_scheduler(backbone, times):
-    """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly, from its own config."""
+    """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly, from its own config with
+    every option of EXACT off. ValueError in one line for an SD-XL config the loop cannot run."""
     config = backbone.pipe.scheduler.config
+    overrides = {key: value for key, value in EXACT.items() if key in config}
     if isinstance(backbone, rollout.SDXLBackbone):
-        return LearnedEulerScheduler.from_config(config).install(times, backbone.sigma(times))
-    return LearnedFlowMatchScheduler.from_config(config).install(times)
+        if config.get("prediction_type", "epsilon") != "epsilon" or config.get("timestep_type", "discrete") != "discrete":
+            raise ValueError(f"the learned SD-XL schedule runs epsilon prediction on discrete timesteps; this scheduler has "
+                             f"prediction_type={config.get('prediction_type')!r}, timestep_type={config.get('timestep_type')!r}")
+        return LearnedEulerScheduler.from_config(config, **overrides).install(times, backbone.sigma(times))
+    return LearnedFlowMatchScheduler.from_config(config, **overrides).install(times)
 
 
 def pipeline_noise(backbone, count, generator=None):
@@ -75,35 +89,104 @@ def pipeline_noise(backbone, count, generator=None):
     return backbone.pack(noise) if isinstance(backbone, rollout.FluxBackbone) else noise
 
 
+# The pipeline's text arguments: given to the pipeline as they are, and to its encode_prompt for the
+# policy's input. A list holds one entry per prompt.
+TEXT = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "clip_skip",
+        "max_sequence_length")
+EMBEDS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+REFUSED = ("timesteps", "sigmas")  # the schedule is the policy's
+
+
+def _module_state(pipe):
+    modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+    return [(m, m.training, [p.requires_grad for p in m.parameters()]) for m in modules]
+
+
+def _restore(state, pipe, progress):
+    for module, training, grads in state:
+        module.train(training)
+        for parameter, flag in zip(module.parameters(), grads):
+            parameter.requires_grad_(flag)
+    pipe._progress_bar_config = progress
+
+
+def _pick(value, index):
+    """The entry of a per-prompt argument for prompt `index`: list items, tensor rows, else the value."""
+    if isinstance(value, (list, tuple)):
+        return value[index]
+    if torch.is_tensor(value):
+        return value[index : index + 1]
+    return value
+
+
 @torch.no_grad()
-def generate(pipe, policy, prompt, generator=None, num_images_per_prompt=1, **pipe_kwargs):
-    """The pipeline's own output for `prompt` (a string or a list), every image with the schedule the
-    policy proposes for its noise and prompt. pipe_kwargs go to the pipeline (guidance_scale, height
-    = width, output_type, ...); num_inference_steps is the policy's L."""
+def generate(pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs):
+    """What pipe(prompt, ...) returns, every image sampled with the schedule the policy proposes for
+    its noise and prompt (the Dirichlet mean). pipe_kwargs are the pipeline's own call arguments:
+    the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip, precomputed
+    prompt_embeds, ...) reach the pipeline as given and the policy through the pipeline's
+    encode_prompt; height, width, guidance_scale, output_type, return_dict behave as in the pipeline.
+    num_inference_steps is the policy's L; timesteps and sigmas are refused. The pipeline is left as
+    it was found (its scheduler, modules' modes and grad flags, progress bar)."""
+    for key in REFUSED:
+        if key in pipe_kwargs:
+            raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
+    steps = pipe_kwargs.pop("num_inference_steps", policy.steps)
+    if steps != policy.steps:
+        raise ValueError(f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}")
+    family = {name: spec["family"] for name, spec in rollout.BACKBONES.items()}.get(getattr(policy, "backbone", None))
+    pipe_family = {cls: key for key, cls in rollout.PIPELINES.items()}.get(type(pipe).__name__)
+    if family and pipe_family and family != pipe_family:
+        raise ValueError(f"this policy was trained on {policy.backbone} ({family}), not for a {type(pipe).__name__}")
     height = pipe_kwargs.pop("height", None) or pipe.default_sample_size * pipe.vae_scale_factor
     if pipe_kwargs.pop("width", height) != height:
         raise ValueError("the learned schedules are trained on square images: pass height == width")
-    backbone = rollout.from_pipeline(pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale"))
-    dims = {key: policy.config.get(key) for key in backbone.policy_dims}
-    if policy.config["kind"] == "instance" and dims != backbone.policy_dims:
-        raise ValueError(f"this policy was built for {dims}, the pipeline has {backbone.policy_dims}: train one for this model")
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    prompts = [text for text in prompts for _ in range(num_images_per_prompt)]
-    cond = backbone.encode_prompts(prompts)
-    noise = pipeline_noise(backbone, len(prompts), generator)
-    times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))  # (N, L+1)
+    output_type, return_dict = pipe_kwargs.pop("output_type", "pil"), pipe_kwargs.pop("return_dict", True)
+    state, progress = _module_state(pipe), dict(getattr(pipe, "_progress_bar_config", {}))
     original, outputs = pipe.scheduler, []
     try:
-        for index in range(len(prompts)):
-            pipe.scheduler = learned_scheduler(backbone, times[index].cpu())
-            embeddings = {key: value[index:index + 1] for key, value in cond.items() if key.endswith("prompt_embeds")}
-            outputs.append(pipe(**embeddings, latents=noise[index:index + 1], num_inference_steps=policy.steps, height=height,
-                                width=height, **pipe_kwargs))
+        backbone = rollout.from_pipeline(pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale"))
+        dims = {key: policy.config.get(key) for key in backbone.policy_dims}
+        if policy.config["kind"] == "instance" and dims != backbone.policy_dims:
+            raise ValueError(f"this policy was built for {dims}, the pipeline has {backbone.policy_dims}: "
+                             "train one for this model")
+        text = {key: pipe_kwargs.pop(key) for key in TEXT + EMBEDS if key in pipe_kwargs}
+        if hasattr(backbone, "text_length"):  # the pipeline's default, or a shorter T5 tokenizer's own length
+            text.setdefault("max_sequence_length", backbone.text_length)
+        if "prompt_embeds" in text:
+            count = len(text["prompt_embeds"])
+            prompts = [None] * count
+            cond = dict(prompt_embeds=text["prompt_embeds"], pooled_prompt_embeds=text.get("pooled_prompt_embeds"),
+                        text_mask=torch.ones(text["prompt_embeds"].shape[:2], dtype=torch.bool, device=backbone.device))
+        else:
+            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            accepted = inspect.signature(backbone.encode_prompts).parameters
+            cond = backbone.encode_prompts(prompts, **{k: v for k, v in text.items() if k in accepted})
+        index = [i for i in range(len(prompts)) for _ in range(num_images_per_prompt)]  # the prompt of each image
+        cond = {key: value[index] for key, value in cond.items() if value is not None}
+        noise = pipeline_noise(backbone, len(index), generator) if latents is None else latents
+        times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))  # (N, L+1)
+        for image, source in enumerate(index):
+            pipe.scheduler = learned_scheduler(backbone, times[image].cpu())
+            arguments = {key: _pick(value, source) for key, value in text.items()}
+            if prompts[source] is not None:
+                arguments["prompt"] = prompts[source]
+            outputs.append(pipe(**arguments, latents=noise[image : image + 1], num_inference_steps=steps, height=height,
+                                width=height, output_type=output_type, **pipe_kwargs))
     finally:
         pipe.scheduler = original
+        _restore(state, pipe, progress)
     images = [output.images for output in outputs]
-    outputs[0].images = torch.cat(images) if torch.is_tensor(images[0]) else [image for batch in images for image in batch]
-    return outputs[0]
+    if torch.is_tensor(images[0]):
+        merged = torch.cat(images)
+    elif hasattr(images[0], "shape"):  # output_type="np": one (N, H, W, C) array, as the pipeline's
+        import numpy as np
+
+        merged = np.concatenate(images)
+    else:
+        merged = [picture for batch in images for picture in batch]
+    outputs[0].images = merged
+    return outputs[0] if return_dict else (merged,)
 
 
 def schedule_json(policy, backbone):

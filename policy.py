@@ -213,8 +213,11 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
 
     def __init__(self, steps, latent_channels, text_dim, pooled_dim=None, widths=(16, 32), dim=64, heads=4,
                  depth=1, grid=2, head_hidden=128, init="uniform", init_times=None, concentration=100.0,
-                 stop_margin=5e-3):
+                 stop_margin=5e-3, backbone=None, training_config=None):
         super().__init__()
+        # what it was trained for: the backbone's name and train.py's configuration (None when
+        # unknown); the Hub format records them with the weights (checkpoints.load_policy)
+        self.backbone, self.training_config = backbone, training_config
         self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels, text_dim=text_dim,
                            pooled_dim=pooled_dim, widths=list(widths), dim=dim, heads=heads, depth=depth, grid=grid,
                            head_hidden=head_hidden, init=init, init_times=json_times(init_times),
@@ -280,8 +283,10 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
 class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
     """One concentration vector for every context: the schedule does not depend on x_T or the prompt."""
 
-    def __init__(self, steps, init="uniform", init_times=None, concentration=100.0, stop_margin=5e-3):
+    def __init__(self, steps, init="uniform", init_times=None, concentration=100.0, stop_margin=5e-3,
+                 backbone=None, training_config=None):
         super().__init__()
+        self.backbone, self.training_config = backbone, training_config  # as SchedulePolicy's
         self.config = dict(kind="global", steps=steps, init=init, init_times=json_times(init_times),
                            concentration=concentration, stop_margin=stop_margin)
         self.steps = steps

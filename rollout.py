@@ -333,13 +333,14 @@ class SD3Backbone(PipelineBackbone):
                                 pooled_dim=config.pooled_projection_dim)
 
     @torch.no_grad()
-    def encode_prompts(self, prompts):
-        pipe = self.pipe
+    def encode_prompts(self, prompts, prompt_2=None, prompt_3=None, clip_skip=None, max_sequence_length=None):
+        """The pipeline's encode_prompt; the options as its __call__ takes them (pipeline.generate)."""
+        pipe, length = self.pipe, max_sequence_length or self.text_length
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=prompts, prompt_2=None, prompt_3=None, device=self.device,
-            do_classifier_free_guidance=self.cfg, max_sequence_length=self.text_length)
+            prompt=prompts, prompt_2=prompt_2, prompt_3=prompt_3, device=self.device, clip_skip=clip_skip,
+            do_classifier_free_guidance=self.cfg, max_sequence_length=length)
         clip_mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer_max_length)
-        t5_mask = _token_mask(pipe.tokenizer_3, prompts, self.text_length)
+        t5_mask = _token_mask(pipe.tokenizer_3, prompt_3 or prompts, length)
         cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled,
                     text_mask=torch.cat([clip_mask, t5_mask], dim=1).to(self.device))  # (N, 77 + T5 length)
         if self.cfg:
@@ -391,10 +392,12 @@ class FluxBackbone(PipelineBackbone):
                                 pooled_dim=config.pooled_projection_dim)
 
     @torch.no_grad()
-    def encode_prompts(self, prompts):
-        embeds, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=None, device=self.device,
-                                                    max_sequence_length=self.text_length)
-        mask = _token_mask(self.pipe.tokenizer_2, prompts, self.text_length)  # the T5 tokens
+    def encode_prompts(self, prompts, prompt_2=None, max_sequence_length=None):
+        """The pipeline's encode_prompt; the options as its __call__ takes them (pipeline.generate)."""
+        length = max_sequence_length or self.text_length
+        embeds, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=prompt_2, device=self.device,
+                                                    max_sequence_length=length)
+        mask = _token_mask(self.pipe.tokenizer_2, prompt_2 or prompts, length)  # the T5 tokens
         return dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask.to(self.device))
 
     def pack(self, latents):
@@ -477,10 +480,12 @@ class SDXLBackbone(PipelineBackbone):
         return torch.where(times > 0, sigma, torch.zeros_like(sigma)).float()
 
     @torch.no_grad()
-    def encode_prompts(self, prompts):
+    def encode_prompts(self, prompts, prompt_2=None, clip_skip=None):
+        """The pipeline's encode_prompt; the options as its __call__ takes them (pipeline.generate)."""
         pipe = self.pipe
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=prompts, device=self.device, do_classifier_free_guidance=self.cfg)
+            prompt=prompts, prompt_2=prompt_2, device=self.device, do_classifier_free_guidance=self.cfg,
+            clip_skip=clip_skip)
         size = (self.resolution, self.resolution)
         time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=embeds.dtype,
                                           text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim)

@@ -1,6 +1,7 @@
 """A trained schedule in a stock diffusers pipeline (pipeline.py), and the policy in the Hub format."""
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,9 +81,9 @@ def test_policy_folder_round_trip_without_pickle(tmp_path):
     save_policy(tmp_path / "policy", policy, config, iteration=7)
     assert sorted(path.name for path in (tmp_path / "policy").iterdir()) == ["README.md", "config.json", "model.safetensors"]
     saved = json.loads((tmp_path / "policy" / "config.json").read_text())
-    assert saved["backbone"] == "digits" and saved["steps"] == 4 and saved["training"] == config and saved["iteration"] == 7
+    assert saved["backbone"] == "digits" and saved["steps"] == 4 and saved["training_config"] == dict(config, iteration=7)
     checkpoint, loaded = load_checkpoint(str(tmp_path / "policy"), backbone="digits", steps=4)
-    assert checkpoint == dict(config=config, iteration=7)
+    assert checkpoint == dict(config=dict(config, iteration=7), iteration=7)
     noise = backbone.sample_noise(3, torch.Generator().manual_seed(0))
     inputs = backbone.policy_inputs(noise, backbone.encode_prompts(backbone.prompts[:3]))
     with torch.no_grad():
@@ -117,3 +118,118 @@ def test_a_global_schedule_exports_as_json(tiny):
     assert torch.allclose(torch.tensor(exported["sigmas"]).float(), sigmas, rtol=1e-6)
     with pytest.raises(ValueError, match="only a global one exports"):
         pipeline.schedule_json(learned_policy(backbone, 3), backbone)
+
+
+def test_a_shared_policy_loads_back_from_what_save_pretrained_alone_wrote(tmp_path, capsys):
+    """load_policy(...).save_pretrained(folder) is what push_to_hub uploads: load_policy(folder) gives
+    the same policy, its backbone, L and training configuration, and loading prints nothing."""
+    backbone = rollout.load_backbone("digits")
+    policy = learned_policy(backbone, 4)
+    save_policy(tmp_path / "policy", policy, dict(backbone="digits", steps=4, seed=3), iteration=9)
+    torch.save(dict(policy=policy.state_dict(), policy_config=policy.config, optimizer={}, iteration=9,
+                    config=dict(backbone="digits", steps=4, seed=3)), tmp_path / "ckpt.pt")
+    inputs = backbone.policy_inputs(backbone.sample_noise(3, torch.Generator().manual_seed(1)),
+                                    backbone.encode_prompts(backbone.prompts[:3]))
+    for source in ("policy", "ckpt.pt"):
+        capsys.readouterr()
+        shared = tmp_path / f"shared-{source}"
+        load_policy(str(tmp_path / source)).save_pretrained(shared)
+        checkpoint, loaded = load_checkpoint(str(shared), backbone="digits", steps=4)
+        assert capsys.readouterr().out == ""
+        assert checkpoint["config"]["seed"] == 3 and checkpoint["iteration"] == 9 and loaded.backbone == "digits"
+        with torch.no_grad():
+            assert torch.equal(loaded(**inputs), policy(**inputs))
+    bare = tmp_path / "bare"  # a policy built by hand: no training configuration, no backbone
+    make_policy("global", backbone.policy_dims, 4).save_pretrained(bare)
+    checkpoint, loaded = load_checkpoint(str(bare))
+    assert checkpoint["config"] == dict(backbone=None, steps=4, iteration=None) and loaded.steps == 4
+
+
+def sd3_pipe_and_policy(steps=3):
+    pipe = tiny_pipeline("sd3")
+    backbone = rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE["sd3"])
+    policy = learned_policy(backbone, steps)
+    policy.backbone = "sd35m"
+    return pipe, backbone, policy
+
+
+def test_generate_passes_the_pipelines_text_arguments_through():
+    """negative_prompt and max_sequence_length reach the pipeline: generate gives what the pipeline
+    gives with the learned times (its own call, the learned scheduler installed by hand)."""
+    pipe, backbone, policy = sd3_pipe_and_policy()
+    options = dict(negative_prompt="blurry", max_sequence_length=20, guidance_scale=4.5, height=TINY_RESOLUTION,
+                   output_type="latent")
+    latents = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(2), **options).images
+    noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(2))
+    cond = backbone.encode_prompts(["a cat"], max_sequence_length=20)
+    with torch.no_grad():
+        times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))
+    original = pipe.scheduler
+    pipe.scheduler = pipeline.learned_scheduler(backbone, times[0])
+    expected = pipe("a cat", latents=noise, num_inference_steps=3, width=TINY_RESOLUTION, **options).images
+    pipe.scheduler = original
+    assert (latents - expected).abs().max().item() < 1e-6
+    default_length = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(2),
+                                       **dict(options, max_sequence_length=backbone.text_length)).images
+    assert (default_length - latents).abs().max().item() > 1e-4  # the argument is not ignored
+
+
+def test_generate_outputs_are_the_pipelines_and_the_pipeline_is_left_as_found():
+    pipe, backbone, policy = sd3_pipe_and_policy()
+    pipe.transformer.train()
+    pipe.set_progress_bar_config(disable=False, leave=False)
+    grads = [p.requires_grad for p in pipe.transformer.parameters()]
+    arrays = pipeline.generate(pipe, policy, ["a cat", "a dog"], num_images_per_prompt=2, height=TINY_RESOLUTION,
+                               generator=torch.Generator().manual_seed(0), output_type="np").images
+    assert isinstance(arrays, np.ndarray) and arrays.shape == (4, TINY_RESOLUTION, TINY_RESOLUTION, 3)
+    images = pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION, return_dict=False)
+    assert isinstance(images, tuple) and len(images[0]) == 1
+    assert pipe.transformer.training and grads == [p.requires_grad for p in pipe.transformer.parameters()]
+    assert pipe._progress_bar_config == dict(disable=False, leave=False)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (dict(num_inference_steps=7), "trained for L=3 steps, not num_inference_steps=7"),
+    (dict(sigmas=[1.0, 0.5, 0.0]), "drop sigmas="),
+    (dict(timesteps=[999, 500]), "drop timesteps="),
+])
+def test_generate_refuses_what_it_cannot_honour_in_one_line(arguments, message):
+    pipe, _, policy = sd3_pipe_and_policy()
+    with pytest.raises(ValueError, match=message) as error:
+        pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION, **arguments)
+    assert "\n" not in str(error.value)
+
+
+def test_generate_refuses_a_pipeline_of_another_family():
+    pipe, _, policy = sd3_pipe_and_policy()
+    policy.backbone = "flux-dev"
+    with pytest.raises(ValueError, match="trained on flux-dev \\(flux\\), not for a StableDiffusion3Pipeline"):
+        pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION)
+
+
+@pytest.mark.parametrize("option", ["stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas"])
+def test_scheduler_options_that_change_the_update_are_turned_off(option):
+    """A pipeline whose scheduler config turns the option on: generate still equals the loop."""
+    pipe, backbone, policy = sd3_pipe_and_policy()
+    if option != "stochastic_sampling":  # the sigma-spacing options need scipy-free settings only
+        pytest.importorskip("scipy")
+    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **{option: True})
+    latents = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(4), height=TINY_RESOLUTION,
+                                guidance_scale=4.5, output_type="latent").images
+    noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(4))
+    cond = backbone.encode_prompts(["a cat"])
+    with torch.no_grad():
+        times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))
+    expected = backbone.sample(noise, cond, times)
+    assert (latents - expected).abs().max().item() / expected.abs().max().item() < 1e-5
+    assert pipe.scheduler.config[option] is True  # the user's scheduler is untouched
+
+
+def test_sdxl_configs_the_loop_cannot_run_are_refused():
+    pipe = tiny_pipeline("sdxl")
+    backbone = rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE["sdxl"])
+    policy = learned_policy(backbone, 3)
+    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type="v_prediction")
+    with pytest.raises(ValueError, match="only epsilon prediction with linear sigma interpolation") as error:
+        pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION)
+    assert "\n" not in str(error.value)
