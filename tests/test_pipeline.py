@@ -233,3 +233,13 @@ def test_sdxl_configs_the_loop_cannot_run_are_refused():
     with pytest.raises(ValueError, match="only epsilon prediction with linear sigma interpolation") as error:
         pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION)
     assert "\n" not in str(error.value)
+
+
+def test_a_generator_list_seeds_each_image_as_in_the_pipeline():
+    pipe, _, policy = sd3_pipe_and_policy()
+    options = dict(height=TINY_RESOLUTION, output_type="latent")
+    both = pipeline.generate(pipe, policy, ["a cat", "a dog"],
+                             generator=[torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)], **options).images
+    cat = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(1), **options).images
+    dog = pipeline.generate(pipe, policy, "a dog", generator=torch.Generator().manual_seed(2), **options).images
+    assert torch.allclose(both, torch.cat([cat, dog]), atol=1e-6)
