@@ -36,7 +36,9 @@ Each pipeline is the family's real layout in miniature:
   guidance input as FLUX.1-dev has it: for the second half of training, half of each batch learns,
   at a guidance g drawn from U(1, 5), the guided velocity v("") + g (v(prompt) - v("")) of a frozen
   snapshot of the network taken at half time (distilled guidance; the pipeline feeds g = 3.5 and
-  runs no CFG batch; distilling from the live network instead collapses its use of the prompt);
+  runs no CFG batch; distilling from the live network instead collapses its use of the prompt); it
+  also trains on 2,000 noisy variants of the paraphrases (NOISY_PARAPHRASES: it reads the prompt
+  through T5 alone, and without them an unseen word derails it);
 - mini-sdxl: UNet2DConditionModel with the text/time added conditioning, epsilon prediction on
   SD-XL's noise table (scaled-linear betas 0.00085..0.012, 1,000 steps), prompts dropped to zero
   embeddings (the SD-XL pipeline's force_zeros_for_empty_prompt).
