@@ -61,9 +61,9 @@ if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch loads
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from huggingface_hub import PyTorchModelHubMixin  # noqa: E402
+
+from rewards import DigitClassifier, classifier_folder, digit_of, load_classifier  # noqa: E402, F401
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 FOLDER = os.path.join(REPOSITORY, "miniatures")
@@ -113,14 +113,6 @@ def split():
     return (images[pipelines], labels[pipelines]), (images[classifier], labels[classifier])
 
 
-def digit_of(prompt):
-    """The digit a prompt asks for: its one character 0-9. ValueError in one line otherwise."""
-    found = [character for character in prompt if character.isdigit()]
-    if len(found) != 1:
-        raise ValueError(f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}")
-    return int(found[0])
-
-
 def prompt_lists():
     from prompts import load_prompt_file
 
@@ -157,25 +149,6 @@ def noisy_paraphrases(prompts, count, tokenizers, seed=0):
 LABEL_SMOOTHING = 0.1
 
 
-class DigitClassifier(nn.Module, PyTorchModelHubMixin):
-    """A small CNN over 16x16 RGB digits in [0, 1]: logits (N, 10)."""
-
-    def __init__(self, side=SIDE, width=24):
-        super().__init__()
-        self.config = dict(side=side, width=width)
-        self.side = side
-        self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
-            nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(2 * width * (side // 4) ** 2, 64),
-                                  nn.ReLU(), nn.Linear(64, 10))
-
-    def forward(self, images):
-        return self.head(self.features(2.0 * images - 1.0))
-
-
 def augment(images, generator):
     """Shifts of up to 2 pixels, a random blur and pixel noise: the classifier must read generated
     digits, which are less crisp than the data."""
@@ -208,19 +181,6 @@ def train_classifier(epochs=60, seed=0):
     with torch.no_grad():
         accuracy = (model(test_images).argmax(1) == test_labels).float().mean().item()
     return model, accuracy
-
-
-def classifier_folder(folder=None):
-    """Where the classifier is: `folder`, else the shipped one. ValueError in one line if absent."""
-    folder = folder or os.path.join(FOLDER, "classifier")
-    if not all(os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")):
-        raise ValueError(f"no digit classifier in {folder}; restore miniatures/classifier with git, retrain it "
-                         "with `python miniature.py --family classifier`, or pass --reward-checkpoint FOLDER")
-    return folder
-
-
-def load_classifier(folder=None):
-    return DigitClassifier.from_pretrained(classifier_folder(folder)).eval()
 
 
 # -----------------------------------------------------------------------------

@@ -38,34 +38,21 @@ Rewards are returned as computed, NaN included: the trainer stops at a non-finit
 than dropping or clamping samples, which would bias the estimator and hide a broken model.
 """
 import hashlib
-import importlib
 import os
 from collections import OrderedDict
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
 
+from images import CLIP_MEAN, CLIP_STD, clip_preprocess, import_optional, normalize, quantize  # noqa: F401
 from rollout import hub_file
-
-# OpenAI CLIP's normalisation, used by both HPS (open_clip/constants.py) and CLIPImageProcessor
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
 HPS_INSTALL = "pip install -r requirements-hps.txt && pip install --no-deps hpsv2x==1.2.0"
 CLIP_DEFAULT = "openai/clip-vit-large-patch14"
-
-
-def quantize(images):
-    """(N, 3, H, W) floats -> the same images at 8 bits, as saving them would (round, like diffusers)."""
-    return (images.float().clamp(0.0, 1.0) * 255.0).round() / 255.0
-
-
-def _normalize(images, mean=CLIP_MEAN, std=CLIP_STD):
-    mean = torch.tensor(mean, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
-    std = torch.tensor(std, device=images.device, dtype=images.dtype).view(1, 3, 1, 1)
-    return (images - mean) / std
 
 
 def _unique(prompts):
@@ -158,18 +145,7 @@ def hps_preprocess(images, size=224):
         images = F.interpolate(images, (new_height, new_width), mode="bicubic", align_corners=False, antialias=True)
         pad_height, pad_width = size - new_height, size - new_width
         images = F.pad(images, (pad_width // 2, pad_width - pad_width // 2, pad_height // 2, pad_height - pad_height // 2))
-    return _normalize(images)
-
-
-def import_optional(modules, needs, install):
-    """Import `modules` in order and return the last; any failure (ImportError, or RuntimeError from a
-    torchvision built for another torch) becomes an ImportError in one line: `needs`, the error's first
-    line and the install command."""
-    try:
-        return [importlib.import_module(name) for name in modules][-1]
-    except Exception as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ImportError(f"{needs} ({first_line}): {install}") from None
+    return normalize(images)
 
 
 def _import_hps():  # hpsv2's transforms need torchvision, which fails to import beside a mismatched torch
@@ -235,29 +211,6 @@ def load_hpsv2(backbone, device=None, version="v2.1", checkpoint=None, model_nam
 # clip: CLIP text-image similarity through transformers, without torchvision
 
 
-def clip_preprocess(images, size=224):
-    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size): CLIPImageProcessor's steps, with Pillow itself.
-
-    As transformers' CLIPImageProcessor (PIL backend, the preprocessing CLIP was trained with) does
-    to an 8-bit image: shortest side to `size` (long side int(size * long / short)) with Pillow's
-    bicubic resize, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std. The resize runs
-    per image on the CPU; next to a CLIP forward pass it costs little.
-    """
-    import numpy as np
-    from PIL import Image
-
-    pixels = (quantize(images) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3)
-    height, width = images.shape[-2:]
-    if height <= width:
-        new_height, new_width = size, int(size * width / height)
-    else:
-        new_height, new_width = int(size * height / width), size
-    resized = [np.asarray(Image.fromarray(array).resize((new_width, new_height), Image.BICUBIC)) for array in pixels]
-    top, left = (new_height - size) // 2, (new_width - size) // 2
-    cropped = torch.from_numpy(np.stack(resized))[:, top:top + size, left:left + size]  # (N, size, size, 3)
-    return _normalize(cropped.permute(0, 3, 1, 2).float().div(255.0).to(images.device))
-
-
 class CLIPReward:
     """100 x cos(image, prompt) in a CLIP model's projected embedding space."""
 
@@ -304,6 +257,48 @@ def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
 # digit: the miniatures' classifier reads their decoded pixels
 
 
+def digit_of(prompt):
+    """The digit a prompt asks for: its one character 0-9. ValueError in one line otherwise."""
+    found = [character for character in prompt if character.isdigit()]
+    if len(found) != 1:
+        raise ValueError(f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}")
+    return int(found[0])
+
+
+class DigitClassifier(nn.Module, PyTorchModelHubMixin):
+    """A small CNN over 16x16 RGB digits in [0, 1]: logits (N, 10)."""
+
+    def __init__(self, side=16, width=24):
+        super().__init__()
+        self.config = dict(side=side, width=width)
+        self.side = side
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
+        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(2 * width * (side // 4) ** 2, 64),
+                                  nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, images):
+        return self.head(self.features(2.0 * images - 1.0))
+
+
+def classifier_folder(folder=None):
+    """Where the classifier is: `folder`, else the shipped one. ValueError in one line if absent."""
+    folder = folder or os.path.join(os.path.dirname(os.path.abspath(__file__)), "miniatures", "classifier")
+    if not all(os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")):
+        raise ValueError(f"no digit classifier in {folder}; restore miniatures/classifier with git, retrain it "
+                         "with `python miniature.py --family classifier`, or pass --reward-checkpoint FOLDER")
+    return folder
+
+
+def load_classifier(folder=None):
+    return DigitClassifier.from_pretrained(classifier_folder(folder)).eval()
+
+
+
+
 class DigitReward:
     """log p(prompted digit | image) under the classifier of miniature.py, a black box on the decoded
     pixels as HPSv2 is on a real model's: 8-bit images, resized to the classifier's side (bicubic,
@@ -311,7 +306,6 @@ class DigitReward:
     The classifier was trained on digits that no miniature saw (miniature.py)."""
 
     def __init__(self, backbone, checkpoint=None, device=None):
-        from miniature import load_classifier
 
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
@@ -326,7 +320,6 @@ class DigitReward:
 
     @torch.no_grad()
     def details(self, latents, prompts):
-        from miniature import digit_of
 
         log_probs = self.log_probs(latents)
         digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=log_probs.device)
@@ -365,7 +358,6 @@ def check_prompts(name, prompts):
     """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR needs
     a "quoted" target text, GenEval one of its templates."""
     if name == "digit":
-        from miniature import digit_of
 
         for prompt in prompts:
             digit_of(prompt)
@@ -414,7 +406,6 @@ def check_reward(name, checkpoint=None):
 
         check_weights(checkpoint or DETECTOR_DEFAULT, "GenEval detector", also=(GENEVAL_CLIP, "CLIP model"))
     if name == "digit":
-        from miniature import classifier_folder
 
         classifier_folder(checkpoint)
     if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
