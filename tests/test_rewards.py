@@ -286,3 +286,35 @@ def test_check_reward_fails_fast_in_one_line(tmp_path):
         with pytest.raises(ValueError, match="requirements-hps.txt") as error:
             rewards.check_reward("hpsv2")
         assert "\n" not in str(error.value)
+
+
+def test_no_import_circle_among_the_modules():
+    """Every import between this repository's modules (top level or inside a function) points one
+    way: the module graph has no cycle."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    modules = {path.stem: path for path in root.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.add(node.module.split(".")[0])
+        graph[name] = (targets & set(modules)) - {name}
+    state = {}
+
+    def visit(name, path):
+        state[name] = "open"
+        for target in graph[name]:
+            assert state.get(target) != "open", f"import circle: {' -> '.join(path + [target])}"
+            if target not in state:
+                visit(target, path + [target])
+        state[name] = "done"
+
+    for name in graph:
+        if name not in state:
+            visit(name, [name])
