@@ -186,11 +186,11 @@ def save_figures(out_dir, contexts, results, label):
             if name == "learned":
                 axes[row][col].title.set_color("tab:green" if gains[row] > 0 else "tab:red")
         axes[row][0].set_ylabel(f"{prompt[:28]}\nseed {seed}", fontsize=7)
-    better = sum(gain > 0 for gain in gains)
+    better, mean = sum(gain > 0 for gain in gains), sum(gains) / len(gains)
     figure.suptitle(f"each image's mean squared distance to the teacher (lower is better); the learned schedule "
-                    f"is better on {better} of these {len(gains)} contexts, worse on {len(gains) - better}, by "
-                    f"{sum(gains) / len(gains):+.4f} on average: a mean gain, not a gain on every context",
-                    fontsize=7, wrap=True)
+                    f"is better on {better} of these {len(gains)} contexts, worse on {len(gains) - better}, and "
+                    f"{'closer' if mean > 0 else 'farther'} by {abs(mean):.4f} on average: a mean gain does not "
+                    "mean a gain on every context", fontsize=7, wrap=True)
     figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (2.5 * len(contexts))))  # room for the title above the first row
     figure.savefig(os.path.join(out_dir, "grid.png"), dpi=150)
     plt.close(figure)
