@@ -51,6 +51,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import backbones  # noqa: E402
 from checkpoints import write_json_atomic  # noqa: E402
 from policy import increments_from_times, times_from_increments  # noqa: E402
 TRAININGS = {  # name -> train.py arguments
@@ -216,7 +217,6 @@ def miniature_evidence(args):
     each seed; scored by the digit reward, the classifier's accuracy and the teacher error (minus the
     50-step default solution's squared distance); the default step count that matches each; and the
     digit reward on the training paraphrases with the same held-out noise seeds."""
-    import rollout
     from checkpoints import load_checkpoint
     from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
     from miniature import prompt_lists
@@ -232,7 +232,7 @@ def miniature_evidence(args):
     seen_prompts, seen_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS)  # held-out noise, seen wording
     lines, figure_policies = [], {}
     for name in args.backbones:
-        backbone = rollout.load_backbone(name)
+        backbone = backbones.load_backbone(name)
         rewards = {"digit": load_reward("digit", backbone), "teacher": load_reward("teacher", backbone)}
         digit_only = {"digit": rewards["digit"]}
         defaults = {n: default_schedule(backbone, n) for n in EQUIVALENT_STEPS}
@@ -283,13 +283,12 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    import rollout
     from evaluate import policy_schedule
 
     columns = ["default, L=2", "learned, L=2", "default, L=3", "learned, L=3", "default, 50 steps"]
     figure, axes = plt.subplots(len(digits), len(names) * len(columns), figsize=(1.1 * len(names) * len(columns), 1.2 * len(digits) + 0.6))
     for panel, name in enumerate(names):
-        backbone = rollout.load_backbone(name)
+        backbone = backbones.load_backbone(name)
         prompts = [f"a hand-drawn {d}" for d in digits]
         noise = context_noise(backbone, [HELDOUT_SEED + 7 * d for d in digits])
         cond = backbone.encode_prompts(prompts)
@@ -314,7 +313,6 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 
 
 def main(args):
-    import rollout
 
     torch.set_num_threads(1)  # the embedded backbones' tensors are tiny
     runs = [(name, training, seed) for name in args.backbones for training in TRAININGS for seed in args.seeds]
@@ -325,7 +323,7 @@ def main(args):
             path = os.path.join(args.out_dir, name, "oracles.json")
             if not os.path.isfile(path):
                 os.makedirs(os.path.dirname(path), exist_ok=True)
-                write_json_atomic(path, oracles(rollout.load_backbone(name), args.steps))
+                write_json_atomic(path, oracles(backbones.load_backbone(name), args.steps))
             with open(path) as file:
                 oracle[name] = json.load(file)
         errors = dict(zip(runs, trainings))
@@ -337,7 +335,7 @@ def main(args):
         group = oracle[name]["errors"][f"oracle: best schedule per {grouping}"]
         lines += [f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, seeds {args.seeds}",
                   "| schedule | error (mean over seeds) | spread (min-max) | vs default | gap captured (spread) |", "|---|---|---|---|---|"]
-        backbone = rollout.load_backbone(name)
+        backbone = backbones.load_backbone(name)
         margin_free = without_stop_margin(backbone, oracle[name], grouping)
         oracle[name]["errors"][f"oracle: best schedule per {grouping}, with t_L = 0"] = margin_free
         for row, values in [*((row, [error]) for row, error in oracle[name]["errors"].items()), *((f"learned {t}", v) for t, v in learned.items())]:

@@ -41,6 +41,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+import backbones  # noqa: E402
+
 import rollout  # noqa: E402
 from policy import make_policy  # noqa: E402
 
@@ -160,7 +162,7 @@ def bench_policy():
     print(f"SD3.5-Medium transformer: {backbone_params / 1e9:.3f}B parameters, {step_flops / 1e12:.2f} TFLOP per step (1024^2, CFG)")
     for name, dims in POLICY_DIMS.items():
         with torch.device("meta"):
-            params = sum(p.numel() for p in make_policy("instance", dims, 20, preset=rollout.BACKBONES[name]["policy"]).parameters())
+            params = sum(p.numel() for p in make_policy("instance", dims, 20, preset=backbones.BACKBONES[name]["policy"]).parameters())
         print(f"  policy for {name:9s} at L=20: {params / 1e6:7.3f}M parameters ({params / backbone_params:.2%} of SD3.5-Medium)")
     dims = POLICY_DIMS["sd35m"]
     for steps in (5, 10, 20):
@@ -178,7 +180,7 @@ def bench_loop(name, args, device):
         pipe = tiny_pipeline(family).to(device, dtype)
         backbone = rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
     else:
-        backbone = rollout.load_backbone(name, path=args.model_path, device=device)
+        backbone = backbones.load_backbone(name, path=args.model_path, device=device)
     pipe, count, steps = backbone.pipe, args.batch, args.steps
     prompts = [f"a photograph of object number {i} on a table" for i in range(count)]
     (encode_ms,), (cond,) = timed([lambda: backbone.encode_prompts(prompts)], 1, device)
@@ -198,7 +200,7 @@ def bench_loop(name, args, device):
 
 
 def bench_embedded(args, device, count=64):
-    backbone = rollout.load_backbone("digits", device=device)
+    backbone = backbones.load_backbone("digits", device=device)
     cond = backbone.encode_prompts([backbone.prompts[i % 10] for i in range(count)])
     noise = backbone.sample_noise(count, torch.Generator().manual_seed(0))
     for steps in sorted({args.steps, 10}):

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-import rollout
+import backbones
+
 from policy import POLICIES, build_policy
 
 
@@ -68,7 +69,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
         if os.path.isdir(source) and not all(os.path.isfile(os.path.join(source, f)) for f in ("config.json", "model.safetensors")):
             raise ValueError(missing)
-        files = {name: os.path.join(source, name) if os.path.isdir(source) else rollout.hub_file(source, name, missing)
+        files = {name: os.path.join(source, name) if os.path.isdir(source) else backbones.hub_file(source, name, missing)
                  for name in ("config.json", "model.safetensors")}
         with open(files["config.json"]) as handle:
             saved = json.load(handle)
@@ -102,7 +103,7 @@ def load_policy(source, backbone=None, steps=None):
 
 def trained_backbone(config, device):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
-    return rollout.load_backbone(config["backbone"], path=config["model_path"], device=device,
+    return backbones.load_backbone(config["backbone"], path=config["model_path"], device=device,
                                  dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
                                  resolution=config["resolution"], guidance=config["guidance"])
 

@@ -62,7 +62,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import rewards as reward_lib  # noqa: E402
-import rollout  # noqa: E402
+import backbones  # noqa: E402
 from checkpoints import check_writable, load_checkpoint, trained_backbone, write_json_atomic  # noqa: E402
 from policy import mean_increments, sample_increments, times_from_increments  # noqa: E402
 from prompts import context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups  # noqa: E402
@@ -284,7 +284,7 @@ def main(argv=None):
         else:
             prompt_list = None
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        threads = rollout.BACKBONES[config["backbone"]]["threads"]
+        threads = backbones.BACKBONES[config["backbone"]]["threads"]
         torch.set_num_threads(threads or torch.get_num_threads())
         backbone = trained_backbone(config, device)
         backbone.check_prompts(prompt_list or [])
@@ -313,7 +313,7 @@ def main(argv=None):
         identity["reference"] = dict(backbone=config["backbone"])
     if args.schnell:  # the same seeds give Flux-Schnell the same noise: its rows are paired too
         try:
-            schnell = rollout.load_backbone("flux-schnell", path=args.schnell_path, device=device, dtype=backbone.dtype,
+            schnell = backbones.load_backbone("flux-schnell", path=args.schnell_path, device=device, dtype=backbone.dtype,
                                             resolution=config["resolution"])
             runs.append((schnell, {f"schnell-{n}": default_schedule(schnell, n) for n in sorted({4, steps})}, None))
             identity.update({f"schnell-{n}": dict(backbone="flux-schnell", steps=n) for n in sorted({4, steps})})

@@ -486,7 +486,7 @@ def check(contexts=200):
     of contexts of unseen noise recognised at 50 default steps (training and held-out paraphrases)
     and at 4, 3 and 2 (held-out paraphrases); the digit reward of bfloat16 against float32 (the dtype
     a GPU run takes) on the held-out contexts at 3 steps; the sizes."""
-    import rollout
+    import backbones
     from evaluate import default_schedule
     from prompts import heldout_contexts
     from rewards import load_reward
@@ -501,7 +501,7 @@ def check(contexts=200):
     for family in FAMILIES:
         name, line, rewards = f"mini-{family}", [], {}
         for dtype in (torch.float32, torch.bfloat16):
-            backbone = rollout.load_backbone(name, dtype=dtype)
+            backbone = backbones.load_backbone(name, dtype=dtype)
             reward = load_reward("digit", backbone)
             runs = [(50, "training"), (50, "held-out"), (4, "held-out"), (3, "held-out"), (2, "held-out")]
             for steps, paraphrases in (runs if dtype == torch.float32 else [(3, "held-out")]):

@@ -24,6 +24,8 @@ import torch
 from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
+import backbones
+
 import rollout
 from policy import mean_increments, times_from_increments
 
@@ -134,7 +136,7 @@ def generate(pipe, policy, prompt=None, num_images_per_prompt=1, generator=None,
     steps = pipe_kwargs.pop("num_inference_steps", policy.steps)
     if steps != policy.steps:
         raise ValueError(f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}")
-    family = {name: spec["family"] for name, spec in rollout.BACKBONES.items()}.get(getattr(policy, "backbone", None))
+    family = {name: spec["family"] for name, spec in backbones.BACKBONES.items()}.get(getattr(policy, "backbone", None))
     pipe_family = {cls: key for key, cls in rollout.PIPELINES.items()}.get(type(pipe).__name__)
     if family and pipe_family and family != pipe_family:
         raise ValueError(f"this policy was trained on {policy.backbone} ({family}), not for a {type(pipe).__name__}")

@@ -39,7 +39,7 @@ ALPHA_MIN = 1e-3
 # float32 spacing near 1 (1.2e-7) would be equal; 1e-6 keeps every schedule strictly decreasing.
 TAU_FLOOR = 1e-6
 
-# Network sizes, named in rollout.BACKBONES. "real": about 20M parameters for the real models' latents
+# Network sizes, named in backbones.BACKBONES. "real": about 20M parameters for the real models' latents
 # and text widths (the paper: "about 20M parameters, under 1% of the sampler"; bench.py counts them);
 # "embedded": about 100k for the 8x8 embedded backbones. `widths` are the conv stages, each halving the
 # resolution; their outputs are pooled to a `grid` x `grid` token grid of width `dim`.

@@ -27,7 +27,7 @@ HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds
 
 
 def _hpdv2_file(filename):
-    from rollout import hub_file
+    from backbones import hub_file
 
     return hub_file(HPDV2, filename, f"HPDv2's {filename} is not available: fetch it once online with `hf download {HPDV2} "
                     f"{filename} --repo-type dataset`, or pass a local file or folder", repo_type="dataset")

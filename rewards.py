@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
 from images import CLIP_MEAN, CLIP_STD, clip_preprocess, import_optional, normalize, quantize  # noqa: F401
-from rollout import hub_file
+from backbones import hub_file
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}

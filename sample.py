@@ -59,7 +59,8 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-import rollout  # noqa: E402
+import backbones  # noqa: E402
+
 from checkpoints import load_checkpoint, trained_backbone  # noqa: E402
 from evaluate import default_schedule, policy_schedule  # noqa: E402
 from prompts import context_noise, load_prompt_file  # noqa: E402
@@ -208,12 +209,12 @@ def main(argv=None):
         ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
         config = ckpt["config"]
         prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
-        shipped = rollout.BACKBONES[config["backbone"]].get("prompts")  # the miniatures' held-out paraphrases
+        shipped = backbones.BACKBONES[config["backbone"]].get("prompts")  # the miniatures' held-out paraphrases
         if not prompts and shipped:
             prompts = load_prompt_file(shipped[1])[:10]
-        if not prompts and rollout.BACKBONES[config["backbone"]]["family"] != "mixture":
+        if not prompts and backbones.BACKBONES[config["backbone"]]["family"] != "mixture":
             raise ValueError(f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE")
-        torch.set_num_threads(rollout.BACKBONES[config["backbone"]]["threads"] or torch.get_num_threads())
+        torch.set_num_threads(backbones.BACKBONES[config["backbone"]]["threads"] or torch.get_num_threads())
         backbone = trained_backbone(config, args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         backbone.check_prompts(prompts)
         contexts = [(prompt, seed) for prompt in (prompts or backbone.prompts) for seed in args.seeds]

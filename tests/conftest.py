@@ -26,11 +26,11 @@ def run_script(script, args, cwd, timeout=300):
 def train_in_process(out_dir, *args):
     """train.py's main in this process; the embedded teacher solves 16 RK4 steps instead of 64 (RMS
     error 2e-4 on digits against 1e-6, both far below a 4-step sampler's 0.2), which keeps tests fast."""
-    import rollout
+    import mixture
     import train
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rollout.MixtureBackbone, "reference_steps", 16)
+        patch.setattr(mixture.MixtureBackbone, "reference_steps", 16)
         train.main(train.parse_config(["--out-dir", str(out_dir), *args]))
     return out_dir
 

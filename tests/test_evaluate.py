@@ -9,6 +9,8 @@ import torch
 import evaluate
 from checkpoints import load_checkpoint, trained_backbone
 import rewards
+import backbones
+import mixture
 import rollout
 from conftest import run_script
 from prompts import HPDV2_STYLES, context_noise, heldout_contexts, load_hpdv2
@@ -23,7 +25,7 @@ def key(prompt, seed):
 
 @pytest.fixture(scope="module")
 def backbone():
-    return rollout.load_backbone("digits")
+    return backbones.load_backbone("digits")
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +132,7 @@ class Counter:
 
     def __init__(self, monkeypatch, die_at_reward_call=None):
         self.sampled, self.scored, self.reward_calls = 0, 0, 0
-        real_sample = rollout.MixtureBackbone.sample
+        real_sample = mixture.MixtureBackbone.sample
         real_load_reward = rewards.load_reward  # the shared teacher
 
         def sample(backbone, noise, cond, times):
@@ -148,7 +150,7 @@ class Counter:
                 return reward(latents, prompts, noise, cond)
             return counted
 
-        monkeypatch.setattr(rollout.MixtureBackbone, "sample", sample)
+        monkeypatch.setattr(mixture.MixtureBackbone, "sample", sample)
         monkeypatch.setattr(rewards, "load_reward", load_reward)
 
 
@@ -244,7 +246,7 @@ def test_cli_per_style_tables_from_an_hpdv2_folder(tmp_path, ckpt):
     ("--backbone", "sd35m", "was trained on backbone 'digits', not 'sd35m'"),
 ])
 def test_mismatched_checkpoint_fails_before_loading_anything(monkeypatch, ckpt, flag, value, message):
-    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
     with pytest.raises(SystemExit, match=message) as error:
         evaluate.main(["--ckpt", ckpt, flag, value])
     assert "\n" not in str(error.value)
@@ -252,7 +254,7 @@ def test_mismatched_checkpoint_fails_before_loading_anything(monkeypatch, ckpt, 
 
 def test_mismatched_global_checkpoint_and_missing_prompts(tmp_path, monkeypatch, ckpt, tiny_runs):
     sd35m = str(tiny_runs[0]["sd35m"] / "ckpt.pt")
-    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
     with pytest.raises(SystemExit, match="sd35m/ckpt.pt was trained on backbone 'sd35m', not 'digits'"):
         evaluate.main(["--ckpt", ckpt, "--global-ckpt", sd35m])
     with pytest.raises(SystemExit, match="HPDv2 test prompts not found .*`hf download zhwang/HPDv2"):
@@ -286,7 +288,7 @@ def test_cli_on_tiny_flux_with_schnell_from_the_same_noise(tmp_path, monkeypatch
     # Flux-Schnell samples from Flux-Dev's noise with its own text encoding and 4 default steps
     config = torch.load(ckpt, weights_only=False)["config"]
     dev = trained_backbone(config, "cpu")
-    schnell = rollout.load_backbone("flux-schnell", path=str(folder / "flux-schnell"), resolution=config["resolution"])
+    schnell = backbones.load_backbone("flux-schnell", path=str(folder / "flux-schnell"), resolution=config["resolution"])
     noise = context_noise(dev, [10**6, 10**6 + 1, 10**6 + 2])
     latents = schnell.sample(noise, schnell.encode_prompts(texts), schnell.default_times(4).expand(3, -1))
     direct = rewards.load_reward("teacher", dev)(latents, texts, noise, dev.encode_prompts(texts))
@@ -313,7 +315,7 @@ def test_an_unknown_reward_fails_in_one_line_with_the_choices(capsys, ckpt):
 ])
 def test_bad_evaluate_input_fails_in_one_line_before_loading(tmp_path, monkeypatch, ckpt, args, message):
     (tmp_path / "file").write_text("x")
-    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
     with pytest.raises(SystemExit, match=message) as error:
         evaluate.main(["--ckpt", ckpt, *(arg.replace("{file}", str(tmp_path / "file")) for arg in args)])
     assert "\n" not in str(error.value)

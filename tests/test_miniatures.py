@@ -11,7 +11,7 @@ from diffusers import (AutoencoderKL, FluxPipeline, FluxTransformer2DModel, SD3T
                        StableDiffusionXLPipeline, UNet2DConditionModel)
 
 import miniature
-import rollout
+import backbones
 import launch
 import train
 from prompts import heldout_contexts
@@ -25,7 +25,7 @@ BF16_GAP = 0.05  # mean |digit reward difference| per context, bfloat16 against 
 
 @pytest.fixture(scope="module", params=list(STOCK))
 def mini(request):
-    return rollout.load_backbone(request.param)
+    return backbones.load_backbone(request.param)
 
 
 def test_the_shipped_folders_load_with_the_stock_classes_and_fit_in_10_mb():
@@ -120,7 +120,7 @@ def test_bfloat16_rewards_are_finite_and_close_to_float32(mini):
     prompts, seeds = heldout_contexts(heldout, 32)
     scores = {}
     for dtype in (torch.float32, torch.bfloat16):
-        backbone = mini if dtype == torch.float32 else rollout.load_backbone(mini.name, dtype=dtype)
+        backbone = mini if dtype == torch.float32 else backbones.load_backbone(mini.name, dtype=dtype)
         assert backbone.dtype == dtype
         noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
         cond = backbone.encode_prompts(prompts)

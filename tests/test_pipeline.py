@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import pipeline
+import backbones
 import rollout
 from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from checkpoints import load_checkpoint, load_policy, save_policy
@@ -30,7 +31,7 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
 def tiny(request):
     """A tiny random pipeline of each family, and the trained miniatures (miniature.py) as shipped."""
     if request.param.startswith("mini-"):
-        backbone = rollout.load_backbone(request.param)
+        backbone = backbones.load_backbone(request.param)
         return backbone.pipe, backbone
     pipe = tiny_pipeline(request.param)
     return pipe, rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[request.param])
@@ -76,7 +77,7 @@ def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
 
 
 def test_policy_folder_round_trip_without_pickle(tmp_path):
-    backbone = rollout.load_backbone("digits")
+    backbone = backbones.load_backbone("digits")
     policy = learned_policy(backbone, 4)
     config = dict(backbone="digits", steps=4, seed=0)
     save_policy(tmp_path / "policy", policy, config, iteration=7)
@@ -124,7 +125,7 @@ def test_a_global_schedule_exports_as_json(tiny):
 def test_a_shared_policy_loads_back_from_what_save_pretrained_alone_wrote(tmp_path, capsys):
     """load_policy(...).save_pretrained(folder) is what push_to_hub uploads: load_policy(folder) gives
     the same policy, its backbone, L and training configuration, and loading prints nothing."""
-    backbone = rollout.load_backbone("digits")
+    backbone = backbones.load_backbone("digits")
     policy = learned_policy(backbone, 4)
     save_policy(tmp_path / "policy", policy, dict(backbone="digits", steps=4, seed=3), iteration=9)
     torch.save(dict(policy=policy.state_dict(), policy_config=policy.config, optimizer={}, iteration=9,

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 import rewards
-import rollout
+import backbones
 
 
 class ImageBackbone:
@@ -54,7 +54,7 @@ def test_quantize_rounds_to_8_bits():
 
 @pytest.fixture(scope="module")
 def digits():
-    return rollout.load_backbone("digits")
+    return backbones.load_backbone("digits")
 
 
 class CountingBackbone:

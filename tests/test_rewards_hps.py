@@ -19,7 +19,7 @@ else:
     open_clip = pytest.importorskip("hpsv2.src.open_clip", reason="needs the HPS environment: bash tests/hps_env.sh")
 
 import rewards
-import rollout
+import backbones
 
 TINY = "hps-test-tiny"  # an open_clip config registered under this name by the fixture below
 
@@ -100,7 +100,7 @@ def test_prompts_follow_images(tiny_hps):
 
 
 def test_digits_end_to_end(tiny_hps):
-    digits = rollout.load_backbone("digits")
+    digits = backbones.load_backbone("digits")
     reward = rewards.load_reward("hpsv2", digits, checkpoint=tiny_hps, model_name=TINY)
     noise = digits.sample_noise(4, torch.Generator().manual_seed(3))
     cond = digits.encode_prompts(digits.prompts[:4])

@@ -8,7 +8,8 @@ import torch
 from diffusers import EulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
 
 from bench import TINY_GUIDANCE, TINY_RESOLUTION as RESOLUTION, tiny_pipeline
-from rollout import from_pipeline, load_backbone
+from backbones import load_backbone
+from rollout import from_pipeline
 
 PROMPTS = ["a cat", "a red house on a hill"]
 

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from rollout import load_backbone, run_schedule
+from backbones import load_backbone
+from rollout import run_schedule
 
 
 @pytest.fixture(scope="module")

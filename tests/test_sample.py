@@ -10,7 +10,7 @@ from PIL import Image
 
 import evaluate
 from checkpoints import load_checkpoint
-import rollout
+import backbones
 import sample
 from conftest import run_script
 
@@ -94,7 +94,7 @@ def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
     out = tmp_path / "samples"
     sample.main(["--ckpt", ckpt, "--prompt", "a handwritten 3", "--prompt", "a handwritten 8", "--seeds", "5", "6",
                  "--out-dir", str(out)])
-    backbone = rollout.load_backbone("digits")
+    backbone = backbones.load_backbone("digits")
     _, policy = load_checkpoint(ckpt)
     prompts, seeds = ["a handwritten 3"] * 2 + ["a handwritten 8"] * 2, [5, 6, 5, 6]
     noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
@@ -132,7 +132,7 @@ def test_stochastic_schedules_are_draws_reproducible_by_seed(tmp_path, ckpt):
     (["--backbone", "flux-dev"], "was trained on backbone 'digits', not 'flux-dev'"),
 ])
 def test_mismatched_checkpoint_fails_in_one_line_before_loading(monkeypatch, ckpt, args, message):
-    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
     with pytest.raises(SystemExit, match=message) as error:
         sample.main(["--ckpt", ckpt, *args])
     assert "\n" not in str(error.value)
@@ -140,7 +140,7 @@ def test_mismatched_checkpoint_fails_in_one_line_before_loading(monkeypatch, ckp
 
 def test_missing_checkpoint_and_missing_prompts(tmp_path, monkeypatch, tiny_runs):
     sd35m = str(tiny_runs[0]["sd35m"] / "ckpt.pt")
-    monkeypatch.setattr(rollout, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
+    monkeypatch.setattr(backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone"))
     with pytest.raises(SystemExit, match="needs --prompt TEXT or --prompts FILE"):
         sample.main(["--ckpt", sd35m])
     result = run_sample(["--ckpt", "nowhere/ckpt.pt"], tmp_path)

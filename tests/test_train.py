@@ -361,10 +361,10 @@ def test_the_names_train_offers_are_the_registries():
     import baselines
     import policy
     import rewards
-    import rollout
+    import backbones
 
     choices = train.CHOICES
-    assert choices["backbone"] == list(rollout.BACKBONES) == list(train.TRAINING)
+    assert choices["backbone"] == list(backbones.BACKBONES) == list(train.TRAINING)
     assert choices["reward"] == list(rewards.REWARDS) and choices["baseline"] == list(baselines.BASELINES)
     assert choices["policy"] == list(policy.POLICIES)
 

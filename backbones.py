@@ -1,0 +1,123 @@
+"""
+Every backbone by name: its model facts (BACKBONES) and where its weights come from (the hub, a
+local folder, or a miniature shipped in this repository), and load_backbone(name), which builds
+the frozen backbone: a diffusers pipeline of rollout.py or an embedded mixture of mixture.py.
+Missing, gated or incomplete weights end in one line that says how to get them.
+"""
+import os
+import socket
+import urllib.parse
+
+import torch
+
+from mixture import MixtureBackbone
+from rollout import PIPELINES, from_pipeline
+
+REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+# Every per-backbone model fact (train.py's TRAINING holds the training defaults). family: the class
+# that runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG
+# scale (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input):
+# the values recommended by the SD3.5 model cards (Medium 4.5, Large 3.5) and the SD-XL and Flux-Dev
+# pipelines' defaults (5.0, 3.5). policy: the size in policy.PRESETS. threads: CPU threads (None:
+# torch's default; the small backbones' tensors are tiny, so a second thread only adds contention).
+REAL = dict(resolution=1024, policy="real", threads=None)
+EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", threads=1)
+MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", threads=1,
+                 prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"))
+BACKBONES = {
+    "sd35m": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5),
+    "sd35l": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5),
+    "sdxl": dict(REAL, family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0),
+    "flux-dev": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-dev", guidance=3.5),
+    "flux-schnell": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None),
+    # The embedded backbones: (spread, std, shift) of each sub-population of a digit class, see MixtureBackbone.
+    # digits: one population per class; the best schedule is nearly the same for every context.
+    "digits": dict(EMBEDDED, populations=[[(1.0, 0.1, 0.0)]] * 10),
+    # digits-prompt: sharp, spread-out digits 0-4 and blurred ones 5-9 want opposite schedules: the prompt says which.
+    "digits-prompt": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.0)]] * 5 + [[(1.0, 0.5, 0.0)]] * 5),
+    # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise says which
+    # (a weaker signal than the prompt).
+    "digits-noise": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
+    # The trained miniatures (miniature.py): the real families' classes with shipped 16x16 digit
+    # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
+    # repository; prompts: (training, held-out) paraphrase files; the reward reads their pixels.
+    "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=4.0),
+    "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=3.5),
+    "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=5.0),
+}
+
+
+def update_cost(name, contexts, rollouts, steps, guidance=None):
+    """One REINFORCE update in model evaluations and reward calls, as a line to print."""
+    spec, samples = BACKBONES[name], contexts * rollouts
+    guidance = spec["guidance"] if guidance is None else guidance
+    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1  # true CFG doubles each batch
+    return (f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} model evaluations"
+            f"{' (each a CFG pair)' if cfg else ''}, {samples} reward calls")
+
+
+def hub_file(repo, filename, missing, repo_type=None):
+    """A file of a hub repository from the local cache, else downloaded. When it is neither cached nor
+    reachable: ValueError(`missing` + why) at once, not after the hub client's retries."""
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(repo, filename, repo_type=repo_type)
+    except ValueError:  # not a repository id at all: a local path that does not exist, say
+        raise ValueError(f"{missing} (no such folder, and not a hub repository id)") from None
+    if isinstance(cached, str):
+        return cached
+    host = urllib.parse.urlparse(constants.ENDPOINT).hostname
+    try:
+        if constants.HF_HUB_OFFLINE:
+            raise OSError("HF_HUB_OFFLINE is set")
+        socket.create_connection((host, 443), timeout=3).close()
+    except OSError as error:
+        raise ValueError(f"{missing} (not in the local cache, and {host} is unreachable: {error})") from None
+    try:
+        return hf_hub_download(repo, filename, repo_type=repo_type)
+    except Exception as error:  # gated, missing or refused: all mean "not available"
+        raise ValueError(f"{missing} ({type(error).__name__})") from None
+
+
+def locate_weights(name, path=None):
+    """Where from_pretrained loads backbone `name` from: the local diffusers folder `path`, or its hub
+    id once its files are cached or reachable. ValueError in one line saying how to get them."""
+    hub_id, folder = BACKBONES[name]["hub_id"], BACKBONES[name].get("folder")
+    if path is None and folder is not None:  # a miniature shipped in this repository
+        path = os.path.join(REPOSITORY, folder)
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            family = BACKBONES[name]["family"]
+            raise ValueError(f"{name}: {folder} is missing from this checkout; restore it with "
+                             f"git, or retrain it with `python miniature.py --family {family}`")
+    if path is not None:
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise ValueError(f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
+                             f"that holds model_index.json, or drop --model-path to use {hub_id} from the hub")
+        return path
+    if hub_id is not None:
+        hub_file(hub_id, "model_index.json", f"{name}: the weights of {hub_id} are not available; run `hf auth login` and "
+                 f"accept the licence on https://huggingface.co/{hub_id}, or pass a local diffusers folder with --model-path")
+    return hub_id
+
+
+def load_backbone(name, path=None, device=None, dtype=None, resolution=None, guidance=None):
+    """Build a backbone by name; `path` is a local diffusers folder replacing the hub id.
+    Real models load in bfloat16 on CUDA (float32 on CPU), frozen, in eval mode."""
+    spec = BACKBONES[name]
+    if spec["family"] == "mixture":
+        return MixtureBackbone(name, spec["populations"], device=device)
+    location = locate_weights(name, path)
+    import diffusers
+
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    pipeline_class = getattr(diffusers, PIPELINES[spec["family"]])
+    try:
+        pipe = pipeline_class.from_pretrained(location, dtype=dtype)
+    except OSError as error:  # a partial download or a file the hub refuses
+        raise ValueError(f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run `hf auth login`, "
+                         f"accept the licence on https://huggingface.co/{spec['hub_id']} and download again, or pass "
+                         "--model-path") from None
+    return from_pipeline(pipe.to(device), spec["family"], name=name, resolution=resolution or spec["resolution"],
+                         guidance=spec["guidance"] if guidance is None else guidance)
