@@ -75,7 +75,7 @@ class Config:
 
 
 # The training defaults of each backbone (model facts such as the hub id, resolution and guidance
-# live with the backbones in rollout.py). The paper states K = 2 and B = 32 (SD-XL, SD3.5-M) or
+# live with the backbones in backbones.py). The paper states K = 2 and B = 32 (SD-XL, SD3.5-M) or
 # 16 (SD3.5-L, Flux-Dev); the rest are this project's choices, and so are AdamW, its weight decay
 # and the clip above (the paper's text states no optimiser). steps: L; contexts: B; rollouts: K;
 # rollout_batch: samples per backbone call, for GPU memory.
