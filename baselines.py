@@ -48,7 +48,7 @@ variance estimates subtract nearly equal numbers. Results come back in the rewar
 
 import torch
 
-# Contexts per batch each baseline needs: James-Stein estimates a between-context variance from B - 1
+# Contexts per batch each baseline needs: James-Stein estimates a between-context variance from B-1
 # degrees of freedom (B >= 3, Thm. 3.2), the unbiased form from the B - 1 other contexts (B >= 4).
 MIN_CONTEXTS = {"js": 3, "js-unbiased": 4, "rloo": 1, "xctx": 1}
 
@@ -126,7 +126,8 @@ def shrinkage(rewards: torch.Tensor) -> torch.Tensor:
 def shrinkage_leave_one_out(rewards: torch.Tensor) -> torch.Tensor:
     """(..., B, K) -> (..., B): a_c, the plug-in weight of the batch with context c left out. s2
     loses that context's variance, and the sum of squares loses it by the one-point downdate
-    sum_{c' != c} (rbar_c' - mean of the others)^2 = sum_c' (rbar_c' - rbar)^2 - B/(B-1) (rbar_c - rbar)^2."""
+        sum_{c' != c} (rbar_c' - mean of the others)^2
+            = sum_c' (rbar_c' - rbar)^2 - B/(B-1) (rbar_c - rbar)^2."""
     values = _checked(rewards, MIN_CONTEXTS["js-unbiased"])
     contexts, rollouts = values.shape[-2:]
     variances, deviations = _statistics(values)

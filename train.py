@@ -36,7 +36,7 @@ def arg(default, help):
 @dataclass
 class Config:
     # I/O
-    out_dir: str = arg("out", "checkpoint, metrics.jsonl, eval.json, the figure and policy/ go here")
+    out_dir: str = arg("out", "ckpt.pt, metrics.jsonl, eval.json, the figure and policy/ go here")
     resume: bool = arg(False, "insist on continuing out_dir/ckpt.pt (a run is never overwritten)")
     ckpt_interval: int = arg(50, "iterations between checkpoints (a kill loses at most this many)")
     log_interval: int = arg(10, "iterations between log lines")
@@ -47,7 +47,7 @@ class Config:
     guidance: float | None = arg(None, "CFG scale (the distilled guidance for flux-dev)")
     prompts: str | None = arg(None, "training prompts: a file (.txt, .json, .jsonl) or hpdv2")
     # policy
-    policy: str = arg("instance", "instance (conditioned on noise and prompt) | global (one for all)")
+    policy: str = arg("instance", "instance (reads noise and prompt) | global (one schedule for all)")
     steps: int | None = arg(None, "L, model calls per sample; one policy per L")
     init: str = arg("default", "default (start at the backbone's schedule) | uniform")
     # reward
@@ -96,7 +96,7 @@ TRAINING = {
     "mini-flux": MINIATURE,
     "mini-sdxl": MINIATURE,
 }
-GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's rate it barely moves
+GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's lr it barely moves
 CHOICES = dict(backbone=list(TRAINING), policy=["instance", "global"], init=["default", "uniform"],
                reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit"],
                baseline=["js", "js-unbiased", "rloo", "xctx"], lr_decay=["cosine", "constant"],
@@ -183,7 +183,7 @@ def main(config):
                              for c, g in enumerate(generators)])  # (B/world, K, L+1) increments
             times = times_from_increments(tau).flatten(0, 1).to(run.device)  # (B/world * K, L+1)
             noise_k = noise.repeat_interleave(config.rollouts, 0)  # context-major, as times
-            cond_k = {key: value.repeat_interleave(config.rollouts, 0) for key, value in cond.items()}
+            cond_k = {key: v.repeat_interleave(config.rollouts, 0) for key, v in cond.items()}
             prompts_k = [prompt for prompt in batch_prompts for _ in range(config.rollouts)]
             rewards = []
             for part in torch.arange(len(prompts_k)).split(config.rollout_batch or len(prompts_k)):
@@ -191,7 +191,7 @@ def main(config):
                 latents = backbone.sample(noise_k[part], cond_part, times[part])  # L model calls
                 part_prompts = [prompts_k[i] for i in part]
                 rewards.append(reward(latents, part_prompts, noise_k[part], cond_part))
-            rewards = torch.cat(rewards).float().view(contexts_per_rank, config.rollouts)  # (B/w, K)
+            rewards = torch.cat(rewards).float().view(contexts_per_rank, -1)  # (B/world, K)
         t_rollout = time.time() - t0
 
         # ---------------- baselines: pooled over the global batch ----------------
@@ -224,7 +224,8 @@ def main(config):
         if not run.master:
             continue
         # shrinkage: the plug-in James-Stein weight of this batch, whichever baseline trains
-        js_weight = shrinkage(all_rewards).item() if config.contexts >= MIN_CONTEXTS["js"] else math.nan
+        enough = config.contexts >= MIN_CONTEXTS["js"]
+        js_weight = shrinkage(all_rewards).item() if enough else math.nan
         row = dict(iteration=done, reward=all_rewards.mean().item(),
                    reward_std=all_rewards.std().item(), shrinkage=js_weight, loss=loss.item(),
                    grad_norm=grad_norm.item(), concentration=alpha.detach().sum(-1).mean().item(),
