@@ -47,7 +47,7 @@ class Config:
     guidance: float | None = arg(None, "CFG scale (the distilled guidance for flux-dev)")
     prompts: str | None = arg(None, "training prompts: a file (.txt, .json, .jsonl) or hpdv2")
     # policy
-    policy: str = arg("instance", "instance (reads noise and prompt) | global (one schedule for all)")
+    policy: str = arg("instance", "instance (reads noise and prompt) | global (one for all)")
     steps: int | None = arg(None, "L, model calls per sample; one policy per L")
     init: str = arg("default", "default (start at the backbone's schedule) | uniform")
     # reward
