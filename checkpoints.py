@@ -17,7 +17,6 @@ import os
 import torch
 
 import backbones
-
 from policy import POLICIES, build_policy
 
 

@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from backbones import BACKBONES, load_backbone, locate_weights, update_cost
 from baselines import MIN_CONTEXTS
 from checkpoints import check_writable, claim_run, existing_run, restore, save_policy
 from evaluate import format_table, heldout_curve, heldout_report
 from policy import make_policy
 from prompts import DEFAULT, SHIPPED, heldout_contexts, load_prompt_file
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
-from backbones import BACKBONES, load_backbone, locate_weights, update_cost
 from sample import plot_training
 
 LEAST = dict(steps=1, rollouts=2, iterations=1, ckpt_interval=1, log_interval=1, eval_contexts=1,

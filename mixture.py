@@ -35,7 +35,7 @@ class MixtureBackbone(Backbone):
 
     reference_steps = 64  # RK4 steps of the teacher solve
 
-    def __init__(self, name="digits", populations=((((1.0, 0.1, 0.0),),) * 10), device=None):
+    def __init__(self, name, populations, device=None):
         from sklearn.datasets import load_digits  # the data ships inside scikit-learn, no download
 
         digits = load_digits()

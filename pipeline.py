@@ -25,7 +25,6 @@ from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 import backbones
-
 import rollout
 from policy import mean_increments, times_from_increments
 
@@ -70,13 +69,10 @@ EXACT = {"stochastic_sampling": False, "use_karras_sigmas": False, "use_exponent
 
 def learned_scheduler(backbone, times):
     """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly, from its own config with
-    every option of EXACT off. ValueError in one line for an SD-XL config the loop cannot run."""
+    every option of EXACT off."""
     config = backbone.pipe.scheduler.config
     overrides = {key: value for key, value in EXACT.items() if key in config}
-    if isinstance(backbone, rollout.SDXLBackbone):
-        if config.get("prediction_type", "epsilon") != "epsilon" or config.get("timestep_type", "discrete") != "discrete":
-            raise ValueError(f"the learned SD-XL schedule runs epsilon prediction on discrete timesteps; this scheduler has "
-                             f"prediction_type={config.get('prediction_type')!r}, timestep_type={config.get('timestep_type')!r}")
+    if isinstance(backbone, rollout.SDXLBackbone):  # whose config SDXLBackbone has checked
         return LearnedEulerScheduler.from_config(config, **overrides).install(times, backbone.sigma(times))
     return LearnedFlowMatchScheduler.from_config(config, **overrides).install(times)
 
@@ -136,10 +132,6 @@ def generate(pipe, policy, prompt=None, num_images_per_prompt=1, generator=None,
     steps = pipe_kwargs.pop("num_inference_steps", policy.steps)
     if steps != policy.steps:
         raise ValueError(f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}")
-    family = {name: spec["family"] for name, spec in backbones.BACKBONES.items()}.get(getattr(policy, "backbone", None))
-    pipe_family = {cls: key for key, cls in rollout.PIPELINES.items()}.get(type(pipe).__name__)
-    if family and pipe_family and family != pipe_family:
-        raise ValueError(f"this policy was trained on {policy.backbone} ({family}), not for a {type(pipe).__name__}")
     height = pipe_kwargs.pop("height", None) or pipe.default_sample_size * pipe.vae_scale_factor
     if pipe_kwargs.pop("width", height) != height:
         raise ValueError("the learned schedules are trained on square images: pass height == width")
@@ -148,6 +140,9 @@ def generate(pipe, policy, prompt=None, num_images_per_prompt=1, generator=None,
     original, outputs = pipe.scheduler, []
     try:
         backbone = rollout.from_pipeline(pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale"))
+        family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
+        if family and not isinstance(backbone, rollout.FAMILIES[family]):
+            raise ValueError(f"this policy was trained on {policy.backbone} ({family}), not for a {type(pipe).__name__}")
         dims = {key: policy.config.get(key) for key in backbone.policy_dims}
         if policy.config["kind"] == "instance" and dims != backbone.policy_dims:
             raise ValueError(f"this policy was built for {dims}, the pipeline has {backbone.policy_dims}: "

@@ -22,6 +22,7 @@ import inspect
 
 import torch
 
+
 class Backbone:
     """What every backbone offers; train.py, evaluate.py and the rewards use nothing else.
 
@@ -284,8 +285,10 @@ class SDXLBackbone(PipelineBackbone):
         self.cfg = self.guidance > 1
         config = pipe.scheduler.config
         linear = config.interpolation_type == "linear" and not config.get("use_karras_sigmas")
-        if config.prediction_type != "epsilon" or not linear:
-            raise ValueError(f"{name}: only epsilon prediction with linear sigma interpolation is supported")
+        discrete = config.get("timestep_type", "discrete") == "discrete"
+        if config.prediction_type != "epsilon" or not linear or not discrete:
+            raise ValueError(f"{name}: only epsilon prediction with linear sigma interpolation on discrete "
+                             "timesteps is supported")
         alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
         self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigma per timestep
         self.latent_shape = (self.model.config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
