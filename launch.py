@@ -46,8 +46,8 @@ def default_prompts(config):
 
 def check_config(config, world_size):
     """What argparse cannot say fails here in one line, before anything heavy is loaded; fills the
-    prompt files and the thread count. Returns the training prompts (None: the backbone's own) and
-    the checkpoint out_dir already holds (or None)."""
+    prompt files and the thread count. Returns the training and held-out prompts (None: the
+    backbone's own) and the checkpoint out_dir already holds (or None)."""
     least = dict(LEAST, contexts=MIN_CONTEXTS[config.baseline])
     for key, minimum in least.items():
         value = getattr(config, key)
@@ -86,9 +86,9 @@ def check_config(config, world_size):
     try:
         check_writable(config.out_dir)
         prompts = load_prompt_file(config.prompts) if config.prompts else None
-        heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else []
-        check_prompts(config.reward, (prompts or []) + heldout)
-        return prompts, existing_run(dataclasses.asdict(config))
+        heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
+        check_prompts(config.reward, (prompts or []) + (heldout or []))
+        return prompts, heldout, existing_run(dataclasses.asdict(config))
     except ValueError as error:
         _fail(error)
 
@@ -124,7 +124,7 @@ def setup(config):
     rank, world_size, device, distributed = ranks(config)
     run = types.SimpleNamespace(rank=rank, world_size=world_size, master=rank == 0, device=device,
                                 distributed=distributed)
-    prompts, checkpoint = check_config(config, world_size)
+    prompts, heldout, checkpoint = check_config(config, world_size)
     run.ckpt_path, run.metrics_path, run.eval_path = (
         os.path.join(config.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl", "eval.json"))
     if checkpoint and checkpoint["iteration"] >= config.iterations and os.path.isfile(run.eval_path):
@@ -156,8 +156,7 @@ def setup(config):
     run.backbone = load_backbone(config.backbone, path=config.model_path, device=device, dtype=dtype,
                                  resolution=config.resolution, guidance=config.guidance)
     run.prompts = prompts or run.backbone.prompts
-    heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else run.backbone.prompts
-    run.heldout = heldout_contexts(heldout, config.eval_contexts)
+    run.heldout = heldout_contexts(heldout or run.backbone.prompts, config.eval_contexts)
     try:  # a prompt the backbone cannot take fails here, not at an iteration
         run.backbone.check_prompts(run.prompts + run.heldout[0])
     except ValueError as error:

@@ -442,7 +442,7 @@ def test_text_and_object_rewards_are_refused_on_the_embedded_backbones(tmp_path,
 ])
 def test_each_reward_trains_on_its_shipped_prompts(tmp_path, reward, train_file, heldout_file):
     config = train.parse_config(["--backbone", "sd35m", "--reward", reward, "--device", "cpu", "--out-dir", str(tmp_path / "out")])
-    prompts, _ = launch.check_config(config, world_size=1)  # every shipped prompt is one the reward can score
+    prompts, _, _ = launch.check_config(config, world_size=1)  # every shipped prompt is one the reward can score
     assert (config.prompts, config.eval_prompts) == (train_file, heldout_file)
     assert len(prompts) >= 200
 
