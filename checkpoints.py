@@ -26,10 +26,15 @@ def save_checkpoint(path, state):
     os.replace(path + ".tmp", path)
 
 
-def write_json_atomic(path, data):
-    with open(path + ".tmp", "w") as handle:
-        json.dump(data, handle)
+def write_lines_atomic(path, lines):
+    """Written to a temporary file, then renamed, as save_checkpoint."""
+    with open(path + ".tmp", "w") as file:
+        file.writelines(lines)
     os.replace(path + ".tmp", path)
+
+
+def write_json_atomic(path, data):
+    write_lines_atomic(path, [json.dumps(data)])
 
 
 def read_checkpoint(path):
@@ -193,12 +198,6 @@ def restore(checkpoint, policy, optimizer, metrics_path=None):
         print(f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)")
     write_lines_atomic(metrics_path, [json.dumps(row) + "\n" for row in rows if row["iteration"] <= checkpoint["iteration"]])
     return checkpoint["iteration"]
-
-
-def write_lines_atomic(path, lines):
-    with open(path + ".tmp", "w") as file:
-        file.writelines(lines)
-    os.replace(path + ".tmp", path)
 
 
 def claim_run(out_dir, fresh):
