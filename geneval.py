@@ -33,7 +33,7 @@ processor does, not by padding; its post_process_instance_segmentation binarises
 (mmdetection at full size) before they are upsampled; boxes from masks as mmdetection's mask2bbox.
 Colours: CLIP ViT-L/14 zero-shot over GenEval's three templates on the object's mask over grey #999,
 cropped to its box; the same OpenAI weights, in transformers, float32, preprocessed by
-images.clip_preprocess (CLIPImageProcessor: centre crop at floor((H-224)/2), torchvision rounds).
+preprocess.clip_preprocess (CLIPImageProcessor: centre crop at floor((H-224)/2), torchvision rounds).
 Images are scored as tensors quantised to 8 bits, as GenEval reads PNGs.
 """
 import argparse
@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from images import clip_preprocess, quantize
+from preprocess import clip_preprocess, quantize
 
 CLASSES = [
     "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",

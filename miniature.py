@@ -63,7 +63,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from rewards import DigitClassifier, classifier_folder, digit_of, load_classifier  # noqa: E402, F401
+from rewards import DigitClassifier, digit_of, load_classifier  # noqa: E402
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 FOLDER = os.path.join(REPOSITORY, "miniatures")

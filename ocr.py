@@ -78,7 +78,7 @@ def edit_score(read, target):
 
 
 def _import_easyocr():
-    from images import import_optional
+    from preprocess import import_optional
 
     return import_optional(["easyocr"], "the ocr reward needs easyocr and a matching torchvision", OCR_INSTALL)
 
@@ -140,7 +140,7 @@ class OCRReward:
         """(N, 3, H, W) floats in [0, 1] -> the text read in each image (its boxes joined by spaces)."""
         import cv2
 
-        from images import quantize
+        from preprocess import quantize
 
         pixels = (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3) RGB
         # readtext would take a 3-channel array as BGR when making the recogniser's grey image (the

@@ -46,7 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
-from images import CLIP_MEAN, CLIP_STD, clip_preprocess, import_optional, normalize, quantize  # noqa: F401
+from preprocess import clip_preprocess, import_optional, normalize, quantize
 from backbones import hub_file
 
 HPS_REPO = "xswu/HPSv2"

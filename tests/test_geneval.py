@@ -12,6 +12,7 @@ import torch
 from PIL import Image
 
 import geneval
+import preprocess
 from geneval import Detection, parse, score
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -356,7 +357,7 @@ PROMPTS = ["a photo of a red car", "a photo of two cars", "a photo of a dog left
 
 
 def test_detections_are_masks_with_their_boxes(reward):
-    detections = reward.detect(geneval.quantize(IMAGES))
+    detections = reward.detect(preprocess.quantize(IMAGES))
     assert len(detections) == 4 and all(detections)
     for found in detections:
         for detection in found:
@@ -376,7 +377,7 @@ def test_colour_is_clip_zero_shot_on_the_grey_composite_crop(reward, tiny_models
     """Against transformers' CLIPModel and CLIPImageProcessorPil on the PIL composite GenEval builds."""
     from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel
 
-    images = geneval.quantize(IMAGES)
+    images = preprocess.quantize(IMAGES)
     wanted = [(index, found[0]) for index, found in enumerate(reward.detect(images))]
     reward.classify_colors(images, wanted)
     model, tokenizer = CLIPModel.from_pretrained(tiny_models[1]).eval(), AutoTokenizer.from_pretrained(tiny_models[1])

@@ -10,9 +10,10 @@ from conftest import ROOT, train_in_process
 from diffusers import (AutoencoderKL, FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
                        StableDiffusionXLPipeline, UNet2DConditionModel)
 
-import miniature
 import backbones
 import launch
+import miniature
+import rewards
 import train
 from prompts import heldout_contexts
 from rewards import DigitReward, load_reward
@@ -67,7 +68,7 @@ def test_different_prompts_give_different_embeddings(mini):
 def test_the_classifier_reads_digits_it_never_saw():
     (images, labels), (own_images, _) = miniature.split()
     assert len(images) + len(own_images) == 1797
-    classifier = miniature.load_classifier()
+    classifier = rewards.load_classifier()
     with torch.no_grad():
         accuracy = (classifier(images).argmax(1) == labels).float().mean().item()
     assert accuracy >= 0.97  # held out: the classifier trained on the other half only
@@ -109,7 +110,7 @@ def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases(tmp_path):
         assert config.reward == "digit" and config.device is None and config.threads == 1
         assert (config.prompts, config.eval_prompts) == ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
     train_prompts, heldout = miniature.prompt_lists()
-    assert not set(train_prompts) & set(heldout) and {miniature.digit_of(p) for p in heldout} == set(range(10))
+    assert not set(train_prompts) & set(heldout) and {rewards.digit_of(p) for p in heldout} == set(range(10))
 
 
 def test_bfloat16_rewards_are_finite_and_close_to_float32(mini):

@@ -9,6 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
+import preprocess
 import rewards
 import backbones
 
@@ -45,7 +46,7 @@ def test_import_stays_light():
 def test_quantize_rounds_to_8_bits():
     images = torch.tensor([-0.1, 0.0, 0.5 / 255, 0.6 / 255, 0.5, 1.2])
     expected = torch.tensor([0.0, 0.0, 0.0, 1.0, 128.0, 255.0]) / 255  # 0.5*255 = 127.5 rounds to even 128
-    assert torch.equal(rewards.quantize(images), expected)
+    assert torch.equal(preprocess.quantize(images), expected)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def test_clip_preprocess_matches_clip_image_processor(height, width):
     from transformers import CLIPImageProcessorPil
 
     images = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(height * width))
-    ours = rewards.clip_preprocess(images, 224)
+    ours = preprocess.clip_preprocess(images, 224)
     reference = CLIPImageProcessorPil()(images=[to_pil(image) for image in images], return_tensors="pt")["pixel_values"]
     assert ours.shape == reference.shape == (2, 3, 224, 224)
     # Pillow's fixed-point resize is reproduced exactly; what remains is float32 normalisation
@@ -265,13 +266,13 @@ def test_hps_preprocess_pads_the_short_side():
     pixels = rewards.hps_preprocess(images, 224)
     assert pixels.shape == (1, 3, 224, 224)
     # 30x60 -> 112x224, 56 rows of black above and below: 0 normalised is -mean/std
-    black = -torch.tensor(rewards.CLIP_MEAN) / torch.tensor(rewards.CLIP_STD)
+    black = -torch.tensor(preprocess.CLIP_MEAN) / torch.tensor(preprocess.CLIP_STD)
     assert torch.allclose(pixels[0, :, :56], black.view(3, 1, 1).expand(3, 56, 224))
     assert torch.allclose(pixels[0, :, 168:], black.view(3, 1, 1).expand(3, 56, 224))
     assert not torch.allclose(pixels[0, :, 56:57], black.view(3, 1, 1).expand(3, 1, 224))
     # a square image at the model's size is only normalised (ResizeMaxSize leaves it alone)
     square = torch.rand(2, 3, 224, 224, generator=torch.Generator().manual_seed(5))
-    assert torch.allclose(rewards.hps_preprocess(square, 224), (rewards.quantize(square) - torch.tensor(rewards.CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(rewards.CLIP_STD).view(1, 3, 1, 1))
+    assert torch.allclose(rewards.hps_preprocess(square, 224), (preprocess.quantize(square) - torch.tensor(preprocess.CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(preprocess.CLIP_STD).view(1, 3, 1, 1))
 
 
 def test_check_reward_fails_fast_in_one_line(tmp_path):
