@@ -136,6 +136,24 @@ def existing_run(config):
     return checkpoint
 
 
+def score_store(path, rows):
+    """evaluate.py's resumable scores (scores.json: rows, contexts, scores, times), empty when absent.
+    ValueError in one line if the file is damaged or defines one of `rows` otherwise."""
+    store = dict(rows={}, contexts={}, scores={}, times={})
+    if os.path.isfile(path):
+        try:
+            with open(path) as handle:
+                store = json.load(handle)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ValueError(f"{path} is damaged ({type(error).__name__}); move it away to score afresh, "
+                             "or use another --out-dir") from None
+    for name, value in rows.items():
+        if store["rows"].setdefault(name, value) != value:
+            raise ValueError(f"{path} holds '{name}' scores of {store['rows'][name]}, not {value}: use "
+                             "another --out-dir")
+    return store
+
+
 def check_writable(folder):
     """ValueError in one line unless `folder` is, or can be made, a folder this user writes to;
     creates nothing (the nearest existing ancestor is what is checked)."""

@@ -19,7 +19,6 @@ per method, reward and context) and results.png. A rerun loads scores.json and s
 missing, so an interrupted run resumes and --limit can be raised later.
 """
 import argparse
-import json
 import math
 import os
 import sys
@@ -63,7 +62,7 @@ from tqdm import tqdm  # noqa: E402
 
 import rewards as reward_lib  # noqa: E402
 import backbones  # noqa: E402
-from checkpoints import check_writable, load_checkpoint, trained_backbone, write_json_atomic  # noqa: E402
+from checkpoints import check_writable, load_checkpoint, score_store, trained_backbone, write_json_atomic  # noqa: E402
 from policy import mean_increments, sample_increments, times_from_increments  # noqa: E402
 from prompts import context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups  # noqa: E402
 
@@ -148,25 +147,6 @@ def evaluate(backbone, reward, prompts, seeds, methods, reference=None, batch_si
     """score_table for one reward: name -> Tensor (N,)."""
     table = score_table(backbone, {"reward": reward}, prompts, seeds, methods, reference, batch_size, progress)
     return {name: columns["reward"] for name, columns in table.items()}
-
-
-def heldout_curve(backbone, reward, prompts, seeds, steps):
-    """policy -> the mean paired gain of its mean schedule over the default on these contexts, the curve
-    of train.py's figure (at each checkpoint, unlike the batch reward, on the same contexts every time)."""
-    default = evaluate(backbone, reward, prompts, seeds, {"default": default_schedule(backbone, steps)})["default"]
-    return lambda policy: (evaluate(backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)})["learned"]
-                           - default).mean().item()
-
-
-def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
-    """train.py's final table on its held-out contexts, the same noises for every method: printed and
-    written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
-    methods = {"default": default_schedule(backbone, policy.steps), "learned (mean)": policy_schedule(policy, backbone),
-               "learned (sampled)": policy_schedule(policy, backbone, "sample", torch.Generator().manual_seed(seed))}
-    teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's own target: error 0
-    rows = summarize(evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True))
-    print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n{format_table(rows)}")
-    write_json_atomic(os.path.join(out_dir, "eval.json"), dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name))
 
 
 def _mean_ci(values):
@@ -324,18 +304,10 @@ def main(argv=None):
 
     os.makedirs(out_dir, exist_ok=True)
     store_path = os.path.join(out_dir, "scores.json")
-    store = dict(rows={}, contexts={}, scores={}, times={})
-    if os.path.isfile(store_path):
-        try:
-            with open(store_path) as handle:
-                store = json.load(handle)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            sys.exit(f"evaluate.py: error: {store_path} is damaged ({type(error).__name__}); move it away to score afresh, "
-                     "or use another --out-dir")
-    for name, value in identity.items():
-        if store["rows"].setdefault(name, value) != value:
-            sys.exit(f"evaluate.py: error: {store_path} holds '{name}' scores of {store['rows'][name]}, not {value}: "
-                     "use another --out-dir")
+    try:
+        store = score_store(store_path, identity)
+    except ValueError as error:
+        sys.exit(f"evaluate.py: error: {error}")
     keys = [f"{seed}|{prompt}" for prompt, seed in zip(prompts, seeds)]
     store["contexts"].update({key: dict(prompt=p, seed=s, style=y) for key, p, s, y in zip(keys, prompts, seeds, styles)})
 

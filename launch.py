@@ -19,8 +19,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from backbones import BACKBONES, load_backbone, locate_weights, update_cost
 from baselines import MIN_CONTEXTS
-from checkpoints import check_writable, claim_run, existing_run, restore, save_policy
-from evaluate import format_table, heldout_curve, heldout_report
+from checkpoints import check_writable, claim_run, existing_run, restore, save_policy, write_json_atomic
+from evaluate import default_schedule, evaluate, format_table, policy_schedule, summarize
 from policy import make_policy
 from prompts import DEFAULT, SHIPPED, heldout_contexts, load_prompt_file
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
@@ -190,6 +190,25 @@ def setup(config):
               f"{config.contexts // world_size} contexts each | baseline {config.baseline} | reward "
               f"{config.reward}")
     return run
+
+
+def heldout_curve(backbone, reward, prompts, seeds, steps):
+    """policy -> the mean paired gain of its mean schedule over the default on these contexts, the curve
+    of train.py's figure (at each checkpoint, unlike the batch reward, on the same contexts every time)."""
+    default = evaluate(backbone, reward, prompts, seeds, {"default": default_schedule(backbone, steps)})["default"]
+    return lambda policy: (evaluate(backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)})["learned"]
+                           - default).mean().item()
+
+
+def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
+    """train.py's final table on its held-out contexts, the same noises for every method: printed and
+    written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
+    methods = {"default": default_schedule(backbone, policy.steps), "learned (mean)": policy_schedule(policy, backbone),
+               "learned (sampled)": policy_schedule(policy, backbone, "sample", torch.Generator().manual_seed(seed))}
+    teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's own target: error 0
+    rows = summarize(evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True))
+    print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n{format_table(rows)}")
+    write_json_atomic(os.path.join(out_dir, "eval.json"), dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name))
 
 
 def check_finite(config, run, iteration, rewards):
