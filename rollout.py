@@ -4,7 +4,8 @@ Frozen backbones and the one sampling loop that executes a schedule exactly.
 A schedule for L steps is a tensor `times` of shape (N, L+1), 1 >= t_0 > t_1 > ... > t_L >= 0, in
 the backbone's own noise level: the flow-matching sigma for SD3.5, Flux and the embedded backbones;
 for SD-XL a continuous timestep t * 999 whose sigma is interpolated from the model's noise table
-(t = 0 is sigma 0). The frozen model is called at t_0 .. t_{L-1}; first-order steps go to t_1 .. t_L:
+(t = 0 is sigma 0). The frozen model is called at t_0 .. t_{L-1}; first-order steps go to
+t_1 .. t_L:
 
     x <- x + (s(t_{l+1}) - s(t_l)) * derivative(x, t_l)      s = sigma (identity for flows)
 
@@ -32,7 +33,8 @@ class Backbone:
     Methods:
       check_prompts(prompts): a one-line ValueError for a prompt it cannot take, before any work
       encode_prompts(prompts) -> cond: a dict of batch-first tensors (prompt_embeds (N, S, D),
-          pooled_prompt_embeds (N, P), text_mask (N, S) True = a real token, and what the model needs)
+          pooled_prompt_embeds (N, P), text_mask (N, S) True = a real token, and what the model
+          needs)
       sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
@@ -41,7 +43,7 @@ class Backbone:
       decode(latents) -> images (N, 3, H, W) in [0, 1]
     """
 
-    reference_steps = 50  # the teacher of the diffusers backbones: the default schedule at this many steps
+    reference_steps = 50  # the diffusers backbones' teacher: the default schedule at 50 steps
 
     def check_prompts(self, prompts):
         pass  # a text encoder takes any prompt
@@ -50,13 +52,14 @@ class Backbone:
         return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
 
     def policy_inputs(self, noise, cond):
-        """The noise as an image-shaped latent (N, C, H, W), the prompt's token embeddings with their
-        mask, and the pooled embedding."""
-        return dict(latent=noise.float(), text=cond["prompt_embeds"].float(), text_mask=cond["text_mask"],
-                    pooled=cond["pooled_prompt_embeds"].float())
+        """The noise as an image-shaped latent (N, C, H, W), the prompt's token embeddings with
+        their mask, and the pooled embedding."""
+        return dict(latent=noise.float(), text=cond["prompt_embeds"].float(),
+                    text_mask=cond["text_mask"], pooled=cond["pooled_prompt_embeds"].float())
 
     def reference(self, noise, cond):
-        return self.sample(noise, cond, self.default_times(self.reference_steps).expand(noise.shape[0], -1))
+        times = self.default_times(self.reference_steps).expand(noise.shape[0], -1)
+        return self.sample(noise, cond, times)
 
 
 def run_schedule(derivative, state, times, level=None):
@@ -87,9 +90,9 @@ DECODE_CHUNK = 4  # images per VAE decode call (a 1024^2 decode is memory-hungry
 
 
 class PipelineBackbone(Backbone):
-    """What the three diffusers families share: the frozen pipeline, its model's device and dtype, the
-    guidance (the pipeline's own default unless given), the resolution (the model's native one) and
-    the chunked VAE decode; `vae_input(latents)` is each family's latent -> VAE input."""
+    """What the three diffusers families share: the frozen pipeline, its model's device and dtype,
+    the guidance (the pipeline's own default unless given), the resolution (the model's native one)
+    and the chunked VAE decode; `vae_input(latents)` is each family's latent -> VAE input."""
 
     def __init__(self, pipe, model, name, resolution, guidance, multiple):
         for component in pipe.components.values():
@@ -101,14 +104,16 @@ class PipelineBackbone(Backbone):
         self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
         self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
         if self.resolution % multiple:
-            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {self.resolution}")
+            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got "
+                             f"{self.resolution}")
 
     @torch.no_grad()
     def decode(self, latents):
         images = []
         for chunk in latents.split(DECODE_CHUNK):  # a 1024^2 decode is memory-hungry
-            pixels = self.pipe.vae.decode(self.vae_input(chunk).to(self.pipe.vae.dtype), return_dict=False)[0]
-            images.append((pixels.float() / 2 + 0.5).clamp(0, 1))  # as VaeImageProcessor.denormalize
+            vae_input = self.vae_input(chunk).to(self.pipe.vae.dtype)
+            pixels = self.pipe.vae.decode(vae_input, return_dict=False)[0]
+            images.append((pixels.float() / 2 + 0.5).clamp(0, 1))  # VaeImageProcessor.denormalize
         return torch.cat(images)
 
 
@@ -129,7 +134,8 @@ def _token_mask(tokenizer, prompts, length):
     """(N, length) bool, True = a real token, exactly as the pipeline pads and truncates."""
     if tokenizer is None:
         return torch.zeros(len(prompts), length, dtype=torch.bool)
-    tokens = tokenizer(prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
+    tokens = tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
+                       return_tensors="pt")
     return tokens.attention_mask.bool()
 
 
@@ -145,7 +151,8 @@ def _guided(prediction, guidance):
 
 
 class SD3Backbone(PipelineBackbone):
-    """Stable Diffusion 3 / 3.5 (rectified flow, MMDiT); t is the flow sigma, true CFG in one batch."""
+    """Stable Diffusion 3 / 3.5 (rectified flow, MMDiT); t is the flow sigma, true CFG in one
+    batch."""
 
     def __init__(self, pipe, name="sd3", resolution=None, guidance=None):
         multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
@@ -154,26 +161,29 @@ class SD3Backbone(PipelineBackbone):
         self.text_length = _text_length(pipe, pipe.tokenizer_3)
         config = self.model.config
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        self.policy_dims = dict(latent_channels=config.in_channels, text_dim=config.joint_attention_dim,
+        self.policy_dims = dict(latent_channels=config.in_channels,
+                                text_dim=config.joint_attention_dim,
                                 pooled_dim=config.pooled_projection_dim)
 
     @torch.no_grad()
-    def encode_prompts(self, prompts, prompt_2=None, prompt_3=None, clip_skip=None, max_sequence_length=None):
-        """The pipeline's encode_prompt; the options as its __call__ takes them (pipeline.generate)."""
+    def encode_prompts(self, prompts, prompt_2=None, prompt_3=None, clip_skip=None,
+                       max_sequence_length=None):
+        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         pipe, length = self.pipe, max_sequence_length or self.text_length
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=prompts, prompt_2=prompt_2, prompt_3=prompt_3, device=self.device, clip_skip=clip_skip,
-            do_classifier_free_guidance=self.cfg, max_sequence_length=length)
+            prompt=prompts, prompt_2=prompt_2, prompt_3=prompt_3, device=self.device,
+            clip_skip=clip_skip, do_classifier_free_guidance=self.cfg, max_sequence_length=length)
         clip_mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer_max_length)
         t5_mask = _token_mask(pipe.tokenizer_3, prompt_3 or prompts, length)
-        cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled,
-                    text_mask=torch.cat([clip_mask, t5_mask], dim=1).to(self.device))  # (N, 77 + T5 length)
+        mask = torch.cat([clip_mask, t5_mask], dim=1).to(self.device)  # (N, 77 + T5 length)
+        cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask)
         if self.cfg:
-            cond.update(negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled)
+            cond.update(negative_prompt_embeds=negative,
+                        negative_pooled_prompt_embeds=negative_pooled)
         return cond
 
     def default_times(self, steps):
-        # SD3Pipeline passes no sigmas: the scheduler's own spacing and its static shift (3.0 for SD3.5)
+        # SD3Pipeline passes no sigmas: the scheduler's spacing and static shift (3.0 for SD3.5)
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(steps)
         return scheduler.sigmas.float()
@@ -205,48 +215,56 @@ class FluxBackbone(PipelineBackbone):
     Flux-Dev takes the distilled guidance embedding, Flux-Schnell no guidance; no CFG batch."""
 
     def __init__(self, pipe, name="flux", resolution=None, guidance=None):
-        super().__init__(pipe, pipe.transformer, name, resolution, guidance, pipe.vae_scale_factor * 2)
+        multiple = pipe.vae_scale_factor * 2
+        super().__init__(pipe, pipe.transformer, name, resolution, guidance, multiple)
         config = self.model.config
         if not config.guidance_embeds:  # schnell: no guidance input, any value is ignored
             self.guidance = None
         self.text_length = _text_length(pipe, pipe.tokenizer_2)
-        self.latent_size = self.resolution // pipe.vae_scale_factor  # unpacked latent height = width
+        self.latent_size = self.resolution // pipe.vae_scale_factor  # unpacked height = width
         self.latent_channels = config.in_channels // 4
-        self.latent_shape = (self.latent_channels, self.latent_size, self.latent_size)  # as the policy sees it
-        self.policy_dims = dict(latent_channels=self.latent_channels, text_dim=config.joint_attention_dim,
+        size = self.latent_size
+        self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
+        self.policy_dims = dict(latent_channels=self.latent_channels,
+                                text_dim=config.joint_attention_dim,
                                 pooled_dim=config.pooled_projection_dim)
 
     @torch.no_grad()
     def encode_prompts(self, prompts, prompt_2=None, max_sequence_length=None):
-        """The pipeline's encode_prompt; the options as its __call__ takes them (pipeline.generate)."""
+        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         length = max_sequence_length or self.text_length
-        embeds, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=prompt_2, device=self.device,
-                                                    max_sequence_length=length)
+        embeds, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=prompt_2,
+                                                    device=self.device, max_sequence_length=length)
         mask = _token_mask(self.pipe.tokenizer_2, prompt_2 or prompts, length)  # the T5 tokens
-        return dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask.to(self.device))
+        return dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled,
+                    text_mask=mask.to(self.device))
 
     def pack(self, latents):
         size = self.latent_size
         return self.pipe._pack_latents(latents, latents.shape[0], self.latent_channels, size, size)
 
     def unpack(self, tokens):
-        return self.pipe._unpack_latents(tokens, self.resolution, self.resolution, self.pipe.vae_scale_factor)
+        side = self.resolution
+        return self.pipe._unpack_latents(tokens, side, side, self.pipe.vae_scale_factor)
 
     def sample_noise(self, n, generator=None):
-        return self.pack(torch.randn((n,) + self.latent_shape, generator=generator)).to(self.device)  # (N, tokens, 4 C)
+        noise = torch.randn((n,) + self.latent_shape, generator=generator)
+        return self.pack(noise).to(self.device)  # (N, tokens, 4 C)
 
     def policy_inputs(self, noise, cond):
-        return super().policy_inputs(self.unpack(noise), cond)  # the policy sees tokens unpacked to an image
+        return super().policy_inputs(self.unpack(noise), cond)  # the policy sees an image
 
     def default_times(self, steps):
-        # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens); schnell's config has no shift
+        # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens); schnell's config
+        # has no shift
         import numpy as np
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         config = self.pipe.scheduler.config
         tokens = (self.latent_size // 2) ** 2
-        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                             config.get("base_shift", 0.5), config.get("max_shift", 1.15))
+        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256),
+                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
+                             config.get("max_shift", 1.15))
         scheduler = type(self.pipe.scheduler).from_config(config)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         return scheduler.sigmas.float()
@@ -256,15 +274,19 @@ class FluxBackbone(PipelineBackbone):
         _check_times(times, noise.shape[0])
         count = noise.shape[0]
         patches = self.latent_size // 2
-        image_ids = self.pipe._prepare_latent_image_ids(count, patches, patches, self.device, self.dtype)
-        text_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=self.device, dtype=self.dtype)
-        guidance = None if self.guidance is None else torch.full((count,), float(self.guidance), device=self.device)
+        device, dtype = self.device, self.dtype
+        image_ids = self.pipe._prepare_latent_image_ids(count, patches, patches, device, dtype)
+        text_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
+        guidance = None
+        if self.guidance is not None:
+            guidance = torch.full((count,), float(self.guidance), device=device)
 
         def velocity(state, t):
             return self.model(
-                hidden_states=state.to(self.dtype), timestep=t.to(self.dtype), guidance=guidance,
-                pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=cond["prompt_embeds"],
-                txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+                hidden_states=state.to(dtype), timestep=t.to(dtype), guidance=guidance,
+                pooled_projections=cond["pooled_prompt_embeds"],
+                encoder_hidden_states=cond["prompt_embeds"], txt_ids=text_ids, img_ids=image_ids,
+                return_dict=False)[0]
 
         return run_schedule(velocity, noise.float(), times)
 
@@ -287,19 +309,22 @@ class SDXLBackbone(PipelineBackbone):
         linear = config.interpolation_type == "linear" and not config.get("use_karras_sigmas")
         discrete = config.get("timestep_type", "discrete") == "discrete"
         if config.prediction_type != "epsilon" or not linear or not discrete:
-            raise ValueError(f"{name}: only epsilon prediction with linear sigma interpolation on discrete "
-                             "timesteps is supported")
+            raise ValueError(f"{name}: only epsilon prediction with linear sigma interpolation on "
+                             "discrete timesteps is supported")
         alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
-        self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigma per timestep
-        self.latent_shape = (self.model.config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        self.policy_dims = dict(latent_channels=self.model.config.in_channels,
+        # (1000,) sigma per timestep
+        self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5
+        channels = self.model.config.in_channels
+        self.latent_shape = (channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        self.policy_dims = dict(latent_channels=channels,
                                 text_dim=self.model.config.cross_attention_dim,
                                 pooled_dim=pipe.text_encoder_2.config.projection_dim)
 
     def sigma(self, times):
         """sigma(t): linear interpolation of the noise table at timestep t * 999; t = 0 -> 0."""
         last = len(self.noise_table) - 1
-        timestep = (times.float() * last).double().clamp(0, last)  # float32 product: integer timesteps stay exact
+        # the product in float32: integer timesteps stay exact
+        timestep = (times.float() * last).double().clamp(0, last)
         low = timestep.floor().long().clamp(max=last - 1)
         weight = timestep - low
         table = self.noise_table.to(times.device)
@@ -308,19 +333,22 @@ class SDXLBackbone(PipelineBackbone):
 
     @torch.no_grad()
     def encode_prompts(self, prompts, prompt_2=None, clip_skip=None):
-        """The pipeline's encode_prompt; the options as its __call__ takes them (pipeline.generate)."""
+        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         pipe = self.pipe
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=prompts, prompt_2=prompt_2, device=self.device, do_classifier_free_guidance=self.cfg,
-            clip_skip=clip_skip)
+            prompt=prompts, prompt_2=prompt_2, device=self.device,
+            do_classifier_free_guidance=self.cfg, clip_skip=clip_skip)
         size = (self.resolution, self.resolution)
+        projection = pipe.text_encoder_2.config.projection_dim
         time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=embeds.dtype,
-                                          text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim)
+                                          text_encoder_projection_dim=projection)
+        mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length)
         cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled,
                     time_ids=time_ids.to(self.device).repeat(len(prompts), 1),  # (N, 6)
-                    text_mask=_token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length).to(self.device))
+                    text_mask=mask.to(self.device))
         if self.cfg:
-            cond.update(negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled)
+            cond.update(negative_prompt_embeds=negative,
+                        negative_pooled_prompt_embeds=negative_pooled)
         return cond
 
     def default_times(self, steps):
@@ -334,7 +362,8 @@ class SDXLBackbone(PipelineBackbone):
     @torch.no_grad()
     def sample(self, noise, cond, times):
         _check_times(times, noise.shape[0])
-        text, pooled, time_ids = cond["prompt_embeds"], cond["pooled_prompt_embeds"], cond["time_ids"]
+        text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        time_ids = cond["time_ids"]
         if self.cfg:
             text, pooled = _cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
             time_ids = torch.cat([time_ids, time_ids])
@@ -343,33 +372,38 @@ class SDXLBackbone(PipelineBackbone):
 
         def epsilon(state, t):
             sigma = self.sigma(t).view(view)
-            model_input = (state / (sigma**2 + 1) ** 0.5).to(self.dtype)  # scheduler.scale_model_input
+            model_input = (state / (sigma**2 + 1) ** 0.5).to(self.dtype)  # scale_model_input
             prediction = self.model(
-                model_input.repeat(copies, 1, 1, 1), (t * 999).repeat(copies), encoder_hidden_states=text,
-                added_cond_kwargs=dict(text_embeds=pooled, time_ids=time_ids), return_dict=False)[0]
+                model_input.repeat(copies, 1, 1, 1), (t * 999).repeat(copies),
+                encoder_hidden_states=text, return_dict=False,
+                added_cond_kwargs=dict(text_embeds=pooled, time_ids=time_ids))[0]
             return _guided(prediction, self.guidance) if self.cfg else prediction
 
         # the pipeline's init_noise_sigma: sqrt(sigma_0^2 + 1) ("leading" spacing) or sigma_0
         first = self.sigma(times[:, 0]).to(noise.device).view(view)
-        scale = (first**2 + 1) ** 0.5 if self.pipe.scheduler.config.timestep_spacing == "leading" else first
+        leading = self.pipe.scheduler.config.timestep_spacing == "leading"
+        scale = (first**2 + 1) ** 0.5 if leading else first
         return run_schedule(epsilon, noise.float() * scale, times, level=self.sigma)
 
     def vae_input(self, latents):
         config = self.pipe.vae.config
-        if getattr(config, "latents_mean", None) is not None and getattr(config, "latents_std", None) is not None:
-            mean = torch.tensor(config.latents_mean).view(1, -1, 1, 1).to(latents.device)
-            std = torch.tensor(config.latents_std).view(1, -1, 1, 1).to(latents.device)
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device)
+            std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device)
             return latents * std / config.scaling_factor + mean
         return latents / config.scaling_factor
 
 
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
-PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline", "sdxl": "StableDiffusionXLPipeline"}
+PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline",
+             "sdxl": "StableDiffusionXLPipeline"}
 
 
 def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
     """Wrap an already built diffusers pipeline (how the tests inject tiny random ones)."""
-    family = family or {pipeline: key for key, pipeline in PIPELINES.items()}.get(type(pipe).__name__)
+    family = family or {cls: key for key, cls in PIPELINES.items()}.get(type(pipe).__name__)
     if family not in FAMILIES:
-        raise ValueError(f"cannot tell the family of {type(pipe).__name__}; pass family= one of {', '.join(FAMILIES)}")
+        raise ValueError(f"cannot tell the family of {type(pipe).__name__}; pass family= one of "
+                         f"{', '.join(FAMILIES)}")
     return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)
