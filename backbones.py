@@ -2,7 +2,8 @@
 Every backbone by name: its model facts (BACKBONES) and where its weights come from (the hub, a
 local folder, or a miniature shipped in this repository), and load_backbone(name), which builds
 the frozen backbone: a diffusers pipeline of rollout.py or an embedded mixture of mixture.py.
-Missing, gated or incomplete weights end in one line that says how to get them.
+Missing, gated or incomplete weights end in one line that says how to get them. make_policy
+builds policy.py's network at the size each backbone gets (PRESETS).
 """
 import os
 import socket
@@ -11,6 +12,7 @@ import urllib.parse
 import torch
 
 from mixture import MixtureBackbone
+from policy import POLICIES, json_times
 from rollout import PIPELINES, from_pipeline
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
@@ -121,3 +123,33 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
                          "--model-path") from None
     return from_pipeline(pipe.to(device), spec["family"], name=name, resolution=resolution or spec["resolution"],
                          guidance=spec["guidance"] if guidance is None else guidance)
+
+
+# -----------------------------------------------------------------------------
+# the policy for a backbone
+
+# Network sizes, named in BACKBONES above. "real": about 20M parameters for the real models'
+# latents and text widths (the paper: "about 20M parameters, under 1% of the sampler"; bench.py
+# counts them); "embedded": about 100k for the 8x8 embedded backbones. `widths` are the conv
+# stages, each halving the resolution; their outputs are pooled to a `grid` x `grid` token grid of
+# width `dim`.
+PRESETS = {
+    "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
+}
+
+
+def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", **options):
+    """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
+
+    Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
+    `options` (concentration, stop_margin, or any width) override the preset.
+    """
+    start = dict(init="uniform")
+    if init_times is not None:
+        start = dict(init="default", init_times=json_times(init_times))
+    if kind == "instance":
+        dims = dict(latent_channels=backbone_dims["latent_channels"],
+                    text_dim=backbone_dims["text_dim"], pooled_dim=backbone_dims.get("pooled_dim"))
+        options = {**PRESETS[preset], **options, **dims}
+    return POLICIES[kind](steps, **start, **options)

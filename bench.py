@@ -44,7 +44,7 @@ import torch  # noqa: E402
 import backbones  # noqa: E402
 
 import rollout  # noqa: E402
-from policy import make_policy  # noqa: E402
+from backbones import make_policy  # noqa: E402
 
 # The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux unpacked),
 # text tokens (text_len, text_dim), pooled embedding.

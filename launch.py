@@ -17,11 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from backbones import BACKBONES, load_backbone, locate_weights, update_cost
+from backbones import BACKBONES, load_backbone, locate_weights, make_policy, update_cost
 from baselines import MIN_CONTEXTS
 from checkpoints import check_writable, claim_run, existing_run, restore, save_policy, write_json_atomic
 from evaluate import default_schedule, evaluate, format_table, policy_schedule, summarize
-from policy import make_policy
 from prompts import DEFAULT, SHIPPED, heldout_contexts, load_prompt_file
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
 from sample import plot_training

@@ -2,23 +2,24 @@
 The schedule policy pi(tau | x_T, c) of the paper: one forward pass from the initial noise
 x_T and the prompt c to the concentrations alpha of a Dirichlet over the L+1 time increments.
 
-A schedule the policy draws for L steps is `times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0 (the
-last increment is at least TAU_FLOOR; rollout.py runs any schedule with t_L >= 0, and a default one
-ends at 0). The action is the
-increment vector tau ~ Dirichlet(alpha) on the simplex of dimension L+1, t_l = 1 - (tau_1 + ... + tau_l),
-so the last increment tau_{L+1} = t_L is the learnable stop margin: sampling ends at t_L.
+A schedule the policy draws for L steps is `times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0
+(the last increment is at least TAU_FLOOR; rollout.py runs any schedule with t_L >= 0, and a
+default one ends at 0). The action is the increment vector tau ~ Dirichlet(alpha) on the simplex
+of dimension L+1, t_l = 1 - (tau_1 + ... + tau_l), so the last increment tau_{L+1} = t_L is the
+learnable stop margin: sampling ends at t_L.
 
-Two policies share one forward signature, forward(latent, text, text_mask, pooled) -> alpha (N, L+1):
-- SchedulePolicy: instance-level. Multi-scale conv blocks over x_T, pooled to a fixed token grid; the
-  tokens cross-attend to the prompt's token embeddings (masked); the pooled prompt embedding is added
-  through a projection; an MLP maps the mean token to L+1 numbers; softplus(.) + 1e-3 gives alpha.
+Two policies share one forward signature, forward(latent, text, text_mask, pooled) -> alpha:
+- SchedulePolicy: instance-level. Multi-scale conv blocks over x_T, pooled to a fixed token grid;
+  the tokens cross-attend to the prompt's token embeddings (masked); the pooled prompt embedding is
+  added through a projection; an MLP maps the mean token to L+1 numbers; softplus(.) + 1e-3 gives
+  alpha (N, L+1).
 - GlobalPolicy: one learnable concentration vector, the same for every context (the ablation).
 
-Initialisation. The paper trains from scratch. Here the head's last layer starts at zero and its bias
-is set so that alpha = concentration * (initial increments), for every input:
+Initialisation. The paper trains from scratch. Here the head's last layer starts at zero and its
+bias is set so that alpha = concentration * (initial increments), for every input:
 - init="default": the increments of a backbone's default schedule (`init_times`, e.g. what
   Backbone.default_times(L) returns), so the policy starts exactly at the baseline schedule and
-  REINFORCE only has to improve on it. make_policy uses this whenever it is given `init_times`.
+  REINFORCE only has to improve on it. backbones.make_policy does this when given `init_times`.
 - init="uniform": equal increments, the neutral start closest to "from scratch".
 The concentration sum(alpha) = 100 by default: every time t_l then has standard deviation
 sqrt(t_l (1 - t_l) / 101) <= 0.05 whatever L is, enough to explore and small enough that the
@@ -39,15 +40,6 @@ ALPHA_MIN = 1e-3
 # float32 spacing near 1 (1.2e-7) would be equal; 1e-6 keeps every schedule strictly decreasing.
 TAU_FLOOR = 1e-6
 
-# Network sizes, named in backbones.BACKBONES. "real": about 20M parameters for the real models' latents
-# and text widths (the paper: "about 20M parameters, under 1% of the sampler"; bench.py counts them);
-# "embedded": about 100k for the 8x8 embedded backbones. `widths` are the conv stages, each halving the
-# resolution; their outputs are pooled to a `grid` x `grid` token grid of width `dim`.
-PRESETS = {
-    "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
-    "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
-}
-
 # -----------------------------------------------------------------------------
 # schedules <-> increments
 
@@ -56,7 +48,8 @@ def times_from_increments(tau):
     """tau (..., L+1) on the simplex -> times (..., L+1): t_0 = 1, t_l = 1 - (tau_1 + ... + tau_l).
 
     Computed as t_l = tau_{l+1} + ... + tau_{L+1} in float64, so that t_L equals the stop margin
-    tau_{L+1} exactly (1 - cumsum would round a 1e-7 margin to 0 in float32) and t_l - t_{l+1} = tau_{l+1}.
+    tau_{L+1} exactly (1 - cumsum would round a 1e-7 margin to 0 in float32) and
+    t_l - t_{l+1} = tau_{l+1}.
     """
     remaining = tau.double().flip(-1).cumsum(-1).flip(-1)  # (..., L+1), remaining[l] = sum(tau[l:])
     times = torch.cat([torch.ones_like(remaining[..., :1]), remaining[..., 1:]], dim=-1)
@@ -64,7 +57,7 @@ def times_from_increments(tau):
 
 
 def increments_from_times(times):
-    """times (..., L+1) with t_0 = 1 -> tau (..., L+1): tau_l = t_{l-1} - t_l, the last one is t_L."""
+    """times (..., L+1) with t_0 = 1 -> tau (..., L+1): tau_l = t_{l-1} - t_l, the last is t_L."""
     return torch.cat([times[..., :-1] - times[..., 1:], times[..., -1:]], dim=-1)
 
 
@@ -74,25 +67,27 @@ def increments_from_times(times):
 
 @torch.no_grad()
 def sample_increments(alpha, rollouts, generator=None):
-    """alpha (N, L+1) -> tau (N, rollouts, L+1) float32, K = rollouts independent Dirichlet draws each.
+    """alpha (N, L+1) -> tau (N, rollouts, L+1) float32: K = rollouts Dirichlet draws per row.
 
     Drawn in float64 on the generator's device (then moved to alpha's), so a CPU generator gives the
-    same schedules on any device. Gamma draws are taken in log space, log G(a) = log G(a+1) + log(U)/a
-    (Marsaglia & Tsang), and normalised with a softmax: a plain Gamma(1e-3) draw underflows to 0 even
-    in float64, and a row of zeros would give NaN. Increments are then floored at TAU_FLOOR and
-    renormalised so that every schedule is strictly decreasing in float32. That changes only draws
-    below 1e-6 (and rescales the rest by at most 1 + L * 1e-6), so the gradient is biased only where
-    such draws are common. tau_i is Beta(a, A - a) with a = alpha_i, A = sum(alpha), so
-    P(tau_i < 1e-6) ~ 1e-6 ** a / (a B(a, A - a)): 1.1e-2 at a = 0.5 and 1e-4 at a = 1 for the default
-    concentration A = 100, 0.42 at a = 0.1.
+    same schedules on any device. Gamma draws are taken in log space,
+    log G(a) = log G(a+1) + log(U)/a (Marsaglia & Tsang), and normalised with a softmax: a plain
+    Gamma(1e-3) draw underflows to 0 even in float64, and a row of zeros would give NaN. Increments
+    are then floored at TAU_FLOOR and renormalised so that every schedule is strictly decreasing in
+    float32. That changes only draws below 1e-6 (and rescales the rest by at most 1 + L * 1e-6), so
+    the gradient is biased only where such draws are common. tau_i is Beta(a, A - a) with
+    a = alpha_i, A = sum(alpha), so P(tau_i < 1e-6) ~ 1e-6 ** a / (a B(a, A - a)): 1.1e-2 at
+    a = 0.5 and 1e-4 at a = 1 for the default concentration A = 100, 0.42 at a = 0.1.
     """
     device = generator.device if generator is not None else alpha.device
     concentration = alpha.detach().to(device=device, dtype=torch.float64)
     concentration = concentration[:, None, :].expand(-1, rollouts, -1).contiguous()  # (N, K, L+1)
-    uniform = 1.0 - torch.rand(concentration.shape, generator=generator, device=device, dtype=torch.float64)
+    uniform = 1.0 - torch.rand(concentration.shape, generator=generator, device=device,
+                               dtype=torch.float64)
     # torch._standard_gamma is what torch.distributions.Gamma samples with; called directly because
     # Gamma.sample takes no generator
-    log_gamma = torch.log(torch._standard_gamma(concentration + 1.0, generator=generator)) + uniform.log() / concentration
+    gamma = torch._standard_gamma(concentration + 1.0, generator=generator)
+    log_gamma = torch.log(gamma) + uniform.log() / concentration
     tau = torch.softmax(log_gamma, dim=-1).clamp_min(TAU_FLOOR)
     tau = tau / tau.sum(-1, keepdim=True)
     return tau.to(device=alpha.device, dtype=torch.float32)
@@ -101,15 +96,15 @@ def sample_increments(alpha, rollouts, generator=None):
 def mean_increments(alpha):
     """alpha (N, L+1) -> the Dirichlet mean alpha / sum(alpha) (N, L+1), the deterministic schedule.
 
-    Floored at TAU_FLOOR and renormalised like the samples, so the mean schedule is strictly decreasing
-    in float32 even where one concentration is 1e7 times smaller than the sum.
+    Floored at TAU_FLOOR and renormalised like the samples, so the mean schedule is strictly
+    decreasing in float32 even where one concentration is 1e7 times smaller than the sum.
     """
     mean = (alpha / alpha.sum(-1, keepdim=True)).clamp_min(TAU_FLOOR)
     return mean / mean.sum(-1, keepdim=True)
 
 
 def log_prob(alpha, tau):
-    """Joint Dirichlet log-density log pi(tau | alpha): alpha (N, L+1), tau (N, K, L+1) -> (N, K) float32.
+    """Joint Dirichlet log-density log pi(tau | alpha): alpha (N, L+1), tau (N, K, L+1) -> (N, K).
 
     A SUM over the L+1 components including the normaliser,
         sum_i (alpha_i - 1) log tau_i + lgamma(sum_i alpha_i) - sum_i lgamma(alpha_i),
@@ -128,14 +123,14 @@ def log_prob(alpha, tau):
 
 
 def initial_logits(steps, init, init_times, concentration, stop_margin):
-    """The head's output bias (L+1,) float64 on CPU such that softplus(bias) + ALPHA_MIN = alpha_init.
+    """The head's output bias (L+1,) float64 on CPU: softplus(bias) + ALPHA_MIN = alpha_init.
 
     alpha_init = concentration * increments, the increments being equal ("uniform") or those of the
     default schedule `init_times` ("default") with the last one, t_L, raised to at least stop_margin
     and all renormalised: default schedules end at t_L = 0, an increment the Dirichlet cannot have.
     With t_L = 0 this maps every default time t to (t + stop_margin) / (1 + stop_margin), so the
-    initial mean schedule is within stop_margin of the default one. Only the last increment is raised:
-    the first increments of a shifted 80-step schedule are below 0.005 and must stay as they are.
+    initial mean schedule is within stop_margin of the default one. Only the last increment is
+    raised: the first increments of a shifted 80-step schedule are below 0.005 and must stay.
     """
     if init == "uniform":
         increments = torch.full((steps + 1,), 1.0 / (steps + 1), dtype=torch.float64, device="cpu")
@@ -147,7 +142,8 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
         # its default below that (t_0 = 981/999 at 50 steps): its first step then starts from 1.
         times[0] = 1.0
         if times.shape != (steps + 1,) or (times[1:] >= times[:-1]).any() or times[-1] < 0:
-            raise ValueError(f"init_times must be {steps + 1} strictly decreasing times down to >= 0, got {times.tolist()}")
+            raise ValueError(f"init_times must be {steps + 1} strictly decreasing times down to "
+                             f">= 0, got {times.tolist()}")
         increments = increments_from_times(times)
         increments[-1] = increments[-1].clamp_min(stop_margin)
         increments = increments / increments.sum()
@@ -155,9 +151,10 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
         raise ValueError(f'init must be "default" or "uniform", got {init!r}')
     target = concentration * increments - ALPHA_MIN  # softplus(bias) must equal this
     if target.min() <= 0:
-        raise ValueError(f"every initial concentration must exceed {ALPHA_MIN}: concentration {concentration} x smallest "
-                         f"increment {increments.min().item():.3g}; raise concentration or stop_margin")
-    # inverse softplus log(exp(y) - 1) written as y + log(1 - exp(-y)): accurate for y = 1e-6 and for y = 1e4
+        raise ValueError(f"every initial concentration must exceed {ALPHA_MIN}: concentration "
+                         f"{concentration} x smallest increment {increments.min().item():.3g}; "
+                         "raise concentration or stop_margin")
+    # inverse softplus log(exp(y) - 1) as y + log(1 - exp(-y)): accurate for y = 1e-6 and y = 1e4
     return target + torch.log(-torch.expm1(-target))
 
 
@@ -187,7 +184,7 @@ class ResBlock(nn.Module):
 
 
 class CrossAttentionBlock(nn.Module):
-    """Noise tokens (queries) read the prompt tokens (keys and values, masked), then a token-wise MLP."""
+    """Noise tokens (queries) read the prompt tokens (keys and values, masked), then an MLP."""
 
     def __init__(self, dim, heads):
         super().__init__()
@@ -201,13 +198,15 @@ class CrossAttentionBlock(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
     def forward(self, x, context, context_mask):
-        # x (N, Q, D) noise tokens; context (N, S, D) prompt tokens; context_mask (N, S) True = attend
+        # x (N, Q, D) noise tokens; context (N, S, D) prompt tokens; context_mask (N, S), True: use
         batch, queries, dim = x.shape
-        head_dim = dim // self.heads
-        q = self.query(self.norm_query(x)).view(batch, queries, self.heads, head_dim).transpose(1, 2)
+        heads, head_dim = self.heads, dim // self.heads
+        q = self.query(self.norm_query(x)).view(batch, queries, heads, head_dim).transpose(1, 2)
         # one projection for keys and values: (N, S, 2D) -> (N, S, 2, H, Dh) -> (2, N, H, S, Dh)
-        k, v = self.key_value(self.norm_context(context)).view(batch, -1, 2, self.heads, head_dim).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=context_mask[:, None, None, :])  # (N, H, Q, Dh)
+        key_value = self.key_value(self.norm_context(context)).view(batch, -1, 2, heads, head_dim)
+        k, v = key_value.permute(2, 0, 3, 1, 4)
+        mask = context_mask[:, None, None, :]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (N, H, Q, Dh)
         x = x + self.out(y.transpose(1, 2).reshape(batch, queries, dim))
         return x + self.mlp(self.norm_mlp(x))
 
@@ -218,17 +217,18 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
     Keep it in float32; inputs may come in any float dtype (bf16 from the backbone) and are cast.
     """
 
-    def __init__(self, steps, latent_channels, text_dim, pooled_dim=None, widths=(16, 32), dim=64, heads=4,
-                 depth=1, grid=2, head_hidden=128, init="uniform", init_times=None, concentration=100.0,
-                 stop_margin=5e-3, backbone=None, training_config=None):
+    def __init__(self, steps, latent_channels, text_dim, pooled_dim=None, widths=(16, 32), dim=64,
+                 heads=4, depth=1, grid=2, head_hidden=128, init="uniform", init_times=None,
+                 concentration=100.0, stop_margin=5e-3, backbone=None, training_config=None):
         super().__init__()
         # what it was trained for: the backbone's name and train.py's configuration (None when
         # unknown); the Hub format records them with the weights (checkpoints.load_policy)
         self.backbone, self.training_config = backbone, training_config
-        self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels, text_dim=text_dim,
-                           pooled_dim=pooled_dim, widths=list(widths), dim=dim, heads=heads, depth=depth, grid=grid,
-                           head_hidden=head_hidden, init=init, init_times=json_times(init_times),
-                           concentration=concentration, stop_margin=stop_margin)
+        self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels,
+                           text_dim=text_dim, pooled_dim=pooled_dim, widths=list(widths), dim=dim,
+                           heads=heads, depth=depth, grid=grid, head_hidden=head_hidden, init=init,
+                           init_times=json_times(init_times), concentration=concentration,
+                           stop_margin=stop_margin)
         self.steps = steps
         self.grid = grid
         assert dim % heads == 0, f"dim {dim} must be a multiple of heads {heads}"
@@ -249,38 +249,46 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
         # prompt: T5 embeddings have large, uneven scales, so layer-norm them before projecting
         self.text_norm = nn.LayerNorm(text_dim)
         self.text_proj = nn.Linear(text_dim, dim)
-        # a learned token every query may attend to, so a prompt with every token masked is still valid
+        # a learned token every query may attend to: a prompt with every token masked is still valid
         self.null_token = nn.Parameter(0.02 * torch.randn(1, 1, dim))
-        self.pooled_proj = nn.Sequential(nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, dim)) if pooled_dim else None
+        self.pooled_proj = None
+        if pooled_dim:
+            self.pooled_proj = nn.Sequential(nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, dim))
         self.blocks = nn.ModuleList(CrossAttentionBlock(dim, heads) for _ in range(depth))
 
-        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, head_hidden), nn.SiLU(), nn.Linear(head_hidden, steps + 1))
-        # zero last layer: alpha starts at the same initial value for every input (see the module docstring)
+        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, head_hidden), nn.SiLU(),
+                                  nn.Linear(head_hidden, steps + 1))
+        # zero last layer: alpha starts at the same value for every input (the module docstring)
+        bias = initial_logits(steps, init, init_times, concentration, stop_margin)
         with torch.no_grad():
             self.head[-1].weight.zero_()
-            self.head[-1].bias.copy_(initial_logits(steps, init, init_times, concentration, stop_margin))
+            self.head[-1].bias.copy_(bias)
 
     def forward(self, latent, text, text_mask, pooled=None):
         if (pooled is None) != (self.pooled_proj is None):
-            raise ValueError(f"pooled embedding given: {pooled is not None}, policy built with pooled_dim: {self.pooled_proj is not None}")
-        # x_T as drawn, N(0, I) for every backbone (Backbone.policy_inputs; SD-XL scales it later): its
-        # norm and its mean are information too (on digits-noise the mean's sign says which half a
-        # trajectory reaches), so it is not normalised per sample
+            raise ValueError(f"pooled embedding given: {pooled is not None}, policy built with "
+                             f"pooled_dim: {self.pooled_proj is not None}")
+        # x_T as drawn, N(0, I) for every backbone (Backbone.policy_inputs; SD-XL scales it later):
+        # its norm and its mean are information too (on digits-noise the mean's sign says which
+        # half a trajectory reaches), so it is not normalised per sample
         latent, text = latent.float(), text.float()
 
         features = self.stem(latent)
         tokens = 0
         for downsample, stage, to_tokens in zip(self.downsample, self.stages, self.to_tokens):
             features = stage(downsample(features))
-            tokens = tokens + to_tokens(F.adaptive_avg_pool2d(features, self.grid))  # (N, dim, grid, grid)
+            pooled_features = F.adaptive_avg_pool2d(features, self.grid)
+            tokens = tokens + to_tokens(pooled_features)  # (N, dim, grid, grid)
         tokens = tokens.flatten(2).transpose(1, 2) + self.position  # (N, grid*grid, dim)
 
         if pooled is not None:
             tokens = tokens + self.pooled_proj(pooled.float())[:, None, :]
 
         context = self.text_proj(self.text_norm(text))  # (N, S, dim)
-        context = torch.cat([self.null_token.expand(len(context), -1, -1), context], dim=1)  # (N, 1+S, dim)
-        context_mask = torch.cat([torch.ones_like(text_mask[:, :1], dtype=torch.bool), text_mask.bool()], dim=1)
+        null = self.null_token.expand(len(context), -1, -1)
+        context = torch.cat([null, context], dim=1)  # (N, 1+S, dim)
+        always = torch.ones_like(text_mask[:, :1], dtype=torch.bool)
+        context_mask = torch.cat([always, text_mask.bool()], dim=1)
         for block in self.blocks:
             tokens = block(tokens, context, context_mask)
 
@@ -288,16 +296,16 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
 
 
 class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
-    """One concentration vector for every context: the schedule does not depend on x_T or the prompt."""
+    """One concentration vector for every context: the schedule ignores x_T and the prompt."""
 
-    def __init__(self, steps, init="uniform", init_times=None, concentration=100.0, stop_margin=5e-3,
-                 backbone=None, training_config=None):
+    def __init__(self, steps, init="uniform", init_times=None, concentration=100.0,
+                 stop_margin=5e-3, backbone=None, training_config=None):
         super().__init__()
         self.backbone, self.training_config = backbone, training_config  # as SchedulePolicy's
         self.config = dict(kind="global", steps=steps, init=init, init_times=json_times(init_times),
                            concentration=concentration, stop_margin=stop_margin)
         self.steps = steps
-        self.logits = nn.Parameter(torch.empty(steps + 1))  # (L+1,), alpha = softplus(logits) + ALPHA_MIN
+        self.logits = nn.Parameter(torch.empty(steps + 1))  # (L+1,): softplus(logits) + ALPHA_MIN
         with torch.no_grad():
             self.logits.copy_(initial_logits(steps, init, init_times, concentration, stop_margin))
 
@@ -313,16 +321,3 @@ def build_policy(config):
     """Rebuild a policy from its `.config` (then load_state_dict for its weights)."""
     config = dict(config)
     return POLICIES[config.pop("kind")](**config)
-
-
-def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", **options):
-    """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
-
-    Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
-    `options` (concentration, stop_margin, or any width) override the preset.
-    """
-    start = dict(init="uniform") if init_times is None else dict(init="default", init_times=json_times(init_times))
-    if kind == "instance":
-        options = {**PRESETS[preset], **options, "latent_channels": backbone_dims["latent_channels"],
-                   "text_dim": backbone_dims["text_dim"], "pooled_dim": backbone_dims.get("pooled_dim")}
-    return POLICIES[kind](steps, **start, **options)

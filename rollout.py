@@ -29,7 +29,7 @@ class Backbone:
 
     Attributes: name, device, dtype (of the frozen model), resolution (image side), guidance,
     prompts (the built-in prompt list, or None: real models take any prompt), latent_shape, and
-    policy_dims (latent_channels, text_dim, pooled_dim: what policy.make_policy needs).
+    policy_dims (latent_channels, text_dim, pooled_dim: what backbones.make_policy needs).
     Methods:
       check_prompts(prompts): a one-line ValueError for a prompt it cannot take, before any work
       encode_prompts(prompts) -> cond: a dict of batch-first tensors (prompt_embeds (N, S, D),

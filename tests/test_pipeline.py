@@ -10,8 +10,9 @@ import pipeline
 import backbones
 import rollout
 from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from backbones import make_policy
 from checkpoints import load_checkpoint, load_policy, save_policy
-from policy import make_policy, mean_increments, times_from_increments
+from policy import mean_increments, times_from_increments
 
 
 def learned_policy(backbone, steps, seed=0, kind="instance"):

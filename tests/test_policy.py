@@ -6,8 +6,8 @@ import torch
 
 from bench import POLICY_DIMS
 from policy import (ALPHA_MIN, TAU_FLOOR, GlobalPolicy, SchedulePolicy, build_policy, increments_from_times,
-                    initial_logits, log_prob, make_policy, mean_increments, sample_increments, times_from_increments)
-from backbones import BACKBONES
+                    initial_logits, log_prob, mean_increments, sample_increments, times_from_increments)
+from backbones import BACKBONES, make_policy
 
 DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 
