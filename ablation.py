@@ -38,13 +38,23 @@ from concurrent.futures import ThreadPoolExecutor
 
 from prompts import HELDOUT_SEED, context_noise, heldout_contexts
 
-parser = argparse.ArgumentParser(description="embedded backbones: oracles, baselines, global vs instance-level")
-parser.add_argument("--out-dir", default="out/ablation", help="one folder per backbone and training below this")
+parser = argparse.ArgumentParser(
+    description="embedded backbones: oracles, baselines, global vs instance-level"
+)
+parser.add_argument(
+    "--out-dir", default="out/ablation", help="one folder per backbone and training below this"
+)
 parser.add_argument("--backbones", nargs="+", default=["digits", "digits-prompt", "digits-noise"])
 parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
 parser.add_argument("--steps", type=int, default=4, help="L")
-parser.add_argument("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
-parser.add_argument("--miniatures", action="store_true", help="the trained miniatures' evidence instead (L = 2, 3, 4)")
+parser.add_argument(
+    "--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each"
+)
+parser.add_argument(
+    "--miniatures",
+    action="store_true",
+    help="the trained miniatures' evidence instead (L = 2, 3, 4)",
+)
 
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch and the models load
@@ -54,6 +64,7 @@ import torch  # noqa: E402
 import backbones  # noqa: E402
 from checkpoints import write_json_atomic  # noqa: E402
 from policy import increments_from_times, times_from_increments  # noqa: E402
+
 TRAININGS = {  # name -> train.py arguments
     "global, js": ["--baseline", "js", "--policy", "global"],
     "instance, js": ["--baseline", "js"],
@@ -63,7 +74,11 @@ TRAININGS = {  # name -> train.py arguments
     "instance, xctx": ["--baseline", "xctx"],
 }
 SHIFTS = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0]
-FIT_SEED, FIT_CONTEXTS, HELDOUT_CONTEXTS = 2 * 10**6, 1000, 256  # oracles are fitted on these, reported on train.py's held-out set
+FIT_SEED, FIT_CONTEXTS, HELDOUT_CONTEXTS = (
+    2 * 10**6,
+    1000,
+    256,
+)  # oracles are fitted on these, reported on train.py's held-out set
 
 
 def shifted(times, shift):
@@ -83,10 +98,14 @@ def best_schedules(backbone, contexts, groups, steps, iterations, lr=0.05):
     holds each context's group in 0..G-1. Starts at the default schedule with a 5e-3 stop margin."""
     start = increments_from_times(backbone.default_times(steps).double())
     start[-1] = 5e-3
-    logits = (start / start.sum()).log().repeat(int(groups.max()) + 1, 1).requires_grad_(True)  # (G, L+1)
+    logits = (
+        (start / start.sum()).log().repeat(int(groups.max()) + 1, 1).requires_grad_(True)
+    )  # (G, L+1)
     optimizer = torch.optim.Adam([logits], lr=lr)
     for _ in range(iterations):
-        loss = teacher_errors(backbone, contexts, times_from_increments(torch.softmax(logits, -1))[groups]).sum()
+        loss = teacher_errors(
+            backbone, contexts, times_from_increments(torch.softmax(logits, -1))[groups]
+        ).sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -101,27 +120,54 @@ def contexts(backbone, count, seed):
 
 
 # the groups of contexts the oracles fit a schedule per: the prompt's class, the sign of the noise mean
-GROUPINGS = {"class": lambda context: context[1]["label"], "sub-population": lambda context: (context[0].flatten(1).mean(1) > 0).long()}
+GROUPINGS = {
+    "class": lambda context: context[1]["label"],
+    "sub-population": lambda context: (context[0].flatten(1).mean(1) > 0).long(),
+}
 
 
 def oracles(backbone, steps):
     """Teacher error on the held-out contexts of the default, the best shift and the oracle schedules,
     with the oracles' schedules."""
-    fit, heldout = contexts(backbone, FIT_CONTEXTS, FIT_SEED), contexts(backbone, HELDOUT_CONTEXTS, HELDOUT_SEED)
+    fit, heldout = (
+        contexts(backbone, FIT_CONTEXTS, FIT_SEED),
+        contexts(backbone, HELDOUT_CONTEXTS, HELDOUT_SEED),
+    )
     default = backbone.default_times(steps)
     with torch.no_grad():
-        shift_errors = {s: teacher_errors(backbone, fit, shifted(default, s).expand(FIT_CONTEXTS, -1)).mean().item() for s in SHIFTS}
+        shift_errors = {
+            s: teacher_errors(backbone, fit, shifted(default, s).expand(FIT_CONTEXTS, -1))
+            .mean()
+            .item()
+            for s in SHIFTS
+        }
         best_shift = min(shift_errors, key=shift_errors.get)
-    rows = {"default": default.expand(HELDOUT_CONTEXTS, -1), f"best time shift ({best_shift})": shifted(default, best_shift).expand(HELDOUT_CONTEXTS, -1)}
-    schedules = {"global": best_schedules(backbone, fit, torch.zeros(FIT_CONTEXTS, dtype=torch.long), steps, 300)}
+    rows = {
+        "default": default.expand(HELDOUT_CONTEXTS, -1),
+        f"best time shift ({best_shift})": shifted(default, best_shift).expand(
+            HELDOUT_CONTEXTS, -1
+        ),
+    }
+    schedules = {
+        "global": best_schedules(
+            backbone, fit, torch.zeros(FIT_CONTEXTS, dtype=torch.long), steps, 300
+        )
+    }
     rows["oracle: best global schedule"] = schedules["global"].expand(HELDOUT_CONTEXTS, -1)
     for name, group in GROUPINGS.items():
         schedules[name] = best_schedules(backbone, fit, group(fit), steps, 300)
         rows[f"oracle: best schedule per {name}"] = schedules[name][group(heldout)]
-    rows["oracle: best schedule per context (hindsight)"] = best_schedules(backbone, heldout, torch.arange(HELDOUT_CONTEXTS), steps, 600)
+    rows["oracle: best schedule per context (hindsight)"] = best_schedules(
+        backbone, heldout, torch.arange(HELDOUT_CONTEXTS), steps, 600
+    )
     with torch.no_grad():
-        errors = {name: teacher_errors(backbone, heldout, times).mean().item() for name, times in rows.items()}
-    return dict(errors=errors, schedules={name: times.tolist() for name, times in schedules.items()})
+        errors = {
+            name: teacher_errors(backbone, heldout, times).mean().item()
+            for name, times in rows.items()
+        }
+    return dict(
+        errors=errors, schedules={name: times.tolist() for name, times in schedules.items()}
+    )
 
 
 @torch.no_grad()
@@ -142,14 +188,33 @@ def run_dir(backbone, name, seed, args, steps=None):
 def train_run(backbone, name, seed, args, steps=None, trainings=TRAININGS):
     out_dir = run_dir(backbone, name, seed, args, steps)
     if not os.path.isfile(os.path.join(out_dir, "eval.json")):
-        command = [sys.executable, "train.py", "--backbone", backbone, "--seed", str(seed),
-                   "--steps", str(steps or args.steps), "--out-dir", out_dir, *trainings[name]]
+        command = [
+            sys.executable,
+            "train.py",
+            "--backbone",
+            backbone,
+            "--seed",
+            str(seed),
+            "--steps",
+            str(steps or args.steps),
+            "--out-dir",
+            out_dir,
+            *trainings[name],
+        ]
         if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
             command.append("--resume")
         os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "train.log"), "w") as log:  # train.py's output, progress bars included
-            subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=log, stderr=log,
-                           cwd=os.path.dirname(os.path.abspath(__file__)))
+        with open(
+            os.path.join(out_dir, "train.log"), "w"
+        ) as log:  # train.py's output, progress bars included
+            subprocess.run(
+                command,
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=log,
+                stderr=log,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            )
     with open(os.path.join(out_dir, "eval.json")) as file:
         return {row["method"]: row["mean"] for row in json.load(file)["rows"]}["learned (mean)"]
 
@@ -165,7 +230,10 @@ def plot(path, backbone, oracle, checkpoints):
     from checkpoints import load_checkpoint
     from evaluate import policy_schedule
 
-    (_, instance), (_, global_policy) = load_checkpoint(checkpoints["instance, js"]), load_checkpoint(checkpoints["global, js"])
+    (_, instance), (_, global_policy) = (
+        load_checkpoint(checkpoints["instance, js"]),
+        load_checkpoint(checkpoints["global, js"]),
+    )
     prompts, seeds = heldout_contexts(backbone.prompts, HELDOUT_CONTEXTS)
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     times = policy_schedule(instance, backbone)(noise, cond)
@@ -175,12 +243,29 @@ def plot(path, backbone, oracle, checkpoints):
     steps = range(times.shape[1])
     for ax, (name, group) in zip(axes, groups.items()):
         for index, value in enumerate(group.unique().tolist()):
-            label = f"digit {value}" if name == "class" else ("noise mean > 0" if value else "noise mean < 0")
-            ax.plot(steps, times[group == value].mean(0), "-o", markersize=3, color=f"C{index}", label=f"learned, {label}")
+            label = (
+                f"digit {value}"
+                if name == "class"
+                else ("noise mean > 0" if value else "noise mean < 0")
+            )
+            ax.plot(
+                steps,
+                times[group == value].mean(0),
+                "-o",
+                markersize=3,
+                color=f"C{index}",
+                label=f"learned, {label}",
+            )
             ax.plot(steps, torch.tensor(oracle["schedules"][name][value]), ":", color=f"C{index}")
         ax.plot(steps, global_times, "k-", linewidth=2, label="learned global")
-        ax.plot(steps, torch.tensor(oracle["schedules"]["global"][0]), "k:", label="oracles (dotted)")
-        ax.set(title=f"{backbone.name}: mean learned schedule per {name}", xlabel="step index l", xticks=list(steps))
+        ax.plot(
+            steps, torch.tensor(oracle["schedules"]["global"][0]), "k:", label="oracles (dotted)"
+        )
+        ax.set(
+            title=f"{backbone.name}: mean learned schedule per {name}",
+            xlabel="step index l",
+            xticks=list(steps),
+        )
         ax.legend(fontsize=6, ncol=2)
     axes[0].set_ylabel("time t_l (1 = noise, 0 = data)")
     figure.tight_layout()
@@ -193,8 +278,20 @@ def plot(path, backbone, oracle, checkpoints):
 
 MINIATURES = ["mini-sd3", "mini-flux", "mini-sdxl"]
 MINI_STEPS = [2, 3, 4]
-EQUIVALENT_STEPS = [*range(1, 13), 14, 16, 20, 25, 30, 40, 50]  # default step counts to match a learned schedule
-MINI_TRAININGS = {"global": ["--policy", "global"], "instance": []}  # with each miniature's defaults (JS baseline)
+EQUIVALENT_STEPS = [
+    *range(1, 13),
+    14,
+    16,
+    20,
+    25,
+    30,
+    40,
+    50,
+]  # default step counts to match a learned schedule
+MINI_TRAININGS = {
+    "global": ["--policy", "global"],
+    "instance": [],
+}  # with each miniature's defaults (JS baseline)
 
 
 def equivalent_steps(default_means, value):
@@ -222,53 +319,95 @@ def miniature_evidence(args):
     from miniature import prompt_lists
     from rewards import load_reward
 
-    runs = [(name, training, seed, steps) for name in args.backbones for steps in MINI_STEPS
-            for training in MINI_TRAININGS for seed in args.seeds]
+    runs = [
+        (name, training, seed, steps)
+        for name in args.backbones
+        for steps in MINI_STEPS
+        for training in MINI_TRAININGS
+        for seed in args.seeds
+    ]
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda run: train_run(*run[:3], args, steps=run[3], trainings=MINI_TRAININGS), runs))
+        list(
+            pool.map(
+                lambda run: train_run(*run[:3], args, steps=run[3], trainings=MINI_TRAININGS), runs
+            )
+        )
     train_prompts, heldout_prompts = prompt_lists()
     prompts, seeds = heldout_contexts(heldout_prompts, HELDOUT_CONTEXTS)
     fit_prompts, fit_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS, FIT_SEED)
-    seen_prompts, seen_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS)  # held-out noise, seen wording
+    seen_prompts, seen_seeds = heldout_contexts(
+        train_prompts, HELDOUT_CONTEXTS
+    )  # held-out noise, seen wording
     lines, figure_policies = [], {}
     for name in args.backbones:
         backbone = backbones.load_backbone(name)
-        rewards = {"digit": load_reward("digit", backbone), "teacher": load_reward("teacher", backbone)}
+        rewards = {
+            "digit": load_reward("digit", backbone),
+            "teacher": load_reward("teacher", backbone),
+        }
         digit_only = {"digit": rewards["digit"]}
         defaults = {n: default_schedule(backbone, n) for n in EQUIVALENT_STEPS}
-        default_means = {n: score["digit"].mean().item() for n, score in
-                         score_table(backbone, digit_only, prompts, seeds, defaults, batch_size=128).items()}
-        lines += [f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), seeds {args.seeds}",
-                  "| L | schedule | digit log-prob (spread) | accuracy | teacher error | equivalent default steps "
-                  "| digit log-prob, training paraphrases |", "|---|---|---|---|---|---|---|"]
+        default_means = {
+            n: score["digit"].mean().item()
+            for n, score in score_table(
+                backbone, digit_only, prompts, seeds, defaults, batch_size=128
+            ).items()
+        }
+        lines += [
+            f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), seeds {args.seeds}",
+            "| L | schedule | digit log-prob (spread) | accuracy | teacher error | equivalent default steps "
+            "| digit log-prob, training paraphrases |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for steps in MINI_STEPS:
             default = backbone.default_times(steps)
             shifts = {s: fixed_schedule(shifted(default, s)) for s in SHIFTS}
             fit = score_table(backbone, digit_only, fit_prompts, fit_seeds, shifts, batch_size=128)
             best = max(SHIFTS, key=lambda s: fit[s]["digit"].mean().item())
-            methods = {"default": fixed_schedule(default), f"best time shift (x{best})": shifts[best]}
+            methods = {
+                "default": fixed_schedule(default),
+                f"best time shift (x{best})": shifts[best],
+            }
             for training in MINI_TRAININGS:
                 for seed in args.seeds:
-                    policy = load_checkpoint(os.path.join(run_dir(name, training, seed, args, steps), "ckpt.pt"))[1]
+                    policy = load_checkpoint(
+                        os.path.join(run_dir(name, training, seed, args, steps), "ckpt.pt")
+                    )[1]
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
             scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)
-            seen = score_table(backbone, digit_only, seen_prompts, seen_seeds, methods, batch_size=128)  # training paraphrases
-            rows = {"default": ["default"], f"best time shift (x{best})": [f"best time shift (x{best})"]}
-            rows.update({f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in MINI_TRAININGS})
+            seen = score_table(
+                backbone, digit_only, seen_prompts, seen_seeds, methods, batch_size=128
+            )  # training paraphrases
+            rows = {
+                "default": ["default"],
+                f"best time shift (x{best})": [f"best time shift (x{best})"],
+            }
+            rows.update(
+                {
+                    f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds]
+                    for t in MINI_TRAININGS
+                }
+            )
             for row, members in rows.items():
-                per_seed = {column: [scores[m][column].mean().item() for m in members]
-                            for column in ("digit", "digit accuracy", "teacher")}
+                per_seed = {
+                    column: [scores[m][column].mean().item() for m in members]
+                    for column in ("digit", "digit accuracy", "teacher")
+                }
                 seen_digit = statistics.mean(seen[m]["digit"].mean().item() for m in members)
                 digit = per_seed["digit"]
                 spread = f" ({min(digit):.4f} to {max(digit):.4f})" if len(digit) > 1 else ""
-                lines.append(f"| {steps} | {row} | {statistics.mean(digit):.4f}{spread} | "
-                             f"{statistics.mean(per_seed['digit accuracy']):.3f} | "
-                             f"{-statistics.mean(per_seed['teacher']):.4f} | "
-                             f"{equivalent_steps(default_means, statistics.mean(digit))} | {seen_digit:.4f} |")
+                lines.append(
+                    f"| {steps} | {row} | {statistics.mean(digit):.4f}{spread} | "
+                    f"{statistics.mean(per_seed['digit accuracy']):.3f} | "
+                    f"{-statistics.mean(per_seed['teacher']):.4f} | "
+                    f"{equivalent_steps(default_means, statistics.mean(digit))} | {seen_digit:.4f} |"
+                )
         curve = ", ".join(f"{n}: {m:.4f}" for n, m in default_means.items())
         lines.append(f"default schedule's digit log-prob by step count: {curve}")
-    plot_miniatures(os.path.join(args.out_dir, "miniatures.png"), args.backbones, figure_policies, args.seeds[0])
+    plot_miniatures(
+        os.path.join(args.out_dir, "miniatures.png"), args.backbones, figure_policies, args.seeds[0]
+    )
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
@@ -286,7 +425,11 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
     from evaluate import policy_schedule
 
     columns = ["default, L=2", "learned, L=2", "default, L=3", "learned, L=3", "default, 50 steps"]
-    figure, axes = plt.subplots(len(digits), len(names) * len(columns), figsize=(1.1 * len(names) * len(columns), 1.2 * len(digits) + 0.6))
+    figure, axes = plt.subplots(
+        len(digits),
+        len(names) * len(columns),
+        figsize=(1.1 * len(names) * len(columns), 1.2 * len(digits) + 0.6),
+    )
     for panel, name in enumerate(names):
         backbone = backbones.load_backbone(name)
         prompts = [f"a hand-drawn {d}" for d in digits]
@@ -295,7 +438,9 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
         times = {}
         for steps in (2, 3):
             times[f"default, L={steps}"] = backbone.default_times(steps).expand(len(digits), -1)
-            times[f"learned, L={steps}"] = policy_schedule(policies[name, "instance", seed, steps], backbone)(noise, cond)
+            times[f"learned, L={steps}"] = policy_schedule(
+                policies[name, "instance", seed, steps], backbone
+            )(noise, cond)
         times["default, 50 steps"] = backbone.default_times(50).expand(len(digits), -1)
         for column, label in enumerate(columns):
             images = backbone.decode(backbone.sample(noise, cond, times[label]))
@@ -315,8 +460,15 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 def main(args):
 
     torch.set_num_threads(1)  # the embedded backbones' tensors are tiny
-    runs = [(name, training, seed) for name in args.backbones for training in TRAININGS for seed in args.seeds]
-    with ThreadPoolExecutor(args.jobs) as pool:  # each training is its own process; the oracles are fitted meanwhile
+    runs = [
+        (name, training, seed)
+        for name in args.backbones
+        for training in TRAININGS
+        for seed in args.seeds
+    ]
+    with ThreadPoolExecutor(
+        args.jobs
+    ) as pool:  # each training is its own process; the oracles are fitted meanwhile
         trainings = pool.map(lambda run: -train_run(*run, args), runs)
         oracle = {}
         for name in args.backbones:
@@ -329,26 +481,55 @@ def main(args):
         errors = dict(zip(runs, trainings))
     lines = []
     for name in args.backbones:
-        learned = {training: [errors[name, training, seed] for seed in args.seeds] for training in TRAININGS}
-        default, best_global = oracle[name]["errors"]["default"], oracle[name]["errors"]["oracle: best global schedule"]
+        learned = {
+            training: [errors[name, training, seed] for seed in args.seeds]
+            for training in TRAININGS
+        }
+        default, best_global = (
+            oracle[name]["errors"]["default"],
+            oracle[name]["errors"]["oracle: best global schedule"],
+        )
         grouping = "sub-population" if name == "digits-noise" else "class"
         group = oracle[name]["errors"][f"oracle: best schedule per {grouping}"]
-        lines += [f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, seeds {args.seeds}",
-                  "| schedule | error (mean over seeds) | spread (min-max) | vs default | gap captured (spread) |", "|---|---|---|---|---|"]
+        lines += [
+            f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, seeds {args.seeds}",
+            "| schedule | error (mean over seeds) | spread (min-max) | vs default | gap captured (spread) |",
+            "|---|---|---|---|---|",
+        ]
         backbone = backbones.load_backbone(name)
         margin_free = without_stop_margin(backbone, oracle[name], grouping)
         oracle[name]["errors"][f"oracle: best schedule per {grouping}, with t_L = 0"] = margin_free
-        for row, values in [*((row, [error]) for row, error in oracle[name]["errors"].items()), *((f"learned {t}", v) for t, v in learned.items())]:
+        for row, values in [
+            *((row, [error]) for row, error in oracle[name]["errors"].items()),
+            *((f"learned {t}", v) for t, v in learned.items()),
+        ]:
             mean = statistics.mean(values)
             spread = f"{min(values):.5f}-{max(values):.5f}" if len(values) > 1 else "-"
             shares = [100 * (best_global - value) / (best_global - group) for value in values]
-            captured = f"{statistics.mean(shares):.0f}% ({min(shares):.0f}-{max(shares):.0f}%)" if row.startswith("learned") else "-"
-            lines.append(f"| {row} | {mean:.5f} | {spread} | {100 * (mean / default - 1):+.1f}% | {captured} |")
-        lines.append(f"gap captured = (best global - learned) / (best global - best per {grouping}) on the same contexts")
+            captured = (
+                f"{statistics.mean(shares):.0f}% ({min(shares):.0f}-{max(shares):.0f}%)"
+                if row.startswith("learned")
+                else "-"
+            )
+            lines.append(
+                f"| {row} | {mean:.5f} | {spread} | {100 * (mean / default - 1):+.1f}% | {captured} |"
+            )
+        lines.append(
+            f"gap captured = (best global - learned) / (best global - best per {grouping}) on the same contexts"
+        )
         for seed, instance, glob in zip(args.seeds, learned["instance, js"], learned["global, js"]):
-            lines.append(f"seed {seed}: learned instance-level (js) {100 * (1 - instance / glob):.1f}% below learned global")
-        plot(os.path.join(args.out_dir, name, "schedules.png"), backbone, oracle[name],
-             {t: os.path.join(run_dir(name, t, args.seeds[0], args), "ckpt.pt") for t in ("instance, js", "global, js")})
+            lines.append(
+                f"seed {seed}: learned instance-level (js) {100 * (1 - instance / glob):.1f}% below learned global"
+            )
+        plot(
+            os.path.join(args.out_dir, name, "schedules.png"),
+            backbone,
+            oracle[name],
+            {
+                t: os.path.join(run_dir(name, t, args.seeds[0], args), "ckpt.pt")
+                for t in ("instance, js", "global, js")
+            },
+        )
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
@@ -357,7 +538,9 @@ def main(args):
 if __name__ == "__main__":
     arguments = parser.parse_args()
     if arguments.miniatures:
-        arguments.backbones = [name for name in arguments.backbones if name.startswith("mini-")] or MINIATURES
+        arguments.backbones = [
+            name for name in arguments.backbones if name.startswith("mini-")
+        ] or MINIATURES
         if arguments.out_dir == parser.get_default("out_dir"):
             arguments.out_dir = "out/ablation-miniatures"
         miniature_evidence(arguments)

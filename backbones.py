@@ -5,6 +5,7 @@ the frozen backbone: a diffusers pipeline of rollout.py or an embedded mixture o
 Missing, gated or incomplete weights end in one line that says how to get them. make_policy
 builds policy.py's network at the size each backbone gets (PRESETS).
 """
+
 import os
 import socket
 import urllib.parse
@@ -23,15 +24,30 @@ REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 # pipelines' defaults (5.0, 3.5). policy: the size in policy.PRESETS. threads: CPU threads (None:
 # torch's default; the small backbones' tensors are tiny, so a second thread only adds contention).
 REAL = dict(resolution=1024, policy="real", threads=None)
-EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", threads=1)
-MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", threads=1,
-                 prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"))
+EMBEDDED = dict(
+    family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", threads=1
+)
+MINIATURE = dict(
+    hub_id=None,
+    resolution=16,
+    policy="embedded",
+    threads=1,
+    prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"),
+)
 BACKBONES = {
-    "sd35m": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5),
-    "sd35l": dict(REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5),
-    "sdxl": dict(REAL, family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0),
+    "sd35m": dict(
+        REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5
+    ),
+    "sd35l": dict(
+        REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5
+    ),
+    "sdxl": dict(
+        REAL, family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0
+    ),
     "flux-dev": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-dev", guidance=3.5),
-    "flux-schnell": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None),
+    "flux-schnell": dict(
+        REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None
+    ),
     # The embedded backbones: (spread, std, shift) of each sub-population of a digit class, see MixtureBackbone.
     # digits: one population per class; the best schedule is nearly the same for every context.
     "digits": dict(EMBEDDED, populations=[[(1.0, 0.1, 0.0)]] * 10),
@@ -53,9 +69,13 @@ def update_cost(name, contexts, rollouts, steps, guidance=None):
     """One REINFORCE update in model evaluations and reward calls, as a line to print."""
     spec, samples = BACKBONES[name], contexts * rollouts
     guidance = spec["guidance"] if guidance is None else guidance
-    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1  # true CFG doubles each batch
-    return (f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} model evaluations"
-            f"{' (each a CFG pair)' if cfg else ''}, {samples} reward calls")
+    cfg = (
+        spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1
+    )  # true CFG doubles each batch
+    return (
+        f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} model evaluations"
+        f"{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
+    )
 
 
 def hub_file(repo, filename, missing, repo_type=None):
@@ -75,7 +95,9 @@ def hub_file(repo, filename, missing, repo_type=None):
             raise OSError("HF_HUB_OFFLINE is set")
         socket.create_connection((host, 443), timeout=3).close()
     except OSError as error:
-        raise ValueError(f"{missing} (not in the local cache, and {host} is unreachable: {error})") from None
+        raise ValueError(
+            f"{missing} (not in the local cache, and {host} is unreachable: {error})"
+        ) from None
     try:
         return hf_hub_download(repo, filename, repo_type=repo_type)
     except Exception as error:  # gated, missing or refused: all mean "not available"
@@ -90,16 +112,24 @@ def locate_weights(name, path=None):
         path = os.path.join(REPOSITORY, folder)
         if not os.path.isfile(os.path.join(path, "model_index.json")):
             family = BACKBONES[name]["family"]
-            raise ValueError(f"{name}: {folder} is missing from this checkout; restore it with "
-                             f"git, or retrain it with `python miniature.py --family {family}`")
+            raise ValueError(
+                f"{name}: {folder} is missing from this checkout; restore it with "
+                f"git, or retrain it with `python miniature.py --family {family}`"
+            )
     if path is not None:
         if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise ValueError(f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
-                             f"that holds model_index.json, or drop --model-path to use {hub_id} from the hub")
+            raise ValueError(
+                f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
+                f"that holds model_index.json, or drop --model-path to use {hub_id} from the hub"
+            )
         return path
     if hub_id is not None:
-        hub_file(hub_id, "model_index.json", f"{name}: the weights of {hub_id} are not available; run `hf auth login` and "
-                 f"accept the licence on https://huggingface.co/{hub_id}, or pass a local diffusers folder with --model-path")
+        hub_file(
+            hub_id,
+            "model_index.json",
+            f"{name}: the weights of {hub_id} are not available; run `hf auth login` and "
+            f"accept the licence on https://huggingface.co/{hub_id}, or pass a local diffusers folder with --model-path",
+        )
     return hub_id
 
 
@@ -118,11 +148,18 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
     try:
         pipe = pipeline_class.from_pretrained(location, dtype=dtype)
     except OSError as error:  # a partial download or a file the hub refuses
-        raise ValueError(f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run `hf auth login`, "
-                         f"accept the licence on https://huggingface.co/{spec['hub_id']} and download again, or pass "
-                         "--model-path") from None
-    return from_pipeline(pipe.to(device), spec["family"], name=name, resolution=resolution or spec["resolution"],
-                         guidance=spec["guidance"] if guidance is None else guidance)
+        raise ValueError(
+            f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run `hf auth login`, "
+            f"accept the licence on https://huggingface.co/{spec['hub_id']} and download again, or pass "
+            "--model-path"
+        ) from None
+    return from_pipeline(
+        pipe.to(device),
+        spec["family"],
+        name=name,
+        resolution=resolution or spec["resolution"],
+        guidance=spec["guidance"] if guidance is None else guidance,
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -149,7 +186,10 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
     if init_times is not None:
         start = dict(init="default", init_times=json_times(init_times))
     if kind == "instance":
-        dims = dict(latent_channels=backbone_dims["latent_channels"],
-                    text_dim=backbone_dims["text_dim"], pooled_dim=backbone_dims.get("pooled_dim"))
+        dims = dict(
+            latent_channels=backbone_dims["latent_channels"],
+            text_dim=backbone_dims["text_dim"],
+            pooled_dim=backbone_dims.get("pooled_dim"),
+        )
         options = {**PRESETS[preset], **options, **dims}
     return POLICIES[kind](steps, **start, **options)

@@ -56,11 +56,14 @@ MIN_CONTEXTS = {"js": 3, "js-unbiased": 4, "rloo": 1, "xctx": 1}
 def _checked(rewards: torch.Tensor, min_contexts: int) -> torch.Tensor:
     """rewards (..., B, K) detached in float64, after the shape checks a caller can get wrong."""
     if rewards.dim() < 2 or rewards.shape[-1] < 2:
-        raise ValueError(f"rewards must have shape (..., contexts, rollouts >= 2), got "
-                         f"{tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must have shape (..., contexts, rollouts >= 2), got {tuple(rewards.shape)}"
+        )
     if rewards.shape[-2] < min_contexts:
-        raise ValueError(f"this baseline needs at least {min_contexts} contexts per batch, got "
-                         f"B={rewards.shape[-2]}; use more contexts or the rloo baseline")
+        raise ValueError(
+            f"this baseline needs at least {min_contexts} contexts per batch, got "
+            f"B={rewards.shape[-2]}; use more contexts or the rloo baseline"
+        )
     return rewards.detach().to(torch.float64)
 
 
@@ -166,5 +169,9 @@ def james_stein_unbiased(rewards: torch.Tensor) -> torch.Tensor:
     return _like((1 - weight) * _rloo(values) + weight * _cross_context(values), rewards)
 
 
-BASELINES = {"js": james_stein, "js-unbiased": james_stein_unbiased, "rloo": rloo,
-             "xctx": cross_context}
+BASELINES = {
+    "js": james_stein,
+    "js-unbiased": james_stein_unbiased,
+    "rloo": rloo,
+    "xctx": cross_context,
+}

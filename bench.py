@@ -20,21 +20,33 @@ while another process keeps every core busy. ocr: the OCR reward's time per imag
 rendered text at 512^2 and 1024^2, after a warm-up call.
 Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
 """
+
 import argparse
 import math
 import os
 import time
 
-
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--only", choices=["policy", "loop", "embedded", "threads", "ocr"], default=None,
-                    help="one benchmark; default: all but threads and ocr")
-parser.add_argument("--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names")
-parser.add_argument("--model-path", default=None, help="loop: local diffusers folder of a real backbone")
+parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+)
+parser.add_argument(
+    "--only",
+    choices=["policy", "loop", "embedded", "threads", "ocr"],
+    default=None,
+    help="one benchmark; default: all but threads and ocr",
+)
+parser.add_argument(
+    "--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names"
+)
+parser.add_argument(
+    "--model-path", default=None, help="loop: local diffusers folder of a real backbone"
+)
 parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
 parser.add_argument("--steps", type=int, default=4, help="L, model calls per rollout")
 parser.add_argument("--batch", type=int, default=4, help="loop: rollouts per call")
-parser.add_argument("--repeats", type=int, default=10, help="timed calls after one warm-up; the best is shown")
+parser.add_argument(
+    "--repeats", type=int, default=10, help="timed calls after one warm-up; the best is shown"
+)
 
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch and the models load
@@ -42,20 +54,28 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import backbones  # noqa: E402
-
 import rollout  # noqa: E402
 from backbones import make_policy  # noqa: E402
 
 # The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux unpacked),
 # text tokens (text_len, text_dim), pooled embedding.
 POLICY_DIMS = {
-    "sd35m": dict(latent_channels=16, text_dim=4096, pooled_dim=2048, latent_size=128, text_len=333),
+    "sd35m": dict(
+        latent_channels=16, text_dim=4096, pooled_dim=2048, latent_size=128, text_len=333
+    ),
     "sdxl": dict(latent_channels=4, text_dim=2048, pooled_dim=1280, latent_size=128, text_len=77),
-    "flux-dev": dict(latent_channels=16, text_dim=4096, pooled_dim=768, latent_size=128, text_len=512),
+    "flux-dev": dict(
+        latent_channels=16, text_dim=4096, pooled_dim=768, latent_size=128, text_len=512
+    ),
     "digits": dict(latent_channels=1, text_dim=32, pooled_dim=32, latent_size=8, text_len=4),
 }
 TINY_RESOLUTION = 32  # pixels; the tiny VAEs downsample 2x, so latents are 16x16
-TINY_GUIDANCE = {"sd3": 4.5, "flux-dev": 3.5, "flux-schnell": None, "sdxl": 5.0}  # the real models' values
+TINY_GUIDANCE = {
+    "sd3": 4.5,
+    "flux-dev": 3.5,
+    "flux-schnell": None,
+    "sdxl": 5.0,
+}  # the real models' values
 
 # ----------------------------------------------------------------------------------------------
 # tiny random diffusers pipelines, built offline (no hub ids)
@@ -66,54 +86,177 @@ def tiny_pipeline(family):
     CLIP encoders + T5, MMDiT, SD3.5's scheduler with static shift 3), "flux-dev" (dynamic shift,
     guidance embedding), "flux-schnell" (no shift, no guidance), "sdxl" (two CLIP encoders, text-time
     UNet, SD-XL's Euler scheduler with leading spacing). Seeded: the same weights every time."""
-    from diffusers import (AutoencoderKL, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline,
-                           FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
-                           StableDiffusionXLPipeline, UNet2DConditionModel)
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config, T5EncoderModel, T5Tokenizer
+    from diffusers import (
+        AutoencoderKL,
+        EulerDiscreteScheduler,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5Tokenizer,
+    )
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     torch.manual_seed(0)
-    characters = list(bytes_to_unicode().values())  # byte-level CLIP BPE without merges: a token per character
-    vocab = {**{c: i for i, c in enumerate(characters)}, **{c + "</w>": i + 256 for i, c in enumerate(characters)},
-             "<|startoftext|>": 512, "<|endoftext|>": 513}
+    characters = list(
+        bytes_to_unicode().values()
+    )  # byte-level CLIP BPE without merges: a token per character
+    vocab = {
+        **{c: i for i, c in enumerate(characters)},
+        **{c + "</w>": i + 256 for i, c in enumerate(characters)},
+        "<|startoftext|>": 512,
+        "<|endoftext|>": 513,
+    }
     clip_tokenizer = lambda: CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-    clip_config = CLIPTextConfig(vocab_size=514, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                                 projection_dim=16, bos_token_id=512, eos_token_id=513, pad_token_id=513, hidden_act="gelu")
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?"]
-    t5 = lambda: T5EncoderModel(T5Config(vocab_size=44, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=2,
-                                         relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-    vae = lambda channels: AutoencoderKL(in_channels=3, out_channels=3, latent_channels=channels, block_out_channels=(8, 16),
-                                         down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                                         layers_per_block=1, norm_num_groups=4, sample_size=TINY_RESOLUTION,
-                                         shift_factor=0.0609, scaling_factor=1.5035)
+    clip_config = CLIPTextConfig(
+        vocab_size=514,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        projection_dim=16,
+        bos_token_id=512,
+        eos_token_id=513,
+        pad_token_id=513,
+        hidden_act="gelu",
+    )
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [
+        (c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?"
+    ]
+    t5 = lambda: T5EncoderModel(
+        T5Config(
+            vocab_size=44,
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=2,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
+        )
+    )
+    vae = lambda channels: AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=channels,
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        norm_num_groups=4,
+        sample_size=TINY_RESOLUTION,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
     if family == "sd3":
-        transformer = SD3Transformer2DModel(sample_size=16, patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-                                            attention_head_dim=8, num_attention_heads=2, joint_attention_dim=32,
-                                            caption_projection_dim=16, pooled_projection_dim=32, pos_embed_max_size=16)
-        return StableDiffusion3Pipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=vae(4),
-                                        text_encoder=CLIPTextModelWithProjection(clip_config), tokenizer=clip_tokenizer(),
-                                        text_encoder_2=CLIPTextModelWithProjection(clip_config), tokenizer_2=clip_tokenizer(),
-                                        text_encoder_3=t5(), tokenizer_3=T5Tokenizer(vocab=pieces, extra_ids=0))
+        transformer = SD3Transformer2DModel(
+            sample_size=16,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            caption_projection_dim=16,
+            pooled_projection_dim=32,
+            pos_embed_max_size=16,
+        )
+        return StableDiffusion3Pipeline(
+            transformer=transformer,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+            vae=vae(4),
+            text_encoder=CLIPTextModelWithProjection(clip_config),
+            tokenizer=clip_tokenizer(),
+            text_encoder_2=CLIPTextModelWithProjection(clip_config),
+            tokenizer_2=clip_tokenizer(),
+            text_encoder_3=t5(),
+            tokenizer_3=T5Tokenizer(vocab=pieces, extra_ids=0),
+        )
     if family in ("flux-dev", "flux-schnell"):
-        dev = family == "flux-dev"  # latent_channels=1 packs 2x2 to in_channels=4; sum(axes_dims_rope) = attention_head_dim
-        transformer = FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                             num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=16,
-                                             axes_dims_rope=[4, 4, 8], guidance_embeds=dev)
-        scheduler = (FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15,
-                                                     base_image_seq_len=256, max_image_seq_len=4096) if dev
-                     else FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False))
-        return FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae(1), text_encoder=CLIPTextModel(clip_config),
-                            tokenizer=clip_tokenizer(), text_encoder_2=t5(), tokenizer_2=T5Tokenizer(vocab=pieces, extra_ids=0))
-    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=16, in_channels=4, out_channels=4,
-                                down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-                                attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type="text_time",
-                                addition_time_embed_dim=8, transformer_layers_per_block=(1, 1),
-                                projection_class_embeddings_input_dim=6 * 8 + 16, cross_attention_dim=32, norm_num_groups=4)
-    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear", steps_offset=1,
-                                       timestep_spacing="leading")
-    return StableDiffusionXLPipeline(unet=unet, scheduler=scheduler, vae=vae(4), text_encoder=CLIPTextModel(clip_config),
-                                     tokenizer=clip_tokenizer(), text_encoder_2=CLIPTextModelWithProjection(clip_config),
-                                     tokenizer_2=clip_tokenizer(), add_watermarker=False)
+        dev = (
+            family == "flux-dev"
+        )  # latent_channels=1 packs 2x2 to in_channels=4; sum(axes_dims_rope) = attention_head_dim
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=4,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=16,
+            axes_dims_rope=[4, 4, 8],
+            guidance_embeds=dev,
+        )
+        scheduler = (
+            FlowMatchEulerDiscreteScheduler(
+                shift=3.0,
+                use_dynamic_shifting=True,
+                base_shift=0.5,
+                max_shift=1.15,
+                base_image_seq_len=256,
+                max_image_seq_len=4096,
+            )
+            if dev
+            else FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
+        )
+        return FluxPipeline(
+            transformer=transformer,
+            scheduler=scheduler,
+            vae=vae(1),
+            text_encoder=CLIPTextModel(clip_config),
+            tokenizer=clip_tokenizer(),
+            text_encoder_2=t5(),
+            tokenizer_2=T5Tokenizer(vocab=pieces, extra_ids=0),
+        )
+    unet = UNet2DConditionModel(
+        block_out_channels=(8, 16),
+        layers_per_block=1,
+        sample_size=16,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 1),
+        projection_class_embeddings_input_dim=6 * 8 + 16,
+        cross_attention_dim=32,
+        norm_num_groups=4,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )
+    return StableDiffusionXLPipeline(
+        unet=unet,
+        scheduler=scheduler,
+        vae=vae(4),
+        text_encoder=CLIPTextModel(clip_config),
+        tokenizer=clip_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(clip_config),
+        tokenizer_2=clip_tokenizer(),
+        add_watermarker=False,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,25 +295,58 @@ def bench_policy():
     # stabilityai/stable-diffusion-3.5-medium, transformer/config.json; one step at 1024^2 with CFG:
     # batch 2 (cond + uncond), 333 text tokens
     with torch.device("meta"):
-        transformer = SD3Transformer2DModel(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
-                                            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
-                                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
-                                            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm")
-        step_flops = count_flops(transformer, torch.empty(2, 16, 128, 128), encoder_hidden_states=torch.empty(2, 333, 4096),
-                                 pooled_projections=torch.empty(2, 2048), timestep=torch.empty(2), return_dict=False)
+        transformer = SD3Transformer2DModel(
+            sample_size=128,
+            patch_size=2,
+            in_channels=16,
+            num_layers=24,
+            attention_head_dim=64,
+            num_attention_heads=24,
+            joint_attention_dim=4096,
+            caption_projection_dim=1536,
+            pooled_projection_dim=2048,
+            out_channels=16,
+            pos_embed_max_size=384,
+            dual_attention_layers=tuple(range(13)),
+            qk_norm="rms_norm",
+        )
+        step_flops = count_flops(
+            transformer,
+            torch.empty(2, 16, 128, 128),
+            encoder_hidden_states=torch.empty(2, 333, 4096),
+            pooled_projections=torch.empty(2, 2048),
+            timestep=torch.empty(2),
+            return_dict=False,
+        )
     backbone_params = sum(p.numel() for p in transformer.parameters())
-    print(f"SD3.5-Medium transformer: {backbone_params / 1e9:.3f}B parameters, {step_flops / 1e12:.2f} TFLOP per step (1024^2, CFG)")
+    print(
+        f"SD3.5-Medium transformer: {backbone_params / 1e9:.3f}B parameters, {step_flops / 1e12:.2f} TFLOP per step (1024^2, CFG)"
+    )
     for name, dims in POLICY_DIMS.items():
         with torch.device("meta"):
-            params = sum(p.numel() for p in make_policy("instance", dims, 20, preset=backbones.BACKBONES[name]["policy"]).parameters())
-        print(f"  policy for {name:9s} at L=20: {params / 1e6:7.3f}M parameters ({params / backbone_params:.2%} of SD3.5-Medium)")
+            params = sum(
+                p.numel()
+                for p in make_policy(
+                    "instance", dims, 20, preset=backbones.BACKBONES[name]["policy"]
+                ).parameters()
+            )
+        print(
+            f"  policy for {name:9s} at L=20: {params / 1e6:7.3f}M parameters ({params / backbone_params:.2%} of SD3.5-Medium)"
+        )
     dims = POLICY_DIMS["sd35m"]
     for steps in (5, 10, 20):
         with torch.device("meta"):  # the policy runs once per image, without CFG
             policy = make_policy("instance", dims, steps, preset="real")
-            flops = count_flops(policy, torch.empty(1, 16, 128, 128), torch.empty(1, dims["text_len"], 4096),
-                                torch.ones(1, dims["text_len"], dtype=torch.bool), torch.empty(1, 2048))
-        print(f"L={steps:2d}: sd35m policy {flops / 1e9:.2f} GFLOP once per image; policy / (L x step) = {flops / (steps * step_flops):.4%}")
+            flops = count_flops(
+                policy,
+                torch.empty(1, 16, 128, 128),
+                torch.empty(1, dims["text_len"], 4096),
+                torch.ones(1, dims["text_len"], dtype=torch.bool),
+                torch.empty(1, 2048),
+            )
+        print(
+            f"L={steps:2d}: sd35m policy {flops / 1e9:.2f} GFLOP once per image; policy / (L x step) = {flops / (steps * step_flops):.4%}"
+        )
 
 
 def bench_loop(name, args, device):
@@ -178,7 +354,9 @@ def bench_loop(name, args, device):
     if name.endswith("-tiny"):
         family = {"sd3-tiny": "sd3", "flux-tiny": "flux-dev", "sdxl-tiny": "sdxl"}[name]
         pipe = tiny_pipeline(family).to(device, dtype)
-        backbone = rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
+        backbone = rollout.from_pipeline(
+            pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family]
+        )
     else:
         backbone = backbones.load_backbone(name, path=args.model_path, device=device)
     pipe, count, steps = backbone.pipe, args.batch, args.steps
@@ -186,17 +364,30 @@ def bench_loop(name, args, device):
     (encode_ms,), (cond,) = timed([lambda: backbone.encode_prompts(prompts)], 1, device)
     noise = backbone.sample_noise(count, torch.Generator().manual_seed(0))
     times = backbone.default_times(steps).expand(count, -1)
-    embeddings = {key: value for key, value in cond.items() if key.endswith("prompt_embeds")}  # both sides time the loop alone
+    embeddings = {
+        key: value for key, value in cond.items() if key.endswith("prompt_embeds")
+    }  # both sides time the loop alone
 
     def pipeline():
-        return pipe(**embeddings, num_inference_steps=steps, guidance_scale=backbone.guidance or 0.0, height=backbone.resolution,
-                    width=backbone.resolution, latents=noise.to(backbone.dtype).clone(), output_type="latent").images
+        return pipe(
+            **embeddings,
+            num_inference_steps=steps,
+            guidance_scale=backbone.guidance or 0.0,
+            height=backbone.resolution,
+            width=backbone.resolution,
+            latents=noise.to(backbone.dtype).clone(),
+            output_type="latent",
+        ).images
 
-    (loop_ms, pipe_ms), (ours, theirs) = timed([lambda: backbone.sample(noise, cond, times), pipeline], args.repeats, device)
+    (loop_ms, pipe_ms), (ours, theirs) = timed(
+        [lambda: backbone.sample(noise, cond, times), pipeline], args.repeats, device
+    )
     difference = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
-    print(f"{name:<10s} L={steps} batch={count} {backbone.resolution}px {str(backbone.dtype):>14s}: loop {loop_ms:8.1f} ms, "
-          f"pipeline {pipe_ms:8.1f} ms (loop/pipeline {loop_ms / pipe_ms:.2f}), encode {encode_ms:.1f} ms, "
-          f"max relative difference {difference:.1e}")
+    print(
+        f"{name:<10s} L={steps} batch={count} {backbone.resolution}px {str(backbone.dtype):>14s}: loop {loop_ms:8.1f} ms, "
+        f"pipeline {pipe_ms:8.1f} ms (loop/pipeline {loop_ms / pipe_ms:.2f}), encode {encode_ms:.1f} ms, "
+        f"max relative difference {difference:.1e}"
+    )
 
 
 def bench_embedded(args, device, count=64):
@@ -205,10 +396,16 @@ def bench_embedded(args, device, count=64):
     noise = backbone.sample_noise(count, torch.Generator().manual_seed(0))
     for steps in sorted({args.steps, 10}):
         times = backbone.default_times(steps).expand(count, -1)
-        (milliseconds,), _ = timed([lambda: backbone.sample(noise, cond, times)], args.repeats, device)
-        print(f"digits L={steps:<3d} {count} rollouts: {milliseconds:8.2f} ms ({1e3 * count / milliseconds:,.0f} rollouts/s)")
+        (milliseconds,), _ = timed(
+            [lambda: backbone.sample(noise, cond, times)], args.repeats, device
+        )
+        print(
+            f"digits L={steps:<3d} {count} rollouts: {milliseconds:8.2f} ms ({1e3 * count / milliseconds:,.0f} rollouts/s)"
+        )
     (milliseconds,), _ = timed([lambda: backbone.reference(noise, cond)], 1, device)
-    print(f"digits teacher (RK4, {backbone.reference_steps} steps) for {count} contexts: {milliseconds:8.1f} ms")
+    print(
+        f"digits teacher (RK4, {backbone.reference_steps} steps) for {count} contexts: {milliseconds:8.1f} ms"
+    )
 
 
 def bench_threads(busy_iterations=20):
@@ -225,8 +422,13 @@ def bench_threads(busy_iterations=20):
 
     def train(threads, folder, *args):
         started = time.perf_counter()
-        subprocess.run([sys.executable, "train.py", "--threads", str(threads), "--out-dir", folder, *args], check=True,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=here)
+        subprocess.run(
+            [sys.executable, "train.py", "--threads", str(threads), "--out-dir", folder, *args],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            cwd=here,
+        )
         with open(os.path.join(folder, "metrics.jsonl")) as file:
             rows = [json.loads(line) for line in file]
         return time.perf_counter() - started, sum(row["step_s"] for row in rows) / len(rows)
@@ -237,17 +439,31 @@ def bench_threads(busy_iterations=20):
             seconds, per_iteration = train(threads, folder)
             with open(os.path.join(folder, "eval.json")) as file:
                 results[threads] = {row["method"]: row["mean"] for row in json.load(file)["rows"]}
-        print(f"python train.py --threads {threads}: {seconds:.1f} s ({per_iteration:.3f} s per iteration), "
-              f"held-out learned (mean) {results[threads]['learned (mean)']:.6f}")
+        print(
+            f"python train.py --threads {threads}: {seconds:.1f} s ({per_iteration:.3f} s per iteration), "
+            f"held-out learned (mean) {results[threads]['learned (mean)']:.6f}"
+        )
     one, default = results.values()
-    print(f"largest difference of a held-out mean between the two: {max(abs(one[name] - default[name]) for name in one):.2e}")
-    hog = subprocess.Popen([sys.executable, "-c", "import torch\nx = torch.randn(1024, 1024)\nwhile True: x = (x @ x).tanh()"])
+    print(
+        f"largest difference of a held-out mean between the two: {max(abs(one[name] - default[name]) for name in one):.2e}"
+    )
+    hog = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import torch\nx = torch.randn(1024, 1024)\nwhile True: x = (x @ x).tanh()",
+        ]
+    )
     try:
         for threads in settings:
             with tempfile.TemporaryDirectory() as folder:
-                _, per_iteration = train(threads, folder, "--iterations", str(busy_iterations), "--eval-contexts", "8")
-            print(f"every core busy with another process: --threads {threads}: {per_iteration:.3f} s per iteration "
-                  f"(first {busy_iterations} iterations)")
+                _, per_iteration = train(
+                    threads, folder, "--iterations", str(busy_iterations), "--eval-contexts", "8"
+                )
+            print(
+                f"every core busy with another process: --threads {threads}: {per_iteration:.3f} s per iteration "
+                f"(first {busy_iterations} iterations)"
+            )
     finally:
         hog.kill()
 
@@ -266,12 +482,28 @@ def bench_ocr(batch=4):
     reward = load_reward("ocr", Images())
     for size in (512, 1024):
         canvas = Image.new("RGB", (size, size), "white")
-        ImageDraw.Draw(canvas).text((size / 2, size / 2), "OPEN LATE", "black", ImageFont.load_default(size=size // 8), anchor="mm")
-        images = torch.tensor(list(canvas.getdata()), dtype=torch.float32).view(size, size, 3).permute(2, 0, 1).div(255).expand(batch, -1, -1, -1)
+        ImageDraw.Draw(canvas).text(
+            (size / 2, size / 2),
+            "OPEN LATE",
+            "black",
+            ImageFont.load_default(size=size // 8),
+            anchor="mm",
+        )
+        images = (
+            torch.tensor(list(canvas.getdata()), dtype=torch.float32)
+            .view(size, size, 3)
+            .permute(2, 0, 1)
+            .div(255)
+            .expand(batch, -1, -1, -1)
+        )
         prompts = ['a neon sign that says "OPEN LATE"'] * batch
-        (milliseconds,), (scores,) = timed([lambda: reward(images, prompts, None, None)], 1, torch.device("cpu"))
-        print(f"ocr {size}x{size}, {batch} per call, {torch.get_num_threads()} threads: {milliseconds / batch / 1e3:.2f} s per image, "
-              f"recall {scores.tolist()}")
+        (milliseconds,), (scores,) = timed(
+            [lambda: reward(images, prompts, None, None)], 1, torch.device("cpu")
+        )
+        print(
+            f"ocr {size}x{size}, {batch} per call, {torch.get_num_threads()} threads: {milliseconds / batch / 1e3:.2f} s per image, "
+            f"recall {scores.tolist()}"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ with load_policy. evaluate.py, sample.py and pipeline.py take either ckpt.pt or 
 id and rebuild the policy and its frozen backbone from it alone. Every way a file can be missing,
 truncated or of another run ends in one line that says what to do.
 """
+
 import contextlib
 import io
 import json
@@ -45,18 +46,30 @@ def read_checkpoint(path):
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # EOFError, UnpicklingError, RuntimeError of the zip reader, OSError: all mean "unreadable"
-        raise ValueError(f"{path} is not a readable checkpoint ({type(error).__name__}: the file is empty, truncated or "
-                         "of another program); train again or point to another file") from None
-    if not isinstance(state, dict) or not {"policy", "policy_config", "config", "iteration"} <= set(state):
-        raise ValueError(f"{path} is not a checkpoint written by train.py (its keys: {sorted(state)[:6]})")
+        raise ValueError(
+            f"{path} is not a readable checkpoint ({type(error).__name__}: the file is empty, truncated or "
+            "of another program); train again or point to another file"
+        ) from None
+    if not isinstance(state, dict) or not {"policy", "policy_config", "config", "iteration"} <= set(
+        state
+    ):
+        raise ValueError(
+            f"{path} is not a checkpoint written by train.py (its keys: {sorted(state)[:6]})"
+        )
     return state
 
 
 def save_policy(folder, policy, config, iteration):
     """The policy in the Hub format: config.json holds its constructor arguments, among them the
     backbone and the training configuration (with the iteration); model.safetensors its weights."""
-    policy.save_pretrained(folder, config=dict(policy.config, backbone=config["backbone"],
-                                               training_config=dict(config, iteration=iteration)))
+    policy.save_pretrained(
+        folder,
+        config=dict(
+            policy.config,
+            backbone=config["backbone"],
+            training_config=dict(config, iteration=iteration),
+        ),
+    )
 
 
 def load_checkpoint(source, backbone=None, steps=None):
@@ -66,35 +79,57 @@ def load_checkpoint(source, backbone=None, steps=None):
     otherwise, before anything heavy."""
     if os.path.isfile(source):
         checkpoint = read_checkpoint(source)
-        policy = build_policy(dict(checkpoint["policy_config"], backbone=checkpoint["config"]["backbone"],
-                                   training_config=dict(checkpoint["config"], iteration=checkpoint["iteration"])))
+        policy = build_policy(
+            dict(
+                checkpoint["policy_config"],
+                backbone=checkpoint["config"]["backbone"],
+                training_config=dict(checkpoint["config"], iteration=checkpoint["iteration"]),
+            )
+        )
         policy.load_state_dict(checkpoint["policy"])
-    elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):  # a folder, or a hub id user/name
+    elif os.path.isdir(source) or (
+        source.count("/") == 1 and not source.endswith(".pt")
+    ):  # a folder, or a hub id user/name
         missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
-        if os.path.isdir(source) and not all(os.path.isfile(os.path.join(source, f)) for f in ("config.json", "model.safetensors")):
+        if os.path.isdir(source) and not all(
+            os.path.isfile(os.path.join(source, f)) for f in ("config.json", "model.safetensors")
+        ):
             raise ValueError(missing)
-        files = {name: os.path.join(source, name) if os.path.isdir(source) else backbones.hub_file(source, name, missing)
-                 for name in ("config.json", "model.safetensors")}
+        files = {
+            name: os.path.join(source, name)
+            if os.path.isdir(source)
+            else backbones.hub_file(source, name, missing)
+            for name in ("config.json", "model.safetensors")
+        }
         with open(files["config.json"]) as handle:
             saved = json.load(handle)
         if "steps" not in saved:
             raise ValueError(missing)
         # whatever save_pretrained / push_to_hub wrote: the training configuration when there is one,
         # else what the folder itself says (backbone, L)
-        training = saved.get("training_config") or saved.get("training")  # "training": older folders
+        training = saved.get("training_config") or saved.get(
+            "training"
+        )  # "training": older folders
         if training is None:
             training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
         training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
         checkpoint = dict(config=training, iteration=training["iteration"])
         kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
-        with contextlib.redirect_stdout(io.StringIO()):  # the mixin prints "Loading weights from local directory"
-            policy = POLICIES[kind].from_pretrained(os.path.dirname(files["config.json"]),
-                                                    backbone=training["backbone"], training_config=training)
+        with contextlib.redirect_stdout(
+            io.StringIO()
+        ):  # the mixin prints "Loading weights from local directory"
+            policy = POLICIES[kind].from_pretrained(
+                os.path.dirname(files["config.json"]),
+                backbone=training["backbone"],
+                training_config=training,
+            )
     else:
         raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
     config = checkpoint["config"]
     if backbone is not None and config["backbone"] is not None and backbone != config["backbone"]:
-        raise ValueError(f"{source} was trained on backbone {config['backbone']!r}, not {backbone!r}")
+        raise ValueError(
+            f"{source} was trained on backbone {config['backbone']!r}, not {backbone!r}"
+        )
     if steps is not None and steps != config["steps"]:
         raise ValueError(f"{source} was trained for L={config['steps']} steps, not L={steps}")
     return checkpoint, policy.eval()
@@ -107,14 +142,28 @@ def load_policy(source, backbone=None, steps=None):
 
 def trained_backbone(config, device):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
-    return backbones.load_backbone(config["backbone"], path=config["model_path"], device=device,
-                                 dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
-                                 resolution=config["resolution"], guidance=config["guidance"])
+    return backbones.load_backbone(
+        config["backbone"],
+        path=config["model_path"],
+        device=device,
+        dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
+        resolution=config["resolution"],
+        guidance=config["guidance"],
+    )
 
 
 # What a run folder is continued with. The rest of the configuration defines the experiment: changing
 # it would mix two runs in one metrics.jsonl and one eval.json.
-CONTINUABLE = ("out_dir", "resume", "ckpt_interval", "log_interval", "iterations", "device", "threads", "model_path")
+CONTINUABLE = (
+    "out_dir",
+    "resume",
+    "ckpt_interval",
+    "log_interval",
+    "iterations",
+    "device",
+    "threads",
+    "model_path",
+)
 
 
 def existing_run(config):
@@ -129,10 +178,14 @@ def existing_run(config):
     for key, value in config.items():
         saved = checkpoint["config"].get(key)
         if key not in CONTINUABLE and saved != value:
-            raise ValueError(f"{config['out_dir']} holds a run with {key}={saved!r}, not {value!r}; pass "
-                             f"--{key.replace('_', '-')} {saved} to continue it, or another --out-dir for a new run")
+            raise ValueError(
+                f"{config['out_dir']} holds a run with {key}={saved!r}, not {value!r}; pass "
+                f"--{key.replace('_', '-')} {saved} to continue it, or another --out-dir for a new run"
+            )
     if not os.path.isfile(os.path.join(config["out_dir"], "metrics.jsonl")):
-        raise ValueError(f"{path} has no metrics.jsonl beside it; restore that file, or start afresh in another --out-dir")
+        raise ValueError(
+            f"{path} has no metrics.jsonl beside it; restore that file, or start afresh in another --out-dir"
+        )
     return checkpoint
 
 
@@ -145,12 +198,16 @@ def score_store(path, rows):
             with open(path) as handle:
                 store = json.load(handle)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(f"{path} is damaged ({type(error).__name__}); move it away to score afresh, "
-                             "or use another --out-dir") from None
+            raise ValueError(
+                f"{path} is damaged ({type(error).__name__}); move it away to score afresh, "
+                "or use another --out-dir"
+            ) from None
     for name, value in rows.items():
         if store["rows"].setdefault(name, value) != value:
-            raise ValueError(f"{path} holds '{name}' scores of {store['rows'][name]}, not {value}: use "
-                             "another --out-dir")
+            raise ValueError(
+                f"{path} holds '{name}' scores of {store['rows'][name]}, not {value}: use "
+                "another --out-dir"
+            )
     return store
 
 
@@ -161,7 +218,11 @@ def check_writable(folder):
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        what = "a file, not a folder" if parent == os.path.abspath(folder) else f"not writable here ({parent})"
+        what = (
+            "a file, not a folder"
+            if parent == os.path.abspath(folder)
+            else f"not writable here ({parent})"
+        )
         raise ValueError(f"--out-dir {folder} is {what}; pass a folder this user can write")
 
 
@@ -180,8 +241,10 @@ def lock_run(out_dir):
         handle.seek(0)
         holder = handle.read().strip() or "unknown"
         handle.close()
-        raise ValueError(f"{out_dir} is in use by another run (PID {holder}); wait for it to end, or pass another "
-                         "--out-dir") from None
+        raise ValueError(
+            f"{out_dir} is in use by another run (PID {holder}); wait for it to end, or pass another "
+            "--out-dir"
+        ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
@@ -213,8 +276,13 @@ def restore(checkpoint, policy, optimizer, metrics_path=None):
         return checkpoint["iteration"]
     rows, torn = metric_rows(metrics_path)
     if torn:
-        print(f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)")
-    write_lines_atomic(metrics_path, [json.dumps(row) + "\n" for row in rows if row["iteration"] <= checkpoint["iteration"]])
+        print(
+            f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)"
+        )
+    write_lines_atomic(
+        metrics_path,
+        [json.dumps(row) + "\n" for row in rows if row["iteration"] <= checkpoint["iteration"]],
+    )
     return checkpoint["iteration"]
 
 
@@ -228,6 +296,8 @@ def claim_run(out_dir, fresh):
     if fresh and os.path.isfile(metrics_path):
         rows, _ = metric_rows(metrics_path)
         os.replace(metrics_path, metrics_path + ".failed")
-        print(f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first checkpoint; "
-              f"moved to {metrics_path}.failed, this run starts afresh")
+        print(
+            f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first checkpoint; "
+            f"moved to {metrics_path}.failed, this run starts afresh"
+        )
     return lock

@@ -36,6 +36,7 @@ cropped to its box; the same OpenAI weights, in transformers, float32, preproces
 preprocess.clip_preprocess (CLIPImageProcessor: centre crop at floor((H-224)/2), torchvision rounds).
 Images are scored as tensors quantised to 8 bits, as GenEval reads PNGs.
 """
+
 import argparse
 import json
 import math
@@ -50,15 +51,86 @@ import torch.nn.functional as F
 from preprocess import clip_preprocess, quantize
 
 CLASSES = [
-    "person", "bicycle", "car", "motorcycle", "airplane", "bus", "train", "truck", "boat", "traffic light",
-    "fire hydrant", "stop sign", "parking meter", "bench", "bird", "cat", "dog", "horse", "sheep", "cow",
-    "elephant", "bear", "zebra", "giraffe", "backpack", "umbrella", "handbag", "tie", "suitcase", "frisbee",
-    "skis", "snowboard", "sports ball", "kite", "baseball bat", "baseball glove", "skateboard", "surfboard",
-    "tennis racket", "bottle", "wine glass", "cup", "fork", "knife", "spoon", "bowl", "banana", "apple",
-    "sandwich", "orange", "broccoli", "carrot", "hot dog", "pizza", "donut", "cake", "chair", "couch",
-    "potted plant", "bed", "dining table", "toilet", "tv", "laptop", "computer mouse", "tv remote",
-    "computer keyboard", "cell phone", "microwave", "oven", "toaster", "sink", "refrigerator", "book",
-    "clock", "vase", "scissors", "teddy bear", "hair drier", "toothbrush",
+    "person",
+    "bicycle",
+    "car",
+    "motorcycle",
+    "airplane",
+    "bus",
+    "train",
+    "truck",
+    "boat",
+    "traffic light",
+    "fire hydrant",
+    "stop sign",
+    "parking meter",
+    "bench",
+    "bird",
+    "cat",
+    "dog",
+    "horse",
+    "sheep",
+    "cow",
+    "elephant",
+    "bear",
+    "zebra",
+    "giraffe",
+    "backpack",
+    "umbrella",
+    "handbag",
+    "tie",
+    "suitcase",
+    "frisbee",
+    "skis",
+    "snowboard",
+    "sports ball",
+    "kite",
+    "baseball bat",
+    "baseball glove",
+    "skateboard",
+    "surfboard",
+    "tennis racket",
+    "bottle",
+    "wine glass",
+    "cup",
+    "fork",
+    "knife",
+    "spoon",
+    "bowl",
+    "banana",
+    "apple",
+    "sandwich",
+    "orange",
+    "broccoli",
+    "carrot",
+    "hot dog",
+    "pizza",
+    "donut",
+    "cake",
+    "chair",
+    "couch",
+    "potted plant",
+    "bed",
+    "dining table",
+    "toilet",
+    "tv",
+    "laptop",
+    "computer mouse",
+    "tv remote",
+    "computer keyboard",
+    "cell phone",
+    "microwave",
+    "oven",
+    "toaster",
+    "sink",
+    "refrigerator",
+    "book",
+    "clock",
+    "vase",
+    "scissors",
+    "teddy bear",
+    "hair drier",
+    "toothbrush",
 ]  # GenEval's object_names.txt, in the detector's class order
 COLORS = ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
 RELATIONS = ["left of", "right of", "above", "below"]
@@ -66,19 +138,30 @@ NUMBERS = ["zero", "one", "two", "three", "four"]
 TAGS = ["single_object", "two_object", "counting", "colors", "position", "color_attr"]
 PREFIX = "a photo of "
 
-THRESHOLD = 0.3            # detection score an object must exceed
-COUNTING_THRESHOLD = 0.9   # the same for every class of a counting prompt
-MAX_OBJECTS = 16           # best detections kept per class
-NMS_THRESHOLD = 1.0        # GenEval's max_overlap: 1.0 suppresses nothing
-POSITION_THRESHOLD = 0.1   # margin, a fraction of the two objects' summed width / height
-COLOR_TEMPLATES = ["a photo of a {color} {name}", "a photo of a {color}-colored {name}", "a photo of a {color} object"]
-BACKGROUND = 153 / 255     # "#999", the grey GenEval puts around a masked object before CLIP
+THRESHOLD = 0.3  # detection score an object must exceed
+COUNTING_THRESHOLD = 0.9  # the same for every class of a counting prompt
+MAX_OBJECTS = 16  # best detections kept per class
+NMS_THRESHOLD = 1.0  # GenEval's max_overlap: 1.0 suppresses nothing
+POSITION_THRESHOLD = 0.1  # margin, a fraction of the two objects' summed width / height
+COLOR_TEMPLATES = [
+    "a photo of a {color} {name}",
+    "a photo of a {color}-colored {name}",
+    "a photo of a {color} object",
+]
+BACKGROUND = 153 / 255  # "#999", the grey GenEval puts around a masked object before CLIP
 
 DETECTOR_DEFAULT = "facebook/mask2former-swin-small-coco-instance"
 CLIP_DEFAULT = "openai/clip-vit-large-patch14"
 HELDOUT_PER_TAG = 50
 # single objects: the 30 not held out; counting: 240 prompts exist, 80 of them GenEval's benchmark
-TRAIN_PER_TAG = {"single_object": 30, "two_object": 120, "counting": 100, "colors": 120, "position": 120, "color_attr": 120}
+TRAIN_PER_TAG = {
+    "single_object": 30,
+    "two_object": 120,
+    "counting": 100,
+    "colors": 120,
+    "position": 120,
+    "color_attr": 120,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,33 +177,60 @@ def plural(name):
 
 
 def single_object(name):
-    return {"tag": "single_object", "include": [{"class": name, "count": 1}], "prompt": PREFIX + article(name)}
+    return {
+        "tag": "single_object",
+        "include": [{"class": name, "count": 1}],
+        "prompt": PREFIX + article(name),
+    }
 
 
 def two_object(first, second):
-    return {"tag": "two_object", "include": [{"class": first, "count": 1}, {"class": second, "count": 1}],
-            "prompt": f"{PREFIX}{article(first)} and {article(second)}"}
+    return {
+        "tag": "two_object",
+        "include": [{"class": first, "count": 1}, {"class": second, "count": 1}],
+        "prompt": f"{PREFIX}{article(first)} and {article(second)}",
+    }
 
 
 def counting(name, count):
-    return {"tag": "counting", "include": [{"class": name, "count": count}], "exclude": [{"class": name, "count": count + 1}],
-            "prompt": f"{PREFIX}{NUMBERS[count]} {plural(name)}"}
+    return {
+        "tag": "counting",
+        "include": [{"class": name, "count": count}],
+        "exclude": [{"class": name, "count": count + 1}],
+        "prompt": f"{PREFIX}{NUMBERS[count]} {plural(name)}",
+    }
 
 
 def colors(name, color):
-    return {"tag": "colors", "include": [{"class": name, "count": 1, "color": color}], "prompt": PREFIX + article(f"{color} {name}")}
+    return {
+        "tag": "colors",
+        "include": [{"class": name, "count": 1, "color": color}],
+        "prompt": PREFIX + article(f"{color} {name}"),
+    }
 
 
 def position(name, relation, target):
     # the target comes first, so that the relation can point back at include clause 0
-    return {"tag": "position", "include": [{"class": target, "count": 1}, {"class": name, "count": 1, "position": [relation, 0]}],
-            "prompt": f"{PREFIX}{article(name)} {relation} {article(target)}"}
+    return {
+        "tag": "position",
+        "include": [
+            {"class": target, "count": 1},
+            {"class": name, "count": 1, "position": [relation, 0]},
+        ],
+        "prompt": f"{PREFIX}{article(name)} {relation} {article(target)}",
+    }
 
 
 def color_attr(first, first_color, second, second_color):
-    include = [{"class": first, "count": 1, "color": first_color}, {"class": second, "count": 1, "color": second_color}]
-    return {"tag": "color_attr", "include": include,
-            "prompt": f"{PREFIX}{article(f'{first_color} {first}')} and {article(f'{second_color} {second}')}"}
+    include = [
+        {"class": first, "count": 1, "color": first_color},
+        {"class": second, "count": 1, "color": second_color},
+    ]
+    return {
+        "tag": "color_attr",
+        "include": include,
+        "prompt": f"{PREFIX}{article(f'{first_color} {first}')} and {article(f'{second_color} {second}')}",
+    }
 
 
 def sample(tag, rng):
@@ -148,7 +258,10 @@ def benchmark(seed=43, per_tag=100):
     """GenEval's evaluation_metadata.jsonl as generate_suite makes it: every single object once, then
     `per_tag` draws of each other tag, de-duplicated."""
     rng = np.random.default_rng(seed)
-    records = [single_object(CLASSES[index]) for index in rng.choice(len(CLASSES), size=len(CLASSES), replace=False)]
+    records = [
+        single_object(CLASSES[index])
+        for index in rng.choice(len(CLASSES), size=len(CLASSES), replace=False)
+    ]
     records += [sample(tag, rng) for tag in TAGS[1:] for _ in range(per_tag)]
     return list({record["prompt"]: record for record in records}.values())
 
@@ -174,14 +287,18 @@ def splits(seed=0):
     return draw(rng, TRAIN_PER_TAG, taken), heldout
 
 
-PHRASES = {article(name): (name, None) for name in CLASSES}  # "a dog", "an orange", "a red car", "an orange orange"
+PHRASES = {
+    article(name): (name, None) for name in CLASSES
+}  # "a dog", "an orange", "a red car", "an orange orange"
 PHRASES.update({article(f"{color} {name}"): (name, color) for color in COLORS for name in CLASSES})
-COUNTS = {f"{NUMBERS[count]} {plural(name)}": (name, count) for count in (2, 3, 4) for name in CLASSES}
+COUNTS = {
+    f"{NUMBERS[count]} {plural(name)}": (name, count) for count in (2, 3, 4) for name in CLASSES
+}
 
 
 def parse(prompt):
     """A GenEval prompt -> its record (the builders above, inverted); ValueError if it is not one."""
-    body = prompt[len(PREFIX):] if prompt.startswith(PREFIX) else ""
+    body = prompt[len(PREFIX) :] if prompt.startswith(PREFIX) else ""
     if body in PHRASES:
         name, color = PHRASES[body]
         return colors(name, color) if color else single_object(name)
@@ -194,7 +311,9 @@ def parse(prompt):
             if joint == "and" and first_color and second_color:
                 return color_attr(first, first_color, second, second_color)
             if not first_color and not second_color:
-                return two_object(first, second) if joint == "and" else position(first, joint, second)
+                return (
+                    two_object(first, second) if joint == "and" else position(first, joint, second)
+                )
     raise ValueError(f"not a GenEval prompt (templates in geneval.py): {prompt!r}")
 
 
@@ -204,17 +323,24 @@ def parse(prompt):
 
 @dataclass(eq=False)
 class Detection:
-    label: str                   # a name in CLASSES
+    label: str  # a name in CLASSES
     score: float
-    box: tuple                   # (x0, y0, x1, y1) in pixels
-    mask: torch.Tensor = None    # (H, W) bool, for the colour crop
-    color: str = None            # a name in COLORS, once classified
+    box: tuple  # (x0, y0, x1, y1) in pixels
+    mask: torch.Tensor = None  # (H, W) bool, for the colour crop
+    color: str = None  # a name in COLORS, once classified
 
 
 def box_iou(first, second):
     """evaluate_images.py's compute_iou, with its +1 pixel convention."""
     area = lambda box: max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
-    inter = area([max(first[0], second[0]), max(first[1], second[1]), min(first[2], second[2]), min(first[3], second[3])])
+    inter = area(
+        [
+            max(first[0], second[0]),
+            max(first[1], second[1]),
+            min(first[2], second[2]),
+            min(first[3], second[3]),
+        ]
+    )
     union = area(first) + area(second) - inter
     return inter / union if union else 0
 
@@ -223,12 +349,18 @@ def relative_position(box, target):
     """Relations of `box` to `target` (evaluate_images.py): the centres' offset, shrunk on each axis by
     POSITION_THRESHOLD times the two objects' sizes, over the offset's length, beyond +-0.5."""
     offset = [(box[axis] + box[axis + 2] - target[axis] - target[axis + 2]) / 2 for axis in (0, 1)]
-    sizes = [abs(box[axis + 2] - box[axis]) + abs(target[axis + 2] - target[axis]) for axis in (0, 1)]
-    revised = [np.sign(d) * max(abs(d) - POSITION_THRESHOLD * size, 0) for d, size in zip(offset, sizes)]
+    sizes = [
+        abs(box[axis + 2] - box[axis]) + abs(target[axis + 2] - target[axis]) for axis in (0, 1)
+    ]
+    revised = [
+        np.sign(d) * max(abs(d) - POSITION_THRESHOLD * size, 0) for d, size in zip(offset, sizes)
+    ]
     if all(abs(d) < 1e-3 for d in revised):
         return set()
     dx, dy = np.array(revised) / np.linalg.norm(offset)
-    return {name for name, holds in zip(RELATIONS, (dx < -0.5, dx > 0.5, dy < -0.5, dy > 0.5)) if holds}
+    return {
+        name for name, holds in zip(RELATIONS, (dx < -0.5, dx > 0.5, dy < -0.5, dy > 0.5)) if holds
+    }
 
 
 def found_objects(detections, tag, nms_threshold=NMS_THRESHOLD):
@@ -237,11 +369,16 @@ def found_objects(detections, tag, nms_threshold=NMS_THRESHOLD):
     threshold = COUNTING_THRESHOLD if tag == "counting" else THRESHOLD
     found = {}
     for name in dict.fromkeys(detection.label for detection in detections):
-        ordered = sorted((d for d in detections if d.label == name and d.score > threshold), key=lambda d: -d.score)[:MAX_OBJECTS]
+        ordered = sorted(
+            (d for d in detections if d.label == name and d.score > threshold),
+            key=lambda d: -d.score,
+        )[:MAX_OBJECTS]
         while ordered:
             best = ordered.pop(0)
             found.setdefault(name, []).append(best)
-            ordered = [d for d in ordered if nms_threshold == 1 or box_iou(best.box, d.box) < nms_threshold]
+            ordered = [
+                d for d in ordered if nms_threshold == 1 or box_iou(best.box, d.box) < nms_threshold
+            ]
     return found
 
 
@@ -259,12 +396,24 @@ def requirements(record, detections, nms_threshold=NMS_THRESHOLD):
             checks.append((f"{clause['color']} {name}", matched))
         if "position" in clause:
             relation, target = clause["position"]
-            matched = matched and groups[target] is not None and all(
-                relation in relative_position(obj.box, other.box) for obj in objects for other in groups[target])
+            matched = (
+                matched
+                and groups[target] is not None
+                and all(
+                    relation in relative_position(obj.box, other.box)
+                    for obj in objects
+                    for other in groups[target]
+                )
+            )
             checks.append((f"{name} {relation} {record['include'][target]['class']}", matched))
         groups.append(objects if matched else None)
     for clause in record.get("exclude", []):
-        checks.append((f"fewer than {clause['count']} {clause['class']}", len(found.get(clause["class"], [])) < clause["count"]))
+        checks.append(
+            (
+                f"fewer than {clause['count']} {clause['class']}",
+                len(found.get(clause["class"], [])) < clause["count"],
+            )
+        )
     return checks
 
 
@@ -296,20 +445,43 @@ def mask_box(mask):
 class GenEvalReward:
     """Fraction of a GenEval prompt's requirements the decoded image meets (module docstring)."""
 
-    def __init__(self, backbone, checkpoint=DETECTOR_DEFAULT, clip_checkpoint=CLIP_DEFAULT, device=None,
-                 detector_size=(800, 1333), batch_size=8):
-        from transformers import AutoTokenizer, CLIPModel, Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessorPil
+    def __init__(
+        self,
+        backbone,
+        checkpoint=DETECTOR_DEFAULT,
+        clip_checkpoint=CLIP_DEFAULT,
+        device=None,
+        detector_size=(800, 1333),
+        batch_size=8,
+    ):
+        from transformers import (
+            AutoTokenizer,
+            CLIPModel,
+            Mask2FormerForUniversalSegmentation,
+            Mask2FormerImageProcessorPil,
+        )
 
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.detector_size = detector_size  # (shortest, longest) side the detector sees at most
         self.batch_size = batch_size
-        self.detector = Mask2FormerForUniversalSegmentation.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
+        self.detector = (
+            Mask2FormerForUniversalSegmentation.from_pretrained(checkpoint)
+            .to(self.device)
+            .eval()
+            .requires_grad_(False)
+        )
         labels = self.detector.config.num_labels
         if labels != len(CLASSES):  # GenEval reads detector class i as object_names.txt line i
-            raise ValueError(f"{checkpoint} has {labels} classes; GenEval needs a COCO instance model (80)")
-        self.processor = Mask2FormerImageProcessorPil()  # for post-processing only: it reads no configuration
-        self.clip = CLIPModel.from_pretrained(clip_checkpoint).to(self.device).eval().requires_grad_(False)
+            raise ValueError(
+                f"{checkpoint} has {labels} classes; GenEval needs a COCO instance model (80)"
+            )
+        self.processor = (
+            Mask2FormerImageProcessorPil()
+        )  # for post-processing only: it reads no configuration
+        self.clip = (
+            CLIPModel.from_pretrained(clip_checkpoint).to(self.device).eval().requires_grad_(False)
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(clip_checkpoint)
         self.clip_size = self.clip.config.vision_config.image_size
         self.color_classifiers = {}  # class name -> (10, D), GenEval's COLOR_CLASSIFIERS
@@ -320,31 +492,51 @@ class GenEvalReward:
         shortest, longest = self.detector_size
         scale = min(shortest / min(height, width), longest / max(height, width))
         size = [math.ceil(int(side * scale + 0.5) / 32) * 32 for side in (height, width)]
-        mean = torch.tensor([0.485, 0.456, 0.406], device=self.device).view(1, 3, 1, 1)  # mmdetection's img_norm_cfg / 255
+        mean = torch.tensor([0.485, 0.456, 0.406], device=self.device).view(
+            1, 3, 1, 1
+        )  # mmdetection's img_norm_cfg / 255
         std = torch.tensor([0.229, 0.224, 0.225], device=self.device).view(1, 3, 1, 1)
-        pixels = F.interpolate(images.to(self.device), size, mode="bilinear", align_corners=False)  # mmcv's cv2 resize
+        pixels = F.interpolate(
+            images.to(self.device), size, mode="bilinear", align_corners=False
+        )  # mmcv's cv2 resize
         outputs = self.detector(pixel_values=(pixels - mean) / std)
         # on the CPU: post-processing builds its (384, 384) maps there whatever the outputs' device
-        outputs = SimpleNamespace(class_queries_logits=outputs.class_queries_logits.float().cpu(),
-                                  masks_queries_logits=outputs.masks_queries_logits.float().cpu())
-        results = self.processor.post_process_instance_segmentation(outputs, threshold=THRESHOLD, return_binary_maps=True)
+        outputs = SimpleNamespace(
+            class_queries_logits=outputs.class_queries_logits.float().cpu(),
+            masks_queries_logits=outputs.masks_queries_logits.float().cpu(),
+        )
+        results = self.processor.post_process_instance_segmentation(
+            outputs, threshold=THRESHOLD, return_binary_maps=True
+        )
         detections = [[] for _ in results]
         for found, result in zip(detections, results):
             if result["segments_info"]:  # else "segmentation" is an empty map, not binary masks
-                masks = F.interpolate(result["segmentation"][None].to(self.device), (height, width), mode="nearest")[0].bool()
-                found += [Detection(CLASSES[segment["label_id"]], segment["score"], mask_box(mask), mask)
-                          for segment, mask in zip(result["segments_info"], masks)
-                          if mask.any()]  # a speck at 384x384 can vanish in a smaller image
+                masks = F.interpolate(
+                    result["segmentation"][None].to(self.device), (height, width), mode="nearest"
+                )[0].bool()
+                found += [
+                    Detection(CLASSES[segment["label_id"]], segment["score"], mask_box(mask), mask)
+                    for segment, mask in zip(result["segments_info"], masks)
+                    if mask.any()
+                ]  # a speck at 384x384 can vanish in a smaller image
         return detections
 
     def color_classifier(self, name):
         """clip_benchmark's zero_shot_classifier over GenEval's templates: per colour the mean of its
         normalised text embeddings, renormalised. (10, D)"""
         if name not in self.color_classifiers:
-            texts = [template.format(color=color, name=name) for color in COLORS for template in COLOR_TEMPLATES]
+            texts = [
+                template.format(color=color, name=name)
+                for color in COLORS
+                for template in COLOR_TEMPLATES
+            ]
             tokens = self.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
-            pooled = self.clip.text_model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).pooler_output
-            embeddings = F.normalize(self.clip.text_projection(pooled), dim=-1).view(len(COLORS), len(COLOR_TEMPLATES), -1)
+            pooled = self.clip.text_model(
+                input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
+            ).pooler_output
+            embeddings = F.normalize(self.clip.text_projection(pooled), dim=-1).view(
+                len(COLORS), len(COLOR_TEMPLATES), -1
+            )
             self.color_classifiers[name] = F.normalize(embeddings.mean(1), dim=-1)
         return self.color_classifiers[name]
 
@@ -357,10 +549,14 @@ class GenEvalReward:
             masked = torch.where(detection.mask, images[index].to(self.device), BACKGROUND)
             crops.append(clip_preprocess(masked[None, :, y0:y1, x0:x1], self.clip_size))
         for start in range(0, len(crops), self.batch_size):
-            pooled = self.clip.vision_model(pixel_values=torch.cat(crops[start:start + self.batch_size])).pooler_output
+            pooled = self.clip.vision_model(
+                pixel_values=torch.cat(crops[start : start + self.batch_size])
+            ).pooler_output
             features = F.normalize(self.clip.visual_projection(pooled), dim=-1)
-            for (_, detection), feature in zip(wanted[start:start + self.batch_size], features):
-                detection.color = COLORS[int((self.color_classifier(detection.label) @ feature).argmax())]
+            for (_, detection), feature in zip(wanted[start : start + self.batch_size], features):
+                detection.color = COLORS[
+                    int((self.color_classifier(detection.label) @ feature).argmax())
+                ]
 
     @torch.no_grad()
     def score_images(self, images, prompts):
@@ -368,18 +564,33 @@ class GenEvalReward:
         "requirements"}; a prompt that does not parse fails first."""
         records = [parse(prompt) for prompt in prompts]
         images = quantize(images)
-        per_image = [detections for chunk in images.split(self.batch_size) for detections in self.detect(chunk)]
+        per_image = [
+            detections
+            for chunk in images.split(self.batch_size)
+            for detections in self.detect(chunk)
+        ]
         wanted = []  # as GenEval: the colours of a coloured clause's `count` best objects
         for index, (record, detections) in enumerate(zip(records, per_image)):
             found = found_objects(detections, record["tag"])
-            wanted += [(index, obj) for clause in record["include"] if "color" in clause
-                       for obj in found.get(clause["class"], [])[:clause["count"]]]
+            wanted += [
+                (index, obj)
+                for clause in record["include"]
+                if "color" in clause
+                for obj in found.get(clause["class"], [])[: clause["count"]]
+            ]
         self.classify_colors(images, wanted)
         rows = []
         for prompt, record, detections in zip(prompts, records, per_image):
             fraction, correct = score(record, detections)
-            rows.append({"prompt": prompt, "tag": record["tag"], "reward": fraction, "correct": correct,
-                         "requirements": requirements(record, detections)})
+            rows.append(
+                {
+                    "prompt": prompt,
+                    "tag": record["tag"],
+                    "reward": fraction,
+                    "correct": correct,
+                    "requirements": requirements(record, detections),
+                }
+            )
         return rows
 
     def details(self, latents, prompts):
@@ -387,7 +598,9 @@ class GenEvalReward:
 
     def __call__(self, latents, prompts, noise, cond):
         rows = self.details(latents, prompts)
-        return torch.tensor([row["reward"] for row in rows], dtype=torch.float32, device=self.device)
+        return torch.tensor(
+            [row["reward"] for row in rows], dtype=torch.float32, device=self.device
+        )
 
 
 def check_weights(model, what, also=None):
@@ -398,33 +611,58 @@ def check_weights(model, what, also=None):
     missing = []
     for name, kind in [(model, what)] + ([also] if also else []):
         try:
-            os.path.isdir(name) or hub_file(name, "config.json", f"{kind} {name!r} not found: download it with "
-                                            f"`hf download {name}` or pass a local folder")
+            os.path.isdir(name) or hub_file(
+                name,
+                "config.json",
+                f"{kind} {name!r} not found: download it with "
+                f"`hf download {name}` or pass a local folder",
+            )
         except ValueError as error:
             missing.append(str(error))
     if missing:
         raise ValueError("; ".join(missing))
 
 
-def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, detector_size=(800, 1333), batch_size=8):
+def load_geneval(
+    backbone,
+    device=None,
+    checkpoint=None,
+    clip_checkpoint=None,
+    detector_size=(800, 1333),
+    batch_size=8,
+):
     """`checkpoint`: a transformers Mask2Former COCO instance model, hub id or folder (default Swin-S;
     e.g. facebook/mask2former-swin-large-coco-instance); `clip_checkpoint`: a CLIPModel. Both are
     checked before either loads."""
     checkpoint, clip_checkpoint = checkpoint or DETECTOR_DEFAULT, clip_checkpoint or CLIP_DEFAULT
     check_weights(checkpoint, "GenEval detector", also=(clip_checkpoint, "CLIP model"))
-    return GenEvalReward(backbone, checkpoint, clip_checkpoint, device=device, detector_size=detector_size, batch_size=batch_size)
+    return GenEvalReward(
+        backbone,
+        checkpoint,
+        clip_checkpoint,
+        device=device,
+        detector_size=detector_size,
+        batch_size=batch_size,
+    )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="GenEval prompt sets, deterministic from --seed")
-    parser.add_argument("--write", action="store_true", help="write prompts/geneval_{train,heldout}.jsonl")
+    parser.add_argument(
+        "--write", action="store_true", help="write prompts/geneval_{train,heldout}.jsonl"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     train, heldout = splits(args.seed)
     for name, records in [("benchmark", benchmark()), ("train", train), ("heldout", heldout)]:
-        print(f"{name:<9} {len(records):4d}  " + "  ".join(f"{tag} {sum(r['tag'] == tag for r in records)}" for tag in TAGS))
+        print(
+            f"{name:<9} {len(records):4d}  "
+            + "  ".join(f"{tag} {sum(r['tag'] == tag for r in records)}" for tag in TAGS)
+        )
         if args.write and name != "benchmark":
-            path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts", f"geneval_{name}.jsonl")
+            path = os.path.join(
+                os.path.dirname(os.path.abspath(__file__)), "prompts", f"geneval_{name}.jsonl"
+            )
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as file:
                 file.writelines(json.dumps(record) + "\n" for record in records)

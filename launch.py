@@ -19,14 +19,30 @@ from torch.nn.parallel import DistributedDataParallel
 
 from backbones import BACKBONES, load_backbone, locate_weights, make_policy, update_cost
 from baselines import MIN_CONTEXTS
-from checkpoints import check_writable, claim_run, existing_run, restore, save_policy, write_json_atomic
+from checkpoints import (
+    check_writable,
+    claim_run,
+    existing_run,
+    restore,
+    save_policy,
+    write_json_atomic,
+)
 from evaluate import default_schedule, evaluate, format_table, policy_schedule, summarize
 from prompts import DEFAULT, SHIPPED, heldout_contexts, load_prompt_file
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
 from sample import plot_training
 
-LEAST = dict(steps=1, rollouts=2, iterations=1, ckpt_interval=1, log_interval=1, eval_contexts=1,
-             rollout_batch=1, resolution=8, threads=1)
+LEAST = dict(
+    steps=1,
+    rollouts=2,
+    iterations=1,
+    ckpt_interval=1,
+    log_interval=1,
+    eval_contexts=1,
+    rollout_batch=1,
+    resolution=8,
+    threads=1,
+)
 
 
 def _fail(message):
@@ -51,37 +67,63 @@ def check_config(config, world_size):
     for key, minimum in least.items():
         value = getattr(config, key)
         if value is not None and value < minimum:
-            why = {"rollouts": " for a leave-one-out baseline",
-                   "contexts": f" for --baseline {config.baseline}"}.get(key, "")
+            why = {
+                "rollouts": " for a leave-one-out baseline",
+                "contexts": f" for --baseline {config.baseline}",
+            }.get(key, "")
             _fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
-    for key, positive in (("lr", True), ("grad_clip", True), ("weight_decay", False), ("guidance", False)):
+    for key, positive in (
+        ("lr", True),
+        ("grad_clip", True),
+        ("weight_decay", False),
+        ("guidance", False),
+    ):
         value = getattr(config, key)
-        if value is not None and not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
-            _fail(f"--{key.replace('_', '-')} must be a finite number {'> 0' if positive else '>= 0'} "
-                  f"(got {value})")
+        if value is not None and not (
+            math.isfinite(value) and (value > 0 if positive else value >= 0)
+        ):
+            _fail(
+                f"--{key.replace('_', '-')} must be a finite number {'> 0' if positive else '>= 0'} "
+                f"(got {value})"
+            )
     if config.device == "cuda" and not torch.cuda.is_available():
-        _fail(f"--device cuda, but this machine has no CUDA device (torch {torch.__version__}); drop "
-              "--device to run on the CPU")
+        _fail(
+            f"--device cuda, but this machine has no CUDA device (torch {torch.__version__}); drop "
+            "--device to run on the CPU"
+        )
     spec = BACKBONES[config.backbone]
     config.threads = config.threads or spec["threads"]
     if config.threads and config.threads > (os.cpu_count() or 1):
-        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores; using "
-              f"{os.cpu_count()}")
+        print(
+            f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores; using "
+            f"{os.cpu_count()}"
+        )
         config.threads = os.cpu_count()
     if config.contexts % world_size:
-        _fail(f"--contexts {config.contexts} is not divisible by the {world_size} ranks; choose a "
-              "multiple of the number of processes")
+        _fail(
+            f"--contexts {config.contexts} is not divisible by the {world_size} ranks; choose a "
+            "multiple of the number of processes"
+        )
     if spec["hub_id"] is not None and config.device is None and not torch.cuda.is_available():
-        _fail(f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
-              "--device cpu to insist (or try --backbone digits)")
+        _fail(
+            f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
+            "--device cpu to insist (or try --backbone digits)"
+        )
     if config.reward == "digit" and "folder" not in spec:
-        _fail("the digit reward reads the 16x16 handwritten digits that only the mini-* backbones "
-              f"draw, not {config.backbone}'s images; use --reward teacher, or a mini-* backbone")
+        _fail(
+            "the digit reward reads the 16x16 handwritten digits that only the mini-* backbones "
+            f"draw, not {config.backbone}'s images; use --reward teacher, or a mini-* backbone"
+        )
     if spec["family"] == "mixture" and config.reward in IMAGE_CONTENT:
-        _fail(f"the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} "
-              "images do not have; use a real backbone, or --reward teacher")
+        _fail(
+            f"the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} "
+            "images do not have; use a real backbone, or --reward teacher"
+        )
     shipped = default_prompts(config)
-    config.prompts, config.eval_prompts = config.prompts or shipped[0], config.eval_prompts or shipped[1]
+    config.prompts, config.eval_prompts = (
+        config.prompts or shipped[0],
+        config.eval_prompts or shipped[1],
+    )
     try:
         check_writable(config.out_dir)
         prompts = load_prompt_file(config.prompts) if config.prompts else None
@@ -96,7 +138,12 @@ def ranks(config):
     """(rank, world_size, device, distributed): torchrun's process group (nccl on GPUs, gloo on
     CPUs), or one process."""
     if "RANK" not in os.environ:
-        return 0, 1, torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu")), False
+        return (
+            0,
+            1,
+            torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu")),
+            False,
+        )
     use_cuda = torch.cuda.is_available() and config.device != "cpu"
     dist.init_process_group(backend="nccl" if use_cuda else "gloo")
     device = torch.device(f"cuda:{int(os.environ['LOCAL_RANK'])}" if use_cuda else "cpu")
@@ -109,9 +156,11 @@ def report_finished(config, checkpoint, eval_path):
     """The same command again on a finished run: say what is there instead of failing or overwriting."""
     with open(eval_path) as file:
         table = format_table(json.load(file)["rows"])
-    print(f"{config.out_dir} holds this run, finished at iteration {checkpoint['iteration']}; its "
-          f"held-out table:\n{table}\nto train again, pass another --out-dir (or --iterations N > "
-          f"{checkpoint['iteration']} to continue)")
+    print(
+        f"{config.out_dir} holds this run, finished at iteration {checkpoint['iteration']}; its "
+        f"held-out table:\n{table}\nto train again, pass another --out-dir (or --iterations N > "
+        f"{checkpoint['iteration']} to continue)"
+    )
 
 
 def setup(config):
@@ -121,12 +170,18 @@ def setup(config):
     when distributed), optimizer, start (the first iteration), the paths and the folder's lock; None
     when the run is already finished."""
     rank, world_size, device, distributed = ranks(config)
-    run = types.SimpleNamespace(rank=rank, world_size=world_size, master=rank == 0, device=device,
-                                distributed=distributed)
+    run = types.SimpleNamespace(
+        rank=rank, world_size=world_size, master=rank == 0, device=device, distributed=distributed
+    )
     prompts, heldout, checkpoint = check_config(config, world_size)
     run.ckpt_path, run.metrics_path, run.eval_path = (
-        os.path.join(config.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl", "eval.json"))
-    if checkpoint and checkpoint["iteration"] >= config.iterations and os.path.isfile(run.eval_path):
+        os.path.join(config.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl", "eval.json")
+    )
+    if (
+        checkpoint
+        and checkpoint["iteration"] >= config.iterations
+        and os.path.isfile(run.eval_path)
+    ):
         if run.master:
             report_finished(config, checkpoint, run.eval_path)
         return None
@@ -134,12 +189,22 @@ def setup(config):
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     if run.master:  # what one update costs, before anything loads
-        teacher = f" (the teacher solves {config.contexts} contexts)" if config.reward == "teacher" else ""
-        print(update_cost(config.backbone, config.contexts, config.rollouts, config.steps,
-                          config.guidance) + teacher)
+        teacher = (
+            f" (the teacher solves {config.contexts} contexts)"
+            if config.reward == "teacher"
+            else ""
+        )
+        print(
+            update_cost(
+                config.backbone, config.contexts, config.rollouts, config.steps, config.guidance
+            )
+            + teacher
+        )
     missing = []  # every missing piece in one message, before either model loads
-    for check in (lambda: check_reward(config.reward, config.reward_checkpoint),
-                  lambda: locate_weights(config.backbone, config.model_path)):
+    for check in (
+        lambda: check_reward(config.reward, config.reward_checkpoint),
+        lambda: locate_weights(config.backbone, config.model_path),
+    ):
         try:
             check()
         except ValueError as error:
@@ -152,62 +217,103 @@ def setup(config):
         _fail(error)
 
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    run.backbone = load_backbone(config.backbone, path=config.model_path, device=device, dtype=dtype,
-                                 resolution=config.resolution, guidance=config.guidance)
+    run.backbone = load_backbone(
+        config.backbone,
+        path=config.model_path,
+        device=device,
+        dtype=dtype,
+        resolution=config.resolution,
+        guidance=config.guidance,
+    )
     run.prompts = prompts or run.backbone.prompts
     run.heldout = heldout_contexts(heldout or run.backbone.prompts, config.eval_contexts)
     try:  # a prompt the backbone cannot take fails here, not at an iteration
         run.backbone.check_prompts(run.prompts + run.heldout[0])
     except ValueError as error:
         _fail(error)
-    run.reward = load_reward(config.reward, run.backbone, device=device,
-                             checkpoint=config.reward_checkpoint)
+    run.reward = load_reward(
+        config.reward, run.backbone, device=device, checkpoint=config.reward_checkpoint
+    )
     run.curve = None
     if run.master:
-        run.curve = heldout_curve(run.backbone, run.reward, run.heldout[0][:32], run.heldout[1][:32],
-                                  config.steps)
+        run.curve = heldout_curve(
+            run.backbone, run.reward, run.heldout[0][:32], run.heldout[1][:32], config.steps
+        )
 
     init_times = run.backbone.default_times(config.steps) if config.init == "default" else None
-    run.raw_policy = make_policy(config.policy, run.backbone.policy_dims, config.steps,
-                                 preset=BACKBONES[config.backbone]["policy"],
-                                 init_times=init_times, backbone=config.backbone).to(device)
-    run.optimizer = torch.optim.AdamW(run.raw_policy.parameters(), lr=config.lr,
-                                      weight_decay=config.weight_decay)
+    run.raw_policy = make_policy(
+        config.policy,
+        run.backbone.policy_dims,
+        config.steps,
+        preset=BACKBONES[config.backbone]["policy"],
+        init_times=init_times,
+        backbone=config.backbone,
+    ).to(device)
+    run.optimizer = torch.optim.AdamW(
+        run.raw_policy.parameters(), lr=config.lr, weight_decay=config.weight_decay
+    )
     run.start = 0
     if checkpoint:
-        run.start = restore(checkpoint, run.raw_policy, run.optimizer,
-                            run.metrics_path if run.master else None)
+        run.start = restore(
+            checkpoint, run.raw_policy, run.optimizer, run.metrics_path if run.master else None
+        )
         if run.master:
             print(f"continuing {run.ckpt_path} from iteration {run.start}")
     run.policy = DistributedDataParallel(run.raw_policy) if distributed else run.raw_policy
     if run.master:
         os.makedirs(config.out_dir, exist_ok=True)
         size = sum(p.numel() for p in run.raw_policy.parameters())
-        print(f"backbone {config.backbone} | L = {config.steps} steps | {config.policy} policy, "
-              f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts = "
-              f"{config.contexts * config.rollouts} samples per update | {world_size} rank(s), "
-              f"{config.contexts // world_size} contexts each | baseline {config.baseline} | reward "
-              f"{config.reward}")
+        print(
+            f"backbone {config.backbone} | L = {config.steps} steps | {config.policy} policy, "
+            f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts = "
+            f"{config.contexts * config.rollouts} samples per update | {world_size} rank(s), "
+            f"{config.contexts // world_size} contexts each | baseline {config.baseline} | reward "
+            f"{config.reward}"
+        )
     return run
 
 
 def heldout_curve(backbone, reward, prompts, seeds, steps):
     """policy -> the mean paired gain of its mean schedule over the default on these contexts, the curve
     of train.py's figure (at each checkpoint, unlike the batch reward, on the same contexts every time)."""
-    default = evaluate(backbone, reward, prompts, seeds, {"default": default_schedule(backbone, steps)})["default"]
-    return lambda policy: (evaluate(backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)})["learned"]
-                           - default).mean().item()
+    default = evaluate(
+        backbone, reward, prompts, seeds, {"default": default_schedule(backbone, steps)}
+    )["default"]
+    return lambda policy: (
+        (
+            evaluate(
+                backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)}
+            )["learned"]
+            - default
+        )
+        .mean()
+        .item()
+    )
 
 
 def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
     """train.py's final table on its held-out contexts, the same noises for every method: printed and
     written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
-    methods = {"default": default_schedule(backbone, policy.steps), "learned (mean)": policy_schedule(policy, backbone),
-               "learned (sampled)": policy_schedule(policy, backbone, "sample", torch.Generator().manual_seed(seed))}
-    teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's own target: error 0
-    rows = summarize(evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True))
-    print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n{format_table(rows)}")
-    write_json_atomic(os.path.join(out_dir, "eval.json"), dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name))
+    methods = {
+        "default": default_schedule(backbone, policy.steps),
+        "learned (mean)": policy_schedule(policy, backbone),
+        "learned (sampled)": policy_schedule(
+            policy, backbone, "sample", torch.Generator().manual_seed(seed)
+        ),
+    }
+    teacher = (
+        "limit (teacher)" if reward_name == "teacher" else None
+    )  # the reward's own target: error 0
+    rows = summarize(
+        evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True)
+    )
+    print(
+        f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n{format_table(rows)}"
+    )
+    write_json_atomic(
+        os.path.join(out_dir, "eval.json"),
+        dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name),
+    )
 
 
 def check_finite(config, run, iteration, rewards):
@@ -215,25 +321,43 @@ def check_finite(config, run, iteration, rewards):
     what can cause it and where the last good state is."""
     if torch.isfinite(rewards).all():
         return
-    last = (f"{run.ckpt_path} holds the last good state" if os.path.isfile(run.ckpt_path)
-            else "no checkpoint was written yet")
+    last = (
+        f"{run.ckpt_path} holds the last good state"
+        if os.path.isfile(run.ckpt_path)
+        else "no checkpoint was written yet"
+    )
     bad = int((~torch.isfinite(rewards)).sum())
-    _fail(f"iteration {iteration + 1}: {bad} rewards are NaN or inf: the policy diverged (learning "
-          f"rate too high? --lr {config.lr:g}) or the backbone ({config.dtype or 'default'} dtype) or "
-          f"the reward model overflowed; {last}")
+    _fail(
+        f"iteration {iteration + 1}: {bad} rewards are NaN or inf: the policy diverged (learning "
+        f"rate too high? --lr {config.lr:g}) or the backbone ({config.dtype or 'default'} dtype) or "
+        f"the reward model overflowed; {last}"
+    )
 
 
 def finish(config, run):
     """The held-out report, the training figure and the policy in the Hub format (rank 0), then
     the end of the process group."""
     if run.master:
-        heldout_report(config.out_dir, run.backbone, run.reward, run.raw_policy, *run.heldout,
-                       config.reward, config.seed)
+        heldout_report(
+            config.out_dir,
+            run.backbone,
+            run.reward,
+            run.raw_policy,
+            *run.heldout,
+            config.reward,
+            config.seed,
+        )
         plot_training(config.out_dir, run.backbone, run.raw_policy, *run.heldout, config.reward)
-        save_policy(os.path.join(config.out_dir, "policy"), run.raw_policy, dataclasses.asdict(config),
-                    config.iterations)
-        print(f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}, the figure train.png and "
-              f"policy/ (Hub format) in {config.out_dir}")
+        save_policy(
+            os.path.join(config.out_dir, "policy"),
+            run.raw_policy,
+            dataclasses.asdict(config),
+            config.iterations,
+        )
+        print(
+            f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}, the figure train.png and "
+            f"policy/ (Hub format) in {config.out_dir}"
+        )
     if run.distributed:
         dist.barrier()
         dist.destroy_process_group()

@@ -43,6 +43,7 @@ Each pipeline is the family's real layout in miniature:
   SD-XL's noise table (scaled-linear betas 0.00085..0.012, 1,000 steps), prompts dropped to zero
   embeddings (the SD-XL pipeline's force_zeros_for_empty_prompt).
 """
+
 import argparse
 import copy
 import json
@@ -51,8 +52,12 @@ import os
 import time
 
 FAMILIES = ("sd3", "flux", "sdxl")
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-parser.add_argument("--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)")
+parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+)
+parser.add_argument(
+    "--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)"
+)
 parser.add_argument("--check", action="store_true", help="score the shipped folders")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
@@ -73,14 +78,18 @@ LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sdxl": 4}
 DROP = 0.1  # fraction of training prompts replaced by the empty one (CFG)
 TRAIN_SHIFT = 3.0  # flow times are drawn logit-normal, then shifted by this (SD3's high-resolution sampling): the
 # default schedules spend many steps near t = 1, where an unshifted logit-normal barely trains
-DISTIL_FROM = 0.5  # mini-flux: the share of training after which half of each batch distils guidance
+DISTIL_FROM = (
+    0.5  # mini-flux: the share of training after which half of each batch distils guidance
+)
 # mini-flux reads its prompt through T5 alone, whose random word vectors say nothing of meaning: trained
 # on the 16 paraphrases only, it draws the wrong digit for a fifth of unseen wordings (a word it never
 # saw derails it). It also trains on this many noisy variants of them (words dropped, filler words and
 # stray letters inserted), so that it learns to read the digit's token whatever surrounds it.
 NOISY_PARAPHRASES = dict(flux=2000)
-FILLERS = tuple("small large black white simple clear bold thin neat messy quick careful ink pencil pen "
-                "paper sketch style old new".split())  # in no paraphrase, training or held-out
+FILLERS = tuple(
+    "small large black white simple clear bold thin neat messy quick careful ink pencil pen "
+    "paper sketch style old new".split()
+)  # in no paraphrase, training or held-out
 
 # training budget per family: denoiser updates, batch, peak learning rate (AdamW, one-cycle schedule)
 DENOISER = dict(sd3=(6000, 64, 1e-3), flux=(6000, 64, 1e-3), sdxl=(5000, 64, 1e-3))
@@ -100,7 +109,9 @@ def digit_images():
 
     digits = load_digits()
     pixels = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
-    upsampled = [np.asarray(Image.fromarray(image).resize((SIDE, SIDE), Image.BICUBIC)) for image in pixels]
+    upsampled = [
+        np.asarray(Image.fromarray(image).resize((SIDE, SIDE), Image.BICUBIC)) for image in pixels
+    ]
     images = torch.from_numpy(np.stack(upsampled)).float().div(255.0)[:, None].expand(-1, 3, -1, -1)
     return images.contiguous(), torch.from_numpy(digits.target).long()
 
@@ -116,7 +127,9 @@ def split():
 def prompt_lists():
     from prompts import load_prompt_file
 
-    return load_prompt_file("prompts/digit_train.txt"), load_prompt_file("prompts/digit_heldout.txt")
+    return load_prompt_file("prompts/digit_train.txt"), load_prompt_file(
+        "prompts/digit_heldout.txt"
+    )
 
 
 def noisy_paraphrases(prompts, count, tokenizers, seed=0):
@@ -128,7 +141,11 @@ def noisy_paraphrases(prompts, count, tokenizers, seed=0):
     draw = lambda n: torch.randint(n, (1,), generator=generator).item()
     while len(variants) < count:
         words = prompts[draw(len(prompts))].split()
-        words = [w for w in words if any(c.isdigit() for c in w) or torch.rand(1, generator=generator) > 0.2]
+        words = [
+            w
+            for w in words
+            if any(c.isdigit() for c in w) or torch.rand(1, generator=generator) > 0.2
+        ]
         for _ in range(1 + draw(2)):
             stray = "".join(letters[draw(26)] for _ in range(1 + draw(4)))
             stray = FILLERS[draw(len(FILLERS))] if draw(2) else stray
@@ -155,10 +172,14 @@ def augment(images, generator):
     count = len(images)
     padded = F.pad(images, (2, 2, 2, 2))
     dx, dy = torch.randint(0, 5, (2, count), generator=generator)
-    shifted = torch.stack([padded[i, :, dy[i] : dy[i] + SIDE, dx[i] : dx[i] + SIDE] for i in range(count)])
+    shifted = torch.stack(
+        [padded[i, :, dy[i] : dy[i] + SIDE, dx[i] : dx[i] + SIDE] for i in range(count)]
+    )
     blur = torch.rand(count, 1, 1, 1, generator=generator) < 0.3
     blurred = F.avg_pool2d(F.pad(shifted, (1, 1, 1, 1), mode="replicate"), 3, stride=1)
-    noisy = torch.where(blur, blurred, shifted) + 0.03 * torch.randn(shifted.shape, generator=generator)
+    noisy = torch.where(blur, blurred, shifted) + 0.03 * torch.randn(
+        shifted.shape, generator=generator
+    )
     return noisy.clamp(0, 1)
 
 
@@ -172,7 +193,11 @@ def train_classifier(epochs=60, seed=0):
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 2e-3, total_steps=epochs * batches)
     for _ in range(epochs):
         for batch in torch.randperm(len(images), generator=generator).split(64):
-            loss = F.cross_entropy(model(augment(images[batch], generator)), labels[batch], label_smoothing=LABEL_SMOOTHING)
+            loss = F.cross_entropy(
+                model(augment(images[batch], generator)),
+                labels[batch],
+                label_smoothing=LABEL_SMOOTHING,
+            )
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -187,8 +212,10 @@ def train_classifier(epochs=60, seed=0):
 # the pipelines' components
 
 
-WORDS = tuple("a an the of by digit number numeral handwritten written hand drawn drawing scribbled image picture "
-              "photo zero one two three four five six seven eight nine".split())
+WORDS = tuple(
+    "a an the of by digit number numeral handwritten written hand drawn drawing scribbled image picture "
+    "photo zero one two three four five six seven eight nine".split()
+)
 
 
 def clip_vocabulary(words=WORDS):
@@ -197,7 +224,10 @@ def clip_vocabulary(words=WORDS):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     characters = list(bytes_to_unicode().values())
-    vocab = {**{c: i for i, c in enumerate(characters)}, **{c + "</w>": i + 256 for i, c in enumerate(characters)}}
+    vocab = {
+        **{c: i for i, c in enumerate(characters)},
+        **{c + "</w>": i + 256 for i, c in enumerate(characters)},
+    }
     merges = []
     for word in dict.fromkeys(words):
         pieces = list(word[:-1]) + [word[-1] + "</w>"]
@@ -213,25 +243,55 @@ def tokenizers_and_encoders(family):
     """The family's tokenizers and frozen random text encoders, seeded: the pipeline keyword
     arguments. CLIP BPE and T5 Unigram vocabularies with a token per word of WORDS and per character
     otherwise."""
-    from transformers import (CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer, T5Config,
-                              T5EncoderModel, T5Tokenizer)
+    from transformers import (
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPTextModelWithProjection,
+        CLIPTokenizer,
+        T5Config,
+        T5EncoderModel,
+        T5Tokenizer,
+    )
 
     torch.manual_seed({"sd3": 1, "flux": 2, "sdxl": 3}[family])
-    words = WORDS + (FILLERS if family in NOISY_PARAPHRASES else ())  # the fillers: see NOISY_PARAPHRASES
+    words = WORDS + (
+        FILLERS if family in NOISY_PARAPHRASES else ()
+    )  # the fillers: see NOISY_PARAPHRASES
     vocab, merges = clip_vocabulary(words)
     start, end = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
-    clip_config = CLIPTextConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, projection_dim=32, max_position_embeddings=TEXT_LENGTH,
-                                 bos_token_id=start, eos_token_id=end, pad_token_id=end, hidden_act="gelu")
+    clip_config = CLIPTextConfig(
+        vocab_size=len(vocab),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        projection_dim=32,
+        max_position_embeddings=TEXT_LENGTH,
+        bos_token_id=start,
+        eos_token_id=end,
+        pad_token_id=end,
+        hidden_act="gelu",
+    )
     clip_tokenizer = lambda: CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=TEXT_LENGTH)
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?-'"]
     pieces += [("\u2581" + word, -1.0) for word in dict.fromkeys(words + tuple("0123456789"))]
 
     def t5(word_scale=1.0):
-        model = T5EncoderModel(T5Config(vocab_size=len(pieces), d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                        num_heads=4, relative_attention_num_buckets=8, pad_token_id=0,
-                                        eos_token_id=1, decoder_start_token_id=0))
+        model = T5EncoderModel(
+            T5Config(
+                vocab_size=len(pieces),
+                d_model=64,
+                d_kv=16,
+                d_ff=128,
+                num_layers=2,
+                num_heads=4,
+                relative_attention_num_buckets=8,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            )
+        )
         with torch.no_grad():
             model.get_input_embeddings().weight.mul_(word_scale)
         return model
@@ -246,50 +306,114 @@ def tokenizers_and_encoders(family):
         return model
 
     if family == "sd3":
-        return dict(text_encoder=clip(CLIPTextModelWithProjection), tokenizer=clip_tokenizer(),
-                    text_encoder_2=clip(CLIPTextModelWithProjection), tokenizer_2=clip_tokenizer(),
-                    text_encoder_3=t5(), tokenizer_3=t5_tokenizer())
+        return dict(
+            text_encoder=clip(CLIPTextModelWithProjection),
+            tokenizer=clip_tokenizer(),
+            text_encoder_2=clip(CLIPTextModelWithProjection),
+            tokenizer_2=clip_tokenizer(),
+            text_encoder_3=t5(),
+            tokenizer_3=t5_tokenizer(),
+        )
     if family == "flux":
         # Flux's only token sequence is T5's: its word vectors at std 5 keep a digit's token state apart
         # from the other digits' in any paraphrase (between/within-digit spread 2.2 against 1.1 at std 1)
-        return dict(text_encoder=clip(CLIPTextModel), tokenizer=clip_tokenizer(), text_encoder_2=t5(5.0),
-                    tokenizer_2=t5_tokenizer())
-    return dict(text_encoder=clip(CLIPTextModel), tokenizer=clip_tokenizer(),
-                text_encoder_2=clip(CLIPTextModelWithProjection), tokenizer_2=clip_tokenizer())
+        return dict(
+            text_encoder=clip(CLIPTextModel),
+            tokenizer=clip_tokenizer(),
+            text_encoder_2=t5(5.0),
+            tokenizer_2=t5_tokenizer(),
+        )
+    return dict(
+        text_encoder=clip(CLIPTextModel),
+        tokenizer=clip_tokenizer(),
+        text_encoder_2=clip(CLIPTextModelWithProjection),
+        tokenizer_2=clip_tokenizer(),
+    )
 
 
 def build_pipeline(family, vae):
     """An untrained pipeline of `family` around a trained `vae`, seeded."""
-    from diffusers import (EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler, FluxPipeline,
-                           FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
-                           StableDiffusionXLPipeline, UNet2DConditionModel)
+    from diffusers import (
+        EulerDiscreteScheduler,
+        FlowMatchEulerDiscreteScheduler,
+        FluxPipeline,
+        FluxTransformer2DModel,
+        SD3Transformer2DModel,
+        StableDiffusion3Pipeline,
+        StableDiffusionXLPipeline,
+        UNet2DConditionModel,
+    )
 
     text = tokenizers_and_encoders(family)
     torch.manual_seed(10)
-    if family == "sd3":  # joint_attention_dim = T5 width >= both CLIP widths; pooled = both projections
-        transformer = SD3Transformer2DModel(sample_size=SIDE // 2, patch_size=2, in_channels=16, out_channels=16,
-                                            num_layers=3, attention_head_dim=32, num_attention_heads=2,
-                                            joint_attention_dim=64, caption_projection_dim=64,
-                                            pooled_projection_dim=64, pos_embed_max_size=SIDE // 2)
+    if (
+        family == "sd3"
+    ):  # joint_attention_dim = T5 width >= both CLIP widths; pooled = both projections
+        transformer = SD3Transformer2DModel(
+            sample_size=SIDE // 2,
+            patch_size=2,
+            in_channels=16,
+            out_channels=16,
+            num_layers=3,
+            attention_head_dim=32,
+            num_attention_heads=2,
+            joint_attention_dim=64,
+            caption_projection_dim=64,
+            pooled_projection_dim=64,
+            pos_embed_max_size=SIDE // 2,
+        )
         scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's static shift
-        return StableDiffusion3Pipeline(transformer=transformer, scheduler=scheduler, vae=vae, **text)
+        return StableDiffusion3Pipeline(
+            transformer=transformer, scheduler=scheduler, vae=vae, **text
+        )
     if family == "flux":  # 16 channels pack 2x2 to 64; sum(axes_dims_rope) = attention_head_dim
-        transformer = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=2, num_single_layers=2,
-                                             attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
-                                             pooled_projection_dim=32, axes_dims_rope=[8, 12, 12],
-                                             guidance_embeds=True)
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                    max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+        transformer = FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=64,
+            num_layers=2,
+            num_single_layers=2,
+            attention_head_dim=32,
+            num_attention_heads=2,
+            joint_attention_dim=64,
+            pooled_projection_dim=32,
+            axes_dims_rope=[8, 12, 12],
+            guidance_embeds=True,
+        )
+        scheduler = FlowMatchEulerDiscreteScheduler(
+            shift=3.0,
+            use_dynamic_shifting=True,
+            base_shift=0.5,
+            max_shift=1.15,
+            base_image_seq_len=256,
+            max_image_seq_len=4096,
+        )
         return FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **text)
-    unet = UNet2DConditionModel(sample_size=SIDE // 2, in_channels=4, out_channels=4, block_out_channels=(24, 48),
-                                layers_per_block=1, down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-                                up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"), attention_head_dim=(2, 4),
-                                use_linear_projection=True, addition_embed_type="text_time",
-                                addition_time_embed_dim=8, projection_class_embeddings_input_dim=6 * 8 + 32,
-                                cross_attention_dim=64, norm_num_groups=8)
-    scheduler = EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
-                                       steps_offset=1, timestep_spacing="leading")  # SD-XL's
-    return StableDiffusionXLPipeline(unet=unet, scheduler=scheduler, vae=vae, add_watermarker=False, **text)
+    unet = UNet2DConditionModel(
+        sample_size=SIDE // 2,
+        in_channels=4,
+        out_channels=4,
+        block_out_channels=(24, 48),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        projection_class_embeddings_input_dim=6 * 8 + 32,
+        cross_attention_dim=64,
+        norm_num_groups=8,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_start=0.00085,
+        beta_end=0.012,
+        beta_schedule="scaled_linear",
+        steps_offset=1,
+        timestep_spacing="leading",
+    )  # SD-XL's
+    return StableDiffusionXLPipeline(
+        unet=unet, scheduler=scheduler, vae=vae, add_watermarker=False, **text
+    )
 
 
 def train_vae(channels, images, seed=0):
@@ -301,9 +425,17 @@ def train_vae(channels, images, seed=0):
 
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=channels, block_out_channels=(16, 32),
-                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                        layers_per_block=1, norm_num_groups=8, sample_size=SIDE)
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        latent_channels=channels,
+        block_out_channels=(16, 32),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        layers_per_block=1,
+        norm_num_groups=8,
+        sample_size=SIDE,
+    )
     optimizer = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, VAE_UPDATES)
     for _ in range(VAE_UPDATES):
@@ -318,12 +450,20 @@ def train_vae(channels, images, seed=0):
     vae.eval().requires_grad_(False)
     with torch.no_grad():
         posterior = vae.encode(images * 2 - 1).latent_dist
-        error = (vae.decode(posterior.mode()).sample.clamp(-1, 1) / 2 + 0.5 - images).square().mean().sqrt().item()
+        error = (
+            (vae.decode(posterior.mode()).sample.clamp(-1, 1) / 2 + 0.5 - images)
+            .square()
+            .mean()
+            .sqrt()
+            .item()
+        )
         latents = posterior.sample(generator)  # the denoisers train on posterior draws
     mean, std = latents.mean().item(), latents.std().item()
     flow = channels == 16
-    vae.register_to_config(scaling_factor=1.0 / (std if flow else latents.square().mean().sqrt().item()),
-                           shift_factor=mean if flow else None)
+    vae.register_to_config(
+        scaling_factor=1.0 / (std if flow else latents.square().mean().sqrt().item()),
+        shift_factor=mean if flow else None,
+    )
     return vae, error
 
 
@@ -335,8 +475,13 @@ def encode_texts(pipe, family, prompts):
     """Each prompt's embeddings as the pipeline computes them (no CFG batch): a dict of tensors."""
     with torch.no_grad():
         if family == "sd3":
-            embeds, _, pooled, _ = pipe.encode_prompt(prompts, None, None, do_classifier_free_guidance=False,
-                                                      max_sequence_length=TEXT_LENGTH)
+            embeds, _, pooled, _ = pipe.encode_prompt(
+                prompts,
+                None,
+                None,
+                do_classifier_free_guidance=False,
+                max_sequence_length=TEXT_LENGTH,
+            )
         elif family == "flux":
             embeds, pooled, _ = pipe.encode_prompt(prompts, None, max_sequence_length=TEXT_LENGTH)
         else:
@@ -348,15 +493,27 @@ def flow_prediction(pipe, family, state, sigma, text, guidance=None, transformer
     """The velocity the transformer (pipe's, or `transformer`) predicts, called as the pipeline calls it."""
     transformer = transformer or pipe.transformer
     if family == "sd3":
-        return transformer(hidden_states=state, timestep=sigma * 1000, encoder_hidden_states=text["embeds"],
-                           pooled_projections=text["pooled"], return_dict=False)[0]
+        return transformer(
+            hidden_states=state,
+            timestep=sigma * 1000,
+            encoder_hidden_states=text["embeds"],
+            pooled_projections=text["pooled"],
+            return_dict=False,
+        )[0]
     count, patches = state.shape[0], SIDE // 2 // 2
     image_ids = pipe._prepare_latent_image_ids(count, patches, patches, state.device, state.dtype)
     text_ids = torch.zeros(text["embeds"].shape[1], 3)
     guidance = guidance if transformer.config.guidance_embeds else None
-    return transformer(hidden_states=state, timestep=sigma, guidance=guidance,
-                       pooled_projections=text["pooled"], encoder_hidden_states=text["embeds"],
-                       txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+    return transformer(
+        hidden_states=state,
+        timestep=sigma,
+        guidance=guidance,
+        pooled_projections=text["pooled"],
+        encoder_hidden_states=text["embeds"],
+        txt_ids=text_ids,
+        img_ids=image_ids,
+        return_dict=False,
+    )[0]
 
 
 def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
@@ -367,22 +524,34 @@ def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
     by_digit = [[i for i, prompt in enumerate(prompts) if digit_of(prompt) == d] for d in range(10)]
     texts = encode_texts(pipe, family, prompts + [""])
     if family == "sdxl":  # the SD-XL pipeline's negative for an empty prompt is zeros
-        texts = {key: torch.cat([value[:-1], torch.zeros_like(value[-1:])]) for key, value in texts.items()}
+        texts = {
+            key: torch.cat([value[:-1], torch.zeros_like(value[-1:])])
+            for key, value in texts.items()
+        }
         size = (SIDE, SIDE)
-        time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=torch.float32,
-                                          text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim)
+        time_ids = pipe._get_add_time_ids(
+            size,
+            (0, 0),
+            size,
+            dtype=torch.float32,
+            text_encoder_projection_dim=pipe.text_encoder_2.config.projection_dim,
+        )
         alphas_cumprod = pipe.scheduler.alphas_cumprod
     model = pipe.transformer if family != "sdxl" else pipe.unet
     model.train().requires_grad_(True)
     teacher = None  # mini-flux: the snapshot its guidance input is distilled from
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=1e-4)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=updates, pct_start=0.05)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, lr, total_steps=updates, pct_start=0.05
+    )
     started = time.time()
     for update in range(updates):
         batch = torch.randint(len(latents), (batch_size,), generator=generator)
         x0 = latents[batch]
-        choice = [by_digit[d][torch.randint(len(by_digit[d]), (1,), generator=generator).item()]
-                  for d in labels[batch].tolist()]
+        choice = [
+            by_digit[d][torch.randint(len(by_digit[d]), (1,), generator=generator).item()]
+            for d in labels[batch].tolist()
+        ]
         dropped = torch.rand(batch_size, generator=generator) < DROP
         which = torch.where(dropped, len(prompts), torch.tensor(choice))
         text = {key: value[which] for key, value in texts.items()}
@@ -391,37 +560,66 @@ def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
             step = torch.randint(1000, (batch_size,), generator=generator)
             alpha = alphas_cumprod[step].view(-1, 1, 1, 1)
             noisy = alpha.sqrt() * x0 + (1 - alpha).sqrt() * noise
-            prediction = model(noisy, step, encoder_hidden_states=text["embeds"], return_dict=False,
-                               added_cond_kwargs=dict(text_embeds=text["pooled"],
-                                                      time_ids=time_ids.repeat(batch_size, 1)))[0]
+            prediction = model(
+                noisy,
+                step,
+                encoder_hidden_states=text["embeds"],
+                return_dict=False,
+                added_cond_kwargs=dict(
+                    text_embeds=text["pooled"], time_ids=time_ids.repeat(batch_size, 1)
+                ),
+            )[0]
             loss = F.mse_loss(prediction, noise)
         else:
-            sigma = torch.sigmoid(torch.randn(batch_size, generator=generator))  # logit-normal, as SD3, and
-            sigma = TRAIN_SHIFT * sigma / (1 + (TRAIN_SHIFT - 1) * sigma)  # shifted as the schedulers shift
+            sigma = torch.sigmoid(
+                torch.randn(batch_size, generator=generator)
+            )  # logit-normal, as SD3, and
+            sigma = (
+                TRAIN_SHIFT * sigma / (1 + (TRAIN_SHIFT - 1) * sigma)
+            )  # shifted as the schedulers shift
             if family == "flux":
-                x0, noise = pipe._pack_latents(x0, batch_size, 16, 8, 8), pipe._pack_latents(noise, batch_size, 16, 8, 8)
+                x0, noise = (
+                    pipe._pack_latents(x0, batch_size, 16, 8, 8),
+                    pipe._pack_latents(noise, batch_size, 16, 8, 8),
+                )
             view = (-1,) + (1,) * (x0.dim() - 1)
             noisy = (1 - sigma.view(view)) * x0 + sigma.view(view) * noise
             target = noise - x0
             guidance = None
             if family == "flux":
                 guidance = torch.ones(batch_size)
-                if update >= DISTIL_FROM * updates:  # distil the teacher's guided velocity into the guidance input
-                    if teacher is None:  # a frozen snapshot: distilling from the network itself collapses its prompt use
+                if (
+                    update >= DISTIL_FROM * updates
+                ):  # distil the teacher's guided velocity into the guidance input
+                    if (
+                        teacher is None
+                    ):  # a frozen snapshot: distilling from the network itself collapses its prompt use
                         teacher = copy.deepcopy(model).eval().requires_grad_(False)
                     distil = torch.rand(batch_size, generator=generator) < 0.5
                     distil &= ~dropped
-                    guidance = torch.where(distil, 1 + 4 * torch.rand(batch_size, generator=generator), guidance)
+                    guidance = torch.where(
+                        distil, 1 + 4 * torch.rand(batch_size, generator=generator), guidance
+                    )
                     if distil.any():
                         pick = distil.nonzero().squeeze(1)
-                        empty = {key: value[len(prompts)].expand(len(pick), *value.shape[1:]) for key, value in texts.items()}
+                        empty = {
+                            key: value[len(prompts)].expand(len(pick), *value.shape[1:])
+                            for key, value in texts.items()
+                        }
                         picked = {key: value[pick] for key, value in text.items()}
                         with torch.no_grad():
                             ones = torch.ones(len(pick))
                             both = torch.cat([noisy[pick]] * 2)
                             pair = {key: torch.cat([empty[key], picked[key]]) for key in text}
-                            uncond, cond = flow_prediction(pipe, family, both, torch.cat([sigma[pick]] * 2), pair,
-                                                           torch.cat([ones, ones]), teacher).chunk(2)
+                            uncond, cond = flow_prediction(
+                                pipe,
+                                family,
+                                both,
+                                torch.cat([sigma[pick]] * 2),
+                                pair,
+                                torch.cat([ones, ones]),
+                                teacher,
+                            ).chunk(2)
                         target = target.clone()
                         target[pick] = uncond + guidance[pick].view(-1, 1, 1) * (cond - uncond)
             prediction = flow_prediction(pipe, family, noisy, sigma, text, guidance)
@@ -432,7 +630,9 @@ def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
         optimizer.step()
         scheduler.step()
         if (update + 1) % 500 == 0:
-            log(f"  {family} update {update + 1}/{updates} | loss {loss.item():.4f} | {time.time() - started:.0f} s")
+            log(
+                f"  {family} update {update + 1}/{updates} | loss {loss.item():.4f} | {time.time() - started:.0f} s"
+            )
     model.eval().requires_grad_(False)
 
 
@@ -452,7 +652,11 @@ def train_family(family, seed=0, out=None):
     vae, error = train_vae(LATENT_CHANNELS[family], images, seed)
     print(f"{family}: VAE trained, reconstruction RMSE {error:.4f} ({time.time() - started:.0f} s)")
     pipe = build_pipeline(family, vae)
-    for component in (pipe.text_encoder, pipe.text_encoder_2, getattr(pipe, "text_encoder_3", None)):
+    for component in (
+        pipe.text_encoder,
+        pipe.text_encoder_2,
+        getattr(pipe, "text_encoder_3", None),
+    ):
         if component is not None:
             component.eval().requires_grad_(False)
     posterior, scale = latents_of(vae, images)
@@ -462,19 +666,36 @@ def train_family(family, seed=0, out=None):
     train_prompts, _ = prompt_lists()
     if family in NOISY_PARAPHRASES:
         tokenizers = [pipe.tokenizer, pipe.tokenizer_2]
-        train_prompts += noisy_paraphrases(train_prompts, NOISY_PARAPHRASES[family], tokenizers, seed)
+        train_prompts += noisy_paraphrases(
+            train_prompts, NOISY_PARAPHRASES[family], tokenizers, seed
+        )
     train_denoiser(pipe, family, samples, labels.repeat(8), train_prompts, seed)
     out = out or os.path.join(FOLDER, f"mini-{family}")
     pipe.save_pretrained(out, safe_serialization=True)
     with open(os.path.join(out, "training.json"), "w") as handle:
-        json.dump(dict(family=family, seed=seed, seconds=round(time.time() - started), vae_rmse=error,
-                       command=f"python miniature.py --family {family}"), handle, indent=1)
-    print(f"{family}: saved {out} ({folder_size(out) / 1e6:.2f} MB) in {time.time() - started:.0f} s")
+        json.dump(
+            dict(
+                family=family,
+                seed=seed,
+                seconds=round(time.time() - started),
+                vae_rmse=error,
+                command=f"python miniature.py --family {family}",
+            ),
+            handle,
+            indent=1,
+        )
+    print(
+        f"{family}: saved {out} ({folder_size(out) / 1e6:.2f} MB) in {time.time() - started:.0f} s"
+    )
     return out
 
 
 def folder_size(folder):
-    return sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(folder) for name in names)
+    return sum(
+        os.path.getsize(os.path.join(root, name))
+        for root, _, names in os.walk(folder)
+        for name in names
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -495,29 +716,47 @@ def check(contexts=200):
     (images, labels), _ = split()
     with torch.no_grad():
         accuracy = (classifier(images).argmax(1) == labels).float().mean().item()
-    print(f"classifier: accuracy {accuracy:.4f} on the {len(images)} images the pipelines train on "
-          "(it never saw them)")
+    print(
+        f"classifier: accuracy {accuracy:.4f} on the {len(images)} images the pipelines train on "
+        "(it never saw them)"
+    )
     training, heldout = prompt_lists()
     for family in FAMILIES:
         name, line, rewards = f"mini-{family}", [], {}
         for dtype in (torch.float32, torch.bfloat16):
             backbone = backbones.load_backbone(name, dtype=dtype)
             reward = load_reward("digit", backbone)
-            runs = [(50, "training"), (50, "held-out"), (4, "held-out"), (3, "held-out"), (2, "held-out")]
-            for steps, paraphrases in (runs if dtype == torch.float32 else [(3, "held-out")]):
-                prompts, seeds = heldout_contexts(heldout if paraphrases == "held-out" else training, contexts)
-                noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
+            runs = [
+                (50, "training"),
+                (50, "held-out"),
+                (4, "held-out"),
+                (3, "held-out"),
+                (2, "held-out"),
+            ]
+            for steps, paraphrases in runs if dtype == torch.float32 else [(3, "held-out")]:
+                prompts, seeds = heldout_contexts(
+                    heldout if paraphrases == "held-out" else training, contexts
+                )
+                noise = torch.cat(
+                    [backbone.sample_noise(1, torch.Generator().manual_seed(s)) for s in seeds]
+                )
                 cond = backbone.encode_prompts(prompts)
-                latents = backbone.sample(noise, cond, default_schedule(backbone, steps)(noise, cond))
+                latents = backbone.sample(
+                    noise, cond, default_schedule(backbone, steps)(noise, cond)
+                )
                 log_prob, correct = reward.details(latents, prompts)
                 rewards[dtype, steps] = log_prob
                 if dtype == torch.float32:
-                    line.append(f"{correct.mean().item():.3f} at {steps} steps ({paraphrases} paraphrases)")
+                    line.append(
+                        f"{correct.mean().item():.3f} at {steps} steps ({paraphrases} paraphrases)"
+                    )
         gap = (rewards[torch.bfloat16, 3] - rewards[torch.float32, 3]).abs()
-        print(f"{name}: recognised {', '.join(line)}, {contexts} contexts of unseen noise each; digit reward at 3 steps "
-              f"{rewards[torch.float32, 3].mean():.4f} in float32, {rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
-              f"(per context |difference| median {gap.median():.4f}, max {gap.max():.4f}); "
-              f"{folder_size(os.path.join(FOLDER, name)) / 1e6:.2f} MB")
+        print(
+            f"{name}: recognised {', '.join(line)}, {contexts} contexts of unseen noise each; digit reward at 3 steps "
+            f"{rewards[torch.float32, 3].mean():.4f} in float32, {rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
+            f"(per context |difference| median {gap.median():.4f}, max {gap.max():.4f}); "
+            f"{folder_size(os.path.join(FOLDER, name)) / 1e6:.2f} MB"
+        )
     print(f"miniatures/: {folder_size(FOLDER) / 1e6:.2f} MB in all")
 
 

@@ -5,6 +5,7 @@ rollout.py. Their velocity is known in closed form and their teacher is an accur
 the best schedule of a set of contexts can be computed (ablation.py's oracles). backbones.py names
 them: digits, digits-prompt, digits-noise.
 """
+
 import torch
 
 from rollout import Backbone, _check_times, run_schedule
@@ -49,8 +50,22 @@ class MixtureBackbone(Backbone):
         for digit in range(10):
             members = pixels[labels == digit]
             mean = members.mean(0)
-            classes.append((torch.cat([mean + spread * (members - mean) + shift for spread, _, shift in populations[digit]]),
-                            torch.cat([torch.full((len(members),), float(std)) for _, std, _ in populations[digit]])))
+            classes.append(
+                (
+                    torch.cat(
+                        [
+                            mean + spread * (members - mean) + shift
+                            for spread, _, shift in populations[digit]
+                        ]
+                    ),
+                    torch.cat(
+                        [
+                            torch.full((len(members),), float(std))
+                            for _, std, _ in populations[digit]
+                        ]
+                    ),
+                )
+            )
         # Grouped by class and padded to the largest, so one batched matmul gives every sample the
         # logits of its own class only; padding has log-weight -1e30 (and a harmless std of 1).
         size = max(len(centres) for centres, _ in classes)
@@ -70,17 +85,25 @@ class MixtureBackbone(Backbone):
     def check_prompts(self, prompts):
         unknown = [prompt for prompt in prompts if prompt not in self.prompts]
         if unknown:
-            raise ValueError(f"{self.name} knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got {unknown[0]!r}")
+            raise ValueError(
+                f"{self.name} knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got {unknown[0]!r}"
+            )
 
     def encode_prompts(self, prompts):
         self.check_prompts(prompts)
-        ids = torch.tensor([[DIGIT_VOCAB.index(word) for word in prompt.split()] + [0] for prompt in prompts])  # (N, S)
+        ids = torch.tensor(
+            [[DIGIT_VOCAB.index(word) for word in prompt.split()] + [0] for prompt in prompts]
+        )  # (N, S)
         text_mask = ids != 0  # (N, S) True = token
         text = self.word_embeddings[ids] + self.position_embeddings  # (N, S, D)
         pooled = (text * text_mask[..., None]).sum(1) / text_mask.sum(1, keepdim=True)
         label = torch.tensor([self.prompts.index(prompt) for prompt in prompts])
-        return dict(prompt_embeds=text.to(self.device), text_mask=text_mask.to(self.device),
-                    pooled_prompt_embeds=pooled.to(self.device), label=label.to(self.device))
+        return dict(
+            prompt_embeds=text.to(self.device),
+            text_mask=text_mask.to(self.device),
+            pooled_prompt_embeds=pooled.to(self.device),
+            label=label.to(self.device),
+        )
 
     def default_times(self, steps):
         return torch.linspace(1.0, 0.0, steps + 1)
@@ -89,8 +112,12 @@ class MixtureBackbone(Backbone):
         """The components of each sample's class, float64: centres (N, M, 64), their squared norms,
         variances s_m^2 and log-weights (N, M) (padding: -1e30)."""
         centres = self.centres.to(label.device)[label]
-        return (centres, centres.square().sum(2), self.variances.to(label.device)[label],
-                self.log_weights.to(label.device)[label])
+        return (
+            centres,
+            centres.square().sum(2),
+            self.variances.to(label.device)[label],
+            self.log_weights.to(label.device)[label],
+        )
 
     def velocity(self, state, t, mixture):
         """Exact E[noise - x_0 | x_t = state] at per-sample times t (N,), in float64 (float32 logits
@@ -100,8 +127,14 @@ class MixtureBackbone(Backbone):
         t = t.double()[:, None]  # (N, 1)
         scale = 1.0 - t
         total = scale**2 * variances + t**2  # (N, M) v_m
-        distance = x.square().sum(1, keepdim=True) - 2 * scale * torch.bmm(centres, x[:, :, None]).squeeze(2) + scale**2 * norms
-        weights = torch.softmax(log_weights - distance / (2 * total) - 32 * total.log(), dim=1)  # (N, M) posterior
+        distance = (
+            x.square().sum(1, keepdim=True)
+            - 2 * scale * torch.bmm(centres, x[:, :, None]).squeeze(2)
+            + scale**2 * norms
+        )
+        weights = torch.softmax(
+            log_weights - distance / (2 * total) - 32 * total.log(), dim=1
+        )  # (N, M) posterior
         coefficient = weights * (t - scale * variances) / total  # (N, M) w_m c_m
         mixed = torch.bmm(torch.stack([coefficient, weights], 1), centres)  # (N, 2, 64)
         velocity = coefficient.sum(1, keepdim=True) * x - scale * mixed[:, 0] - mixed[:, 1]

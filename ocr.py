@@ -26,6 +26,7 @@ hence the optional environment (requirements-hps.txt; tests/hps_env.sh builds it
 the detector's memory), then the recogniser reads each image's boxes. Its time per image:
 .venv-hps/bin/python bench.py --only ocr.
 """
+
 import os
 import re
 import unicodedata
@@ -43,7 +44,7 @@ def target_text(prompt):
     quoted span with at least one letter or digit."""
     parts = prompt.split('"')
     if len(parts) != 3 or not words(parts[1]):
-        raise ValueError(f"OCR prompts need exactly one non-empty \"quoted\" target text: {prompt!r}")
+        raise ValueError(f'OCR prompts need exactly one non-empty "quoted" target text: {prompt!r}')
     return parts[1]
 
 
@@ -56,7 +57,9 @@ def words(text):
 def word_recall(read, target):
     """Fraction of the target's words found among the read words, as multisets."""
     target_words = words(target)
-    found = Counter(words(read)) & Counter(target_words)  # per word: min(count read, count in target)
+    found = Counter(words(read)) & Counter(
+        target_words
+    )  # per word: min(count read, count in target)
     return sum(found.values()) / len(target_words)
 
 
@@ -66,7 +69,13 @@ def levenshtein(first, second):
     for row, char in enumerate(first, 1):
         current = [row]
         for column, other in enumerate(second, 1):
-            current.append(min(previous[column] + 1, current[column - 1] + 1, previous[column - 1] + (char != other)))
+            current.append(
+                min(
+                    previous[column] + 1,
+                    current[column - 1] + 1,
+                    previous[column - 1] + (char != other),
+                )
+            )
         previous = current
     return previous[-1]
 
@@ -80,7 +89,9 @@ def edit_score(read, target):
 def _import_easyocr():
     from preprocess import import_optional
 
-    return import_optional(["easyocr"], "the ocr reward needs easyocr and a matching torchvision", OCR_INSTALL)
+    return import_optional(
+        ["easyocr"], "the ocr reward needs easyocr and a matching torchvision", OCR_INSTALL
+    )
 
 
 def weights_folder(checkpoint=None):
@@ -93,16 +104,23 @@ def weights_folder(checkpoint=None):
         candidates = []
         try:
             import easyocr_en_models
+
             candidates.append(easyocr_en_models.model_dir())
         except ImportError:
             pass
-        home = os.environ.get("EASYOCR_MODULE_PATH") or os.environ.get("MODULE_PATH") or os.path.expanduser("~/.EasyOCR")
+        home = (
+            os.environ.get("EASYOCR_MODULE_PATH")
+            or os.environ.get("MODULE_PATH")
+            or os.path.expanduser("~/.EasyOCR")
+        )
         candidates.append(os.path.join(home, "model"))
     for folder in candidates:
         if all(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
             return folder
-    raise ValueError(f"EasyOCR English weights ({', '.join(WEIGHT_FILES)}) not found in {', '.join(candidates)}: "
-                     f"{WEIGHTS_INSTALL}, or pass --reward-checkpoint DIR holding both files")
+    raise ValueError(
+        f"EasyOCR English weights ({', '.join(WEIGHT_FILES)}) not found in {', '.join(candidates)}: "
+        f"{WEIGHTS_INSTALL}, or pass --reward-checkpoint DIR holding both files"
+    )
 
 
 def check_ocr(checkpoint=None):
@@ -127,13 +145,23 @@ class OCRReward:
         # gpu=False keeps EasyOCR's CPU path (its default int8 dynamic quantisation of the recogniser);
         # user_network_directory is only read for custom networks (the default creates ~/.EasyOCR)
         gpu = False if self.device.type == "cpu" else str(self.device)
-        self.reader = easyocr.Reader(["en"], gpu=gpu, model_storage_directory=folder, user_network_directory=folder,
-                                     download_enabled=False, verbose=False)
+        self.reader = easyocr.Reader(
+            ["en"],
+            gpu=gpu,
+            model_storage_directory=folder,
+            user_network_directory=folder,
+            download_enabled=False,
+            verbose=False,
+        )
         # On an accelerator EasyOCR wraps both networks in DataParallel over every visible GPU,
         # which fails off device 0 (torchrun ranks) and would spread one rank over all GPUs.
         for name in ("detector", "recognizer"):
             network = getattr(self.reader, name)
-            setattr(self.reader, name, network.module if isinstance(network, torch.nn.DataParallel) else network)
+            setattr(
+                self.reader,
+                name,
+                network.module if isinstance(network, torch.nn.DataParallel) else network,
+            )
 
     @torch.no_grad()
     def read(self, images):
@@ -142,24 +170,33 @@ class OCRReward:
 
         from preprocess import quantize
 
-        pixels = (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3) RGB
+        pixels = (
+            (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+        )  # (N, H, W, 3) RGB
         # readtext would take a 3-channel array as BGR when making the recogniser's grey image (the
         # detector wants RGB), so its two steps are called here as it calls them, each with the image
         # it expects: the same reading as readtext on the image saved to a file.
         texts = []
         for start in range(0, len(pixels), self.batch_size):
-            chunk = pixels[start:start + self.batch_size]
+            chunk = pixels[start : start + self.batch_size]
             boxes, free_boxes = self.reader.detect(chunk, reformat=False)
             for image, horizontal, free in zip(chunk, boxes, free_boxes):
                 grey = cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
-                texts.append(" ".join(self.reader.recognize(grey, horizontal, free, detail=0, reformat=False)))
+                texts.append(
+                    " ".join(
+                        self.reader.recognize(grey, horizontal, free, detail=0, reformat=False)
+                    )
+                )
         return texts
 
     def details(self, latents, prompts):
         """Per sample: the text read, its word recall and its edit score."""
         targets = [target_text(prompt) for prompt in prompts]
         texts = self.read(self.backbone.decode(latents))
-        return [dict(text=text, recall=word_recall(text, target), edit=edit_score(text, target)) for text, target in zip(texts, targets)]
+        return [
+            dict(text=text, recall=word_recall(text, target), edit=edit_score(text, target))
+            for text, target in zip(texts, targets)
+        ]
 
     def __call__(self, latents, prompts, noise, cond):
         recalls = [row["recall"] for row in self.details(latents, prompts)]

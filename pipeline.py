@@ -18,6 +18,7 @@ rollout.py's loop (tests/test_pipeline.py checks they give the same latents). A 
 schedule is one list of times for every context: schedule_json() writes it, with the sigmas, for other
 tools.
 """
+
 import inspect
 
 import torch
@@ -37,7 +38,9 @@ class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
         self.learned = torch.as_tensor(times, dtype=torch.float32).cpu()
         return self
 
-    def set_timesteps(self, num_inference_steps=None, device=None, sigmas=None, mu=None, timesteps=None):
+    def set_timesteps(
+        self, num_inference_steps=None, device=None, sigmas=None, mu=None, timesteps=None
+    ):
         self.sigmas = self.learned.to(device)  # (L+1,): t_L is the stop margin, no 0 appended
         self.timesteps = self.sigmas[:-1] * self.config.num_train_timesteps
         self.num_inference_steps = len(self.timesteps)
@@ -49,7 +52,10 @@ class LearnedEulerScheduler(EulerDiscreteScheduler):
     noise table (rollout.SDXLBackbone.sigma), the last one sigma(t_L) instead of 0."""
 
     def install(self, times, sigmas):
-        self.learned = torch.as_tensor(times, dtype=torch.float32).cpu(), torch.as_tensor(sigmas, dtype=torch.float32).cpu()
+        self.learned = (
+            torch.as_tensor(times, dtype=torch.float32).cpu(),
+            torch.as_tensor(sigmas, dtype=torch.float32).cpu(),
+        )
         return self
 
     def set_timesteps(self, num_inference_steps=None, device=None, timesteps=None, sigmas=None):
@@ -63,8 +69,15 @@ class LearnedEulerScheduler(EulerDiscreteScheduler):
 # Scheduler options that would change the update rule or the times: always off in a learned scheduler
 # (set_timesteps is replaced, so the sigma-spacing ones matter only for a later set_timesteps call;
 # stochastic_sampling would re-noise at every step instead of an Euler step)
-EXACT = {"stochastic_sampling": False, "use_karras_sigmas": False, "use_exponential_sigmas": False,
-         "use_beta_sigmas": False, "use_dynamic_shifting": False, "shift_terminal": None, "invert_sigmas": False}
+EXACT = {
+    "stochastic_sampling": False,
+    "use_karras_sigmas": False,
+    "use_exponential_sigmas": False,
+    "use_beta_sigmas": False,
+    "use_dynamic_shifting": False,
+    "shift_terminal": None,
+    "invert_sigmas": False,
+}
 
 
 def learned_scheduler(backbone, times):
@@ -73,7 +86,9 @@ def learned_scheduler(backbone, times):
     config = backbone.pipe.scheduler.config
     overrides = {key: value for key, value in EXACT.items() if key in config}
     if isinstance(backbone, rollout.SDXLBackbone):  # whose config SDXLBackbone has checked
-        return LearnedEulerScheduler.from_config(config, **overrides).install(times, backbone.sigma(times))
+        return LearnedEulerScheduler.from_config(config, **overrides).install(
+            times, backbone.sigma(times)
+        )
     return LearnedFlowMatchScheduler.from_config(config, **overrides).install(times)
 
 
@@ -81,17 +96,36 @@ def pipeline_noise(backbone, count, generator=None):
     """(count, ...) initial noise drawn as the pipeline's prepare_latents draws it (randn_tensor, its
     shape and dtype), in the layout rollout.py and the pipeline's latents= take."""
     pipe = backbone.pipe
-    channels, size = backbone.latent_shape[0], 2 * (backbone.resolution // (pipe.vae_scale_factor * 2))
-    shape = (count, channels, size, size) if isinstance(backbone, rollout.FluxBackbone) else (count, *backbone.latent_shape)
+    channels, size = (
+        backbone.latent_shape[0],
+        2 * (backbone.resolution // (pipe.vae_scale_factor * 2)),
+    )
+    shape = (
+        (count, channels, size, size)
+        if isinstance(backbone, rollout.FluxBackbone)
+        else (count, *backbone.latent_shape)
+    )
     noise = randn_tensor(shape, generator=generator, device=backbone.device, dtype=backbone.dtype)
     return backbone.pack(noise) if isinstance(backbone, rollout.FluxBackbone) else noise
 
 
 # The pipeline's text arguments: given to the pipeline as they are, and to its encode_prompt for the
 # policy's input. A list holds one entry per prompt.
-TEXT = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3", "clip_skip",
-        "max_sequence_length")
-EMBEDS = ("prompt_embeds", "pooled_prompt_embeds", "negative_prompt_embeds", "negative_pooled_prompt_embeds")
+TEXT = (
+    "prompt_2",
+    "prompt_3",
+    "negative_prompt",
+    "negative_prompt_2",
+    "negative_prompt_3",
+    "clip_skip",
+    "max_sequence_length",
+)
+EMBEDS = (
+    "prompt_embeds",
+    "pooled_prompt_embeds",
+    "negative_prompt_embeds",
+    "negative_pooled_prompt_embeds",
+)
 REFUSED = ("timesteps", "sigmas")  # the schedule is the policy's
 
 
@@ -118,7 +152,9 @@ def _pick(value, index):
 
 
 @torch.no_grad()
-def generate(pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs):
+def generate(
+    pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs
+):
     """What pipe(prompt, ...) returns, every image sampled with the schedule the policy proposes for
     its noise and prompt (the Dirichlet mean). pipe_kwargs are the pipeline's own call arguments:
     the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip, precomputed
@@ -131,45 +167,78 @@ def generate(pipe, policy, prompt=None, num_images_per_prompt=1, generator=None,
             raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
     steps = pipe_kwargs.pop("num_inference_steps", policy.steps)
     if steps != policy.steps:
-        raise ValueError(f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}")
+        raise ValueError(
+            f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}"
+        )
     height = pipe_kwargs.pop("height", None) or pipe.default_sample_size * pipe.vae_scale_factor
     if pipe_kwargs.pop("width", height) != height:
         raise ValueError("the learned schedules are trained on square images: pass height == width")
-    output_type, return_dict = pipe_kwargs.pop("output_type", "pil"), pipe_kwargs.pop("return_dict", True)
+    output_type, return_dict = (
+        pipe_kwargs.pop("output_type", "pil"),
+        pipe_kwargs.pop("return_dict", True),
+    )
     state, progress = _module_state(pipe), dict(getattr(pipe, "_progress_bar_config", {}))
     original, outputs = pipe.scheduler, []
     try:
-        backbone = rollout.from_pipeline(pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale"))
+        backbone = rollout.from_pipeline(
+            pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale")
+        )
         family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
         if family and not isinstance(backbone, rollout.FAMILIES[family]):
-            raise ValueError(f"this policy was trained on {policy.backbone} ({family}), not for a {type(pipe).__name__}")
+            raise ValueError(
+                f"this policy was trained on {policy.backbone} ({family}), not for a {type(pipe).__name__}"
+            )
         dims = {key: policy.config.get(key) for key in backbone.policy_dims}
         if policy.config["kind"] == "instance" and dims != backbone.policy_dims:
-            raise ValueError(f"this policy was built for {dims}, the pipeline has {backbone.policy_dims}: "
-                             "train one for this model")
+            raise ValueError(
+                f"this policy was built for {dims}, the pipeline has {backbone.policy_dims}: "
+                "train one for this model"
+            )
         text = {key: pipe_kwargs.pop(key) for key in TEXT + EMBEDS if key in pipe_kwargs}
-        if hasattr(backbone, "text_length"):  # the pipeline's default, or a shorter T5 tokenizer's own length
+        if hasattr(
+            backbone, "text_length"
+        ):  # the pipeline's default, or a shorter T5 tokenizer's own length
             text.setdefault("max_sequence_length", backbone.text_length)
         if "prompt_embeds" in text:
             count = len(text["prompt_embeds"])
             prompts = [None] * count
-            cond = dict(prompt_embeds=text["prompt_embeds"], pooled_prompt_embeds=text.get("pooled_prompt_embeds"),
-                        text_mask=torch.ones(text["prompt_embeds"].shape[:2], dtype=torch.bool, device=backbone.device))
+            cond = dict(
+                prompt_embeds=text["prompt_embeds"],
+                pooled_prompt_embeds=text.get("pooled_prompt_embeds"),
+                text_mask=torch.ones(
+                    text["prompt_embeds"].shape[:2], dtype=torch.bool, device=backbone.device
+                ),
+            )
         else:
             prompts = [prompt] if isinstance(prompt, str) else list(prompt)
             accepted = inspect.signature(backbone.encode_prompts).parameters
-            cond = backbone.encode_prompts(prompts, **{k: v for k, v in text.items() if k in accepted})
-        index = [i for i in range(len(prompts)) for _ in range(num_images_per_prompt)]  # the prompt of each image
+            cond = backbone.encode_prompts(
+                prompts, **{k: v for k, v in text.items() if k in accepted}
+            )
+        index = [
+            i for i in range(len(prompts)) for _ in range(num_images_per_prompt)
+        ]  # the prompt of each image
         cond = {key: value[index] for key, value in cond.items() if value is not None}
         noise = pipeline_noise(backbone, len(index), generator) if latents is None else latents
-        times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))  # (N, L+1)
+        times = times_from_increments(
+            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
+        )  # (N, L+1)
         for image, source in enumerate(index):
             pipe.scheduler = learned_scheduler(backbone, times[image].cpu())
             arguments = {key: _pick(value, source) for key, value in text.items()}
             if prompts[source] is not None:
                 arguments["prompt"] = prompts[source]
-            outputs.append(pipe(**arguments, latents=noise[image : image + 1], num_inference_steps=steps, height=height,
-                                width=height, output_type=output_type, **pipe_kwargs))
+            outputs.append(
+                pipe(
+                    **arguments,
+                    latents=noise[image : image + 1],
+                    num_inference_steps=steps,
+                    height=height,
+                    width=height,
+                    output_type=output_type,
+                    **pipe_kwargs,
+                )
+            )
     finally:
         pipe.scheduler = original
         _restore(state, pipe, progress)
@@ -190,9 +259,17 @@ def schedule_json(policy, backbone):
     """A global policy's schedule for other tools: its times (L+1,), the sigmas they stand for, and
     the timesteps the model sees (its Dirichlet mean)."""
     if policy.config["kind"] != "global":
-        raise ValueError("an instance-level policy has a schedule per noise and prompt: use generate(); only a global one exports")
+        raise ValueError(
+            "an instance-level policy has a schedule per noise and prompt: use generate(); only a global one exports"
+        )
     times = times_from_increments(mean_increments(policy(torch.zeros(1))))[0].double()
     sigmas = backbone.sigma(times) if isinstance(backbone, rollout.SDXLBackbone) else times
     scale = 999 if isinstance(backbone, rollout.SDXLBackbone) else 1000
-    return dict(backbone=backbone.name, steps=policy.steps, times=times.tolist(), sigmas=sigmas.tolist(),
-                timesteps=(times[:-1] * scale).tolist(), note="run the times exactly: no shift, no final 0 (t_L is the stop margin)")
+    return dict(
+        backbone=backbone.name,
+        steps=policy.steps,
+        times=times.tolist(),
+        sigmas=sigmas.tolist(),
+        timesteps=(times[:-1] * scale).tolist(),
+        note="run the times exactly: no shift, no final 0 (t_L is the stop margin)",
+    )

@@ -82,8 +82,9 @@ def sample_increments(alpha, rollouts, generator=None):
     device = generator.device if generator is not None else alpha.device
     concentration = alpha.detach().to(device=device, dtype=torch.float64)
     concentration = concentration[:, None, :].expand(-1, rollouts, -1).contiguous()  # (N, K, L+1)
-    uniform = 1.0 - torch.rand(concentration.shape, generator=generator, device=device,
-                               dtype=torch.float64)
+    uniform = 1.0 - torch.rand(
+        concentration.shape, generator=generator, device=device, dtype=torch.float64
+    )
     # torch._standard_gamma is what torch.distributions.Gamma samples with; called directly because
     # Gamma.sample takes no generator
     gamma = torch._standard_gamma(concentration + 1.0, generator=generator)
@@ -142,8 +143,10 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
         # its default below that (t_0 = 981/999 at 50 steps): its first step then starts from 1.
         times[0] = 1.0
         if times.shape != (steps + 1,) or (times[1:] >= times[:-1]).any() or times[-1] < 0:
-            raise ValueError(f"init_times must be {steps + 1} strictly decreasing times down to "
-                             f">= 0, got {times.tolist()}")
+            raise ValueError(
+                f"init_times must be {steps + 1} strictly decreasing times down to "
+                f">= 0, got {times.tolist()}"
+            )
         increments = increments_from_times(times)
         increments[-1] = increments[-1].clamp_min(stop_margin)
         increments = increments / increments.sum()
@@ -151,9 +154,11 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
         raise ValueError(f'init must be "default" or "uniform", got {init!r}')
     target = concentration * increments - ALPHA_MIN  # softplus(bias) must equal this
     if target.min() <= 0:
-        raise ValueError(f"every initial concentration must exceed {ALPHA_MIN}: concentration "
-                         f"{concentration} x smallest increment {increments.min().item():.3g}; "
-                         "raise concentration or stop_margin")
+        raise ValueError(
+            f"every initial concentration must exceed {ALPHA_MIN}: concentration "
+            f"{concentration} x smallest increment {increments.min().item():.3g}; "
+            "raise concentration or stop_margin"
+        )
     # inverse softplus log(exp(y) - 1) as y + log(1 - exp(-y)): accurate for y = 1e-6 and y = 1e4
     return target + torch.log(-torch.expm1(-target))
 
@@ -217,18 +222,46 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
     Keep it in float32; inputs may come in any float dtype (bf16 from the backbone) and are cast.
     """
 
-    def __init__(self, steps, latent_channels, text_dim, pooled_dim=None, widths=(16, 32), dim=64,
-                 heads=4, depth=1, grid=2, head_hidden=128, init="uniform", init_times=None,
-                 concentration=100.0, stop_margin=5e-3, backbone=None, training_config=None):
+    def __init__(
+        self,
+        steps,
+        latent_channels,
+        text_dim,
+        pooled_dim=None,
+        widths=(16, 32),
+        dim=64,
+        heads=4,
+        depth=1,
+        grid=2,
+        head_hidden=128,
+        init="uniform",
+        init_times=None,
+        concentration=100.0,
+        stop_margin=5e-3,
+        backbone=None,
+        training_config=None,
+    ):
         super().__init__()
         # what it was trained for: the backbone's name and train.py's configuration (None when
         # unknown); the Hub format records them with the weights (checkpoints.load_policy)
         self.backbone, self.training_config = backbone, training_config
-        self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels,
-                           text_dim=text_dim, pooled_dim=pooled_dim, widths=list(widths), dim=dim,
-                           heads=heads, depth=depth, grid=grid, head_hidden=head_hidden, init=init,
-                           init_times=json_times(init_times), concentration=concentration,
-                           stop_margin=stop_margin)
+        self.config = dict(
+            kind="instance",
+            steps=steps,
+            latent_channels=latent_channels,
+            text_dim=text_dim,
+            pooled_dim=pooled_dim,
+            widths=list(widths),
+            dim=dim,
+            heads=heads,
+            depth=depth,
+            grid=grid,
+            head_hidden=head_hidden,
+            init=init,
+            init_times=json_times(init_times),
+            concentration=concentration,
+            stop_margin=stop_margin,
+        )
         self.steps = steps
         self.grid = grid
         assert dim % heads == 0, f"dim {dim} must be a multiple of heads {heads}"
@@ -256,8 +289,12 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
             self.pooled_proj = nn.Sequential(nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, dim))
         self.blocks = nn.ModuleList(CrossAttentionBlock(dim, heads) for _ in range(depth))
 
-        self.head = nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, head_hidden), nn.SiLU(),
-                                  nn.Linear(head_hidden, steps + 1))
+        self.head = nn.Sequential(
+            nn.LayerNorm(dim),
+            nn.Linear(dim, head_hidden),
+            nn.SiLU(),
+            nn.Linear(head_hidden, steps + 1),
+        )
         # zero last layer: alpha starts at the same value for every input (the module docstring)
         bias = initial_logits(steps, init, init_times, concentration, stop_margin)
         with torch.no_grad():
@@ -266,8 +303,10 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
 
     def forward(self, latent, text, text_mask, pooled=None):
         if (pooled is None) != (self.pooled_proj is None):
-            raise ValueError(f"pooled embedding given: {pooled is not None}, policy built with "
-                             f"pooled_dim: {self.pooled_proj is not None}")
+            raise ValueError(
+                f"pooled embedding given: {pooled is not None}, policy built with "
+                f"pooled_dim: {self.pooled_proj is not None}"
+            )
         # x_T as drawn, N(0, I) for every backbone (Backbone.policy_inputs; SD-XL scales it later):
         # its norm and its mean are information too (on digits-noise the mean's sign says which
         # half a trajectory reaches), so it is not normalised per sample
@@ -298,12 +337,26 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
 class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
     """One concentration vector for every context: the schedule ignores x_T and the prompt."""
 
-    def __init__(self, steps, init="uniform", init_times=None, concentration=100.0,
-                 stop_margin=5e-3, backbone=None, training_config=None):
+    def __init__(
+        self,
+        steps,
+        init="uniform",
+        init_times=None,
+        concentration=100.0,
+        stop_margin=5e-3,
+        backbone=None,
+        training_config=None,
+    ):
         super().__init__()
         self.backbone, self.training_config = backbone, training_config  # as SchedulePolicy's
-        self.config = dict(kind="global", steps=steps, init=init, init_times=json_times(init_times),
-                           concentration=concentration, stop_margin=stop_margin)
+        self.config = dict(
+            kind="global",
+            steps=steps,
+            init=init,
+            init_times=json_times(init_times),
+            concentration=concentration,
+            stop_margin=stop_margin,
+        )
         self.steps = steps
         self.logits = nn.Parameter(torch.empty(steps + 1))  # (L+1,): softplus(logits) + ALPHA_MIN
         with torch.no_grad():

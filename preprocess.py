@@ -3,6 +3,7 @@ Decoded images as the reward models read them: quantised to 8 bits as a saved im
 preprocessing on tensors; and the optional packages a reward model needs, imported with a one-line
 error. Shared by rewards.py, ocr.py and geneval.py (none of which the others import back).
 """
+
 import importlib
 
 import torch
@@ -34,15 +35,22 @@ def clip_preprocess(images, size=224):
     import numpy as np
     from PIL import Image
 
-    pixels = (quantize(images) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()  # (N, H, W, 3)
+    pixels = (
+        (quantize(images) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+    )  # (N, H, W, 3)
     height, width = images.shape[-2:]
     if height <= width:
         new_height, new_width = size, int(size * width / height)
     else:
         new_height, new_width = int(size * height / width), size
-    resized = [np.asarray(Image.fromarray(array).resize((new_width, new_height), Image.BICUBIC)) for array in pixels]
+    resized = [
+        np.asarray(Image.fromarray(array).resize((new_width, new_height), Image.BICUBIC))
+        for array in pixels
+    ]
     top, left = (new_height - size) // 2, (new_width - size) // 2
-    cropped = torch.from_numpy(np.stack(resized))[:, top:top + size, left:left + size]  # (N, size, size, 3)
+    cropped = torch.from_numpy(np.stack(resized))[
+        :, top : top + size, left : left + size
+    ]  # (N, size, size, 3)
     return normalize(cropped.permute(0, 3, 1, 2).float().div(255.0).to(images.device))
 
 

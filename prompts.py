@@ -13,13 +13,16 @@ from anywhere. The real backbones train on prompts/train.jsonl and report on pro
 unless told otherwise; "hpdv2" means HPDv2's own training prompts, from the hub. A .jsonl record's
 "style" or "tag" is its group: evaluate.py reports a table per group.
 """
+
 import json
 import os
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 # (train, held out) shipped per reward: text rendering for OCR, GenEval's templates, HPDv2's styles otherwise
-SHIPPED = {"ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
-           "geneval": ("prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl")}
+SHIPPED = {
+    "ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
+    "geneval": ("prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl"),
+}
 DEFAULT = ("prompts/train.jsonl", "prompts/heldout.jsonl")
 HPDV2 = "zhwang/HPDv2"  # the hub dataset: train.json, benchmark/<style>.json
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
@@ -29,8 +32,13 @@ HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds
 def _hpdv2_file(filename):
     from backbones import hub_file
 
-    return hub_file(HPDV2, filename, f"HPDv2's {filename} is not available: fetch it once online with `hf download {HPDV2} "
-                    f"{filename} --repo-type dataset`, or pass a local file or folder", repo_type="dataset")
+    return hub_file(
+        HPDV2,
+        filename,
+        f"HPDv2's {filename} is not available: fetch it once online with `hf download {HPDV2} "
+        f"{filename} --repo-type dataset`, or pass a local file or folder",
+        repo_type="dataset",
+    )
 
 
 def load_prompt_file(path):
@@ -38,7 +46,11 @@ def load_prompt_file(path):
     ValueError in one line naming the file for anything that is not a list of prompts."""
     if path == "hpdv2":
         path = _hpdv2_file("train.json")
-    elif not os.path.isabs(path) and not os.path.exists(path) and os.path.isfile(os.path.join(REPOSITORY, path)):
+    elif (
+        not os.path.isabs(path)
+        and not os.path.exists(path)
+        and os.path.isfile(os.path.join(REPOSITORY, path))
+    ):
         path = os.path.join(REPOSITORY, path)
     if not os.path.isfile(path):
         raise ValueError(f"prompt file {path} does not exist")
@@ -51,12 +63,23 @@ def load_prompt_file(path):
             else:
                 records = list(handle)
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{path} is not a prompt file ({type(error).__name__}: {str(error).splitlines()[0]})") from None
+        raise ValueError(
+            f"{path} is not a prompt file ({type(error).__name__}: {str(error).splitlines()[0]})"
+        ) from None
     if not isinstance(records, list):
-        raise ValueError(f"{path} holds a JSON {type(records).__name__}, not a list of prompts or of records with a \"prompt\"")
-    bad = [record for record in records if not isinstance(record, str) and not (isinstance(record, dict) and isinstance(record.get("prompt"), str))]
+        raise ValueError(
+            f'{path} holds a JSON {type(records).__name__}, not a list of prompts or of records with a "prompt"'
+        )
+    bad = [
+        record
+        for record in records
+        if not isinstance(record, str)
+        and not (isinstance(record, dict) and isinstance(record.get("prompt"), str))
+    ]
     if bad:
-        raise ValueError(f"{path}: {len(bad)} entries are neither a prompt nor a record with a \"prompt\" text, e.g. {str(bad[0])[:60]}")
+        raise ValueError(
+            f'{path}: {len(bad)} entries are neither a prompt nor a record with a "prompt" text, e.g. {str(bad[0])[:60]}'
+        )
     prompts = [record["prompt"] if isinstance(record, dict) else record for record in records]
     prompts = [prompt.strip() for prompt in prompts if prompt.strip()]
     if not prompts:
@@ -72,7 +95,9 @@ def prompt_groups(path):
     path = path if os.path.exists(path) else os.path.join(REPOSITORY, path)
     with open(path, encoding="utf-8") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
-    return [record.get("style", record.get("tag")) for record in records if record["prompt"].strip()]
+    return [
+        record.get("style", record.get("tag")) for record in records if record["prompt"].strip()
+    ]
 
 
 def load_hpdv2(folder=None):
@@ -84,9 +109,11 @@ def load_hpdv2(folder=None):
         files = [os.path.join(folder, f"{style}.json") for style in HPDV2_STYLES]
         missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
         if missing:
-            raise ValueError(f"HPDv2 test prompts not found in {folder} (missing {', '.join(missing)}): fetch them with "
-                             f"`hf download {HPDV2} --repo-type dataset --include \"benchmark/*.json\" --local-dir data/HPDv2` "
-                             "and pass --hpdv2 data/HPDv2/benchmark")
+            raise ValueError(
+                f"HPDv2 test prompts not found in {folder} (missing {', '.join(missing)}): fetch them with "
+                f'`hf download {HPDV2} --repo-type dataset --include "benchmark/*.json" --local-dir data/HPDv2` '
+                "and pass --hpdv2 data/HPDv2/benchmark"
+            )
     per_style = {style: load_prompt_file(file) for style, file in zip(HPDV2_STYLES, files)}
     prompts, styles = [], []
     for index in range(max(len(p) for p in per_style.values())):
@@ -108,7 +135,9 @@ def heldout_contexts(prompts, count=None, seed=HELDOUT_SEED):
     """Fixed held-out contexts: `count` prompts cycling over `prompts` (default: each once) with noise
     seeds seed, seed + 1, ... Returns (prompts, seeds)."""
     count = len(prompts) if count is None else count
-    return [prompts[index % len(prompts)] for index in range(count)], [seed + index for index in range(count)]
+    return [prompts[index % len(prompts)] for index in range(count)], [
+        seed + index for index in range(count)
+    ]
 
 
 def noise_seed(text):
@@ -128,4 +157,6 @@ def context_noise(backbone, seeds):
     """Initial noise per seed, drawn one by one, so it is identical for every method and batch size."""
     import torch  # here, so that the scripts' parsers can use this module before torch loads
 
-    return torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
+    return torch.cat(
+        [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
+    )

@@ -37,6 +37,7 @@ Images are quantised to 8 bits before scoring, as the reward models were trained
 Rewards are returned as computed, NaN included: the trainer stops at a non-finite reward rather
 than dropping or clamping samples, which would bias the estimator and hide a broken model.
 """
+
 import hashlib
 import os
 from collections import OrderedDict
@@ -46,8 +47,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
-from preprocess import clip_preprocess, import_optional, normalize, quantize
 from backbones import hub_file
+from preprocess import clip_preprocess, import_optional, normalize, quantize
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -70,7 +71,9 @@ def context_key(noise, prompt):
     """A context's identity: hash of its noise (shape, dtype and bytes) and its prompt."""
     noise = noise.detach().contiguous().cpu()
     digest = hashlib.sha256(f"{tuple(noise.shape)}|{noise.dtype}|{prompt}|".encode())
-    digest.update(noise.reshape(-1).view(torch.uint8).numpy().tobytes())  # bytes of any dtype, bf16 too
+    digest.update(
+        noise.reshape(-1).view(torch.uint8).numpy().tobytes()
+    )  # bytes of any dtype, bf16 too
     return digest.hexdigest()
 
 
@@ -82,7 +85,6 @@ class TeacherReward:
     many training batches. `hits` counts samples served without a solve (repeated contexts within
     a call included), `misses` counts reference solves.
     """
-
 
     def __init__(self, backbone, device=None, cache_size=4096):
         self.backbone = backbone
@@ -108,7 +110,10 @@ class TeacherReward:
                 self.misses += 1
         if unsolved:
             index = torch.tensor(list(unsolved.values()))
-            sub_cond = {name: value[index.to(value.device)] if torch.is_tensor(value) else value for name, value in cond.items()}
+            sub_cond = {
+                name: value[index.to(value.device)] if torch.is_tensor(value) else value
+                for name, value in cond.items()
+            }
             solved = self.backbone.reference(noise[index.to(noise.device)], sub_cond)
             for key, target in zip(unsolved, solved.detach().cpu()):
                 self.cache[key] = target
@@ -141,21 +146,36 @@ def hps_preprocess(images, size=224):
     height, width = images.shape[-2:]
     scale = size / float(max(height, width))
     if scale != 1.0:
-        new_height, new_width = round(height * scale), round(width * scale)  # Python round, as ResizeMaxSize
-        images = F.interpolate(images, (new_height, new_width), mode="bicubic", align_corners=False, antialias=True)
+        new_height, new_width = (
+            round(height * scale),
+            round(width * scale),
+        )  # Python round, as ResizeMaxSize
+        images = F.interpolate(
+            images, (new_height, new_width), mode="bicubic", align_corners=False, antialias=True
+        )
         pad_height, pad_width = size - new_height, size - new_width
-        images = F.pad(images, (pad_width // 2, pad_width - pad_width // 2, pad_height // 2, pad_height - pad_height // 2))
+        images = F.pad(
+            images,
+            (
+                pad_width // 2,
+                pad_width - pad_width // 2,
+                pad_height // 2,
+                pad_height - pad_height // 2,
+            ),
+        )
     return normalize(images)
 
 
 def _import_hps():  # hpsv2's transforms need torchvision, which fails to import beside a mismatched torch
-    return import_optional(["torchvision", "hpsv2.src.open_clip"], "the hpsv2 reward needs hpsv2x and a matching torchvision",
-                           HPS_INSTALL)
+    return import_optional(
+        ["torchvision", "hpsv2.src.open_clip"],
+        "the hpsv2 reward needs hpsv2x and a matching torchvision",
+        HPS_INSTALL,
+    )
 
 
 class HPSReward:
     """100 x cos(image, prompt) in HPS's embedding space, as hpsv2.img_score.score computes it."""
-
 
     def __init__(self, backbone, checkpoint, device=None, model_name="ViT-H-14", batch_size=16):
         open_clip = _import_hps()
@@ -163,7 +183,9 @@ class HPSReward:
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
         # pretrained=None: no LAION download, the HPS checkpoint below replaces every weight anyway
-        model = open_clip.create_model(model_name, pretrained=None, precision="fp32", device="cpu", output_dict=True)
+        model = open_clip.create_model(
+            model_name, pretrained=None, precision="fp32", device="cpu", output_dict=True
+        )
         state = torch.load(checkpoint, map_location="cpu", weights_only=True)
         model.load_state_dict(state.get("state_dict", state))  # strict, as hpsv2 loads it
         self.model = model.to(self.device).eval().requires_grad_(False)
@@ -178,9 +200,20 @@ class HPSReward:
         tokens = self.tokenizer(unique).to(self.device)  # (P, 77)
         # fp16 autocast on CUDA as hpsv2.img_score.score runs it; plain float32 elsewhere
         with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.type == "cuda"):
-            text = torch.cat([self.model.encode_text(chunk, normalize=True) for chunk in tokens.split(self.batch_size)])
-            image = torch.cat([self.model.encode_image(hps_preprocess(chunk.to(self.device), self.image_size), normalize=True)
-                               for chunk in images.split(self.batch_size)])
+            text = torch.cat(
+                [
+                    self.model.encode_text(chunk, normalize=True)
+                    for chunk in tokens.split(self.batch_size)
+                ]
+            )
+            image = torch.cat(
+                [
+                    self.model.encode_image(
+                        hps_preprocess(chunk.to(self.device), self.image_size), normalize=True
+                    )
+                    for chunk in images.split(self.batch_size)
+                ]
+            )
         which = torch.tensor(which, device=self.device)
         return 100.0 * (image.float() * text.float()[which]).sum(-1)
 
@@ -191,8 +224,10 @@ def hps_checkpoint(version="v2.1", checkpoint=None):
     if version not in HPS_FILES:
         raise ValueError(f"unknown HPS version {version!r}; known: {', '.join(HPS_FILES)}")
     filename = HPS_FILES[version]
-    hint = (f"HPS {version} checkpoint not found: get {filename} from the hub repo {HPS_REPO} "
-            f"(hf download {HPS_REPO} {filename}) or pass --reward-checkpoint PATH")
+    hint = (
+        f"HPS {version} checkpoint not found: get {filename} from the hub repo {HPS_REPO} "
+        f"(hf download {HPS_REPO} {filename}) or pass --reward-checkpoint PATH"
+    )
     if checkpoint is None:
         return hub_file(HPS_REPO, filename, hint)
     if not os.path.isfile(checkpoint):
@@ -200,11 +235,15 @@ def hps_checkpoint(version="v2.1", checkpoint=None):
     return checkpoint
 
 
-def load_hpsv2(backbone, device=None, version="v2.1", checkpoint=None, model_name="ViT-H-14", batch_size=16):
+def load_hpsv2(
+    backbone, device=None, version="v2.1", checkpoint=None, model_name="ViT-H-14", batch_size=16
+):
     """`checkpoint`: a local HPS_v2*.pt; else the HF cache (downloaded when online). `model_name`:
     an open_clip model config (the tests register a tiny one)."""
     checkpoint = hps_checkpoint(version, checkpoint)
-    return HPSReward(backbone, checkpoint, device=device, model_name=model_name, batch_size=batch_size)
+    return HPSReward(
+        backbone, checkpoint, device=device, model_name=model_name, batch_size=batch_size
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -214,7 +253,6 @@ def load_hpsv2(backbone, device=None, version="v2.1", checkpoint=None, model_nam
 class CLIPReward:
     """100 x cos(image, prompt) in a CLIP model's projected embedding space."""
 
-
     def __init__(self, backbone, checkpoint=CLIP_DEFAULT, device=None, batch_size=32):
         from transformers import AutoTokenizer, CLIPModel
 
@@ -222,35 +260,52 @@ class CLIPReward:
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
         try:
-            self.model = CLIPModel.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
+            self.model = (
+                CLIPModel.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
+            )
             self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         except OSError as error:
-            raise ValueError(f"CLIP model {checkpoint!r} not found ({type(error).__name__}): download it with "
-                             f"`hf download {checkpoint}` or pass --reward-checkpoint PATH to a local copy") from None
+            raise ValueError(
+                f"CLIP model {checkpoint!r} not found ({type(error).__name__}): download it with "
+                f"`hf download {checkpoint}` or pass --reward-checkpoint PATH to a local copy"
+            ) from None
         self.image_size = self.model.config.vision_config.image_size
         self.max_length = self.model.config.text_config.max_position_embeddings
 
     def _text(self, prompts):
-        tokens = self.tokenizer(prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt").to(self.device)
-        pooled = self.model.text_model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]).pooler_output
+        tokens = self.tokenizer(
+            prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        pooled = self.model.text_model(
+            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
+        ).pooler_output
         return F.normalize(self.model.text_projection(pooled), dim=-1)
 
     def _image(self, images):
-        pooled = self.model.vision_model(pixel_values=clip_preprocess(images.to(self.device), self.image_size)).pooler_output
+        pooled = self.model.vision_model(
+            pixel_values=clip_preprocess(images.to(self.device), self.image_size)
+        ).pooler_output
         return F.normalize(self.model.visual_projection(pooled), dim=-1)
 
     @torch.no_grad()
     def __call__(self, latents, prompts, noise, cond):
         images = self.backbone.decode(latents)
         unique, which = _unique(prompts)
-        text = torch.cat([self._text(unique[start:start + self.batch_size]) for start in range(0, len(unique), self.batch_size)])
+        text = torch.cat(
+            [
+                self._text(unique[start : start + self.batch_size])
+                for start in range(0, len(unique), self.batch_size)
+            ]
+        )
         image = torch.cat([self._image(chunk) for chunk in images.split(self.batch_size)])
         which = torch.tensor(which, device=self.device)
         return 100.0 * (image.float() * text.float()[which]).sum(-1)
 
 
 def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
-    return CLIPReward(backbone, checkpoint=checkpoint or CLIP_DEFAULT, device=device, batch_size=batch_size)
+    return CLIPReward(
+        backbone, checkpoint=checkpoint or CLIP_DEFAULT, device=device, batch_size=batch_size
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,7 +316,9 @@ def digit_of(prompt):
     """The digit a prompt asks for: its one character 0-9. ValueError in one line otherwise."""
     found = [character for character in prompt if character.isdigit()]
     if len(found) != 1:
-        raise ValueError(f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}")
+        raise ValueError(
+            f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}"
+        )
     return int(found[0])
 
 
@@ -273,12 +330,24 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
         self.config = dict(side=side, width=width)
         self.side = side
         self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1), nn.ReLU(), nn.Conv2d(width, width, 3, padding=1), nn.ReLU(),
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
             nn.MaxPool2d(2),
-            nn.Conv2d(width, 2 * width, 3, padding=1), nn.ReLU(),
-            nn.Conv2d(2 * width, 2 * width, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-        self.head = nn.Sequential(nn.Flatten(), nn.Dropout(0.3), nn.Linear(2 * width * (side // 4) ** 2, 64),
-                                  nn.ReLU(), nn.Linear(64, 10))
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Dropout(0.3),
+            nn.Linear(2 * width * (side // 4) ** 2, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
 
     def forward(self, images):
         return self.head(self.features(2.0 * images - 1.0))
@@ -286,17 +355,21 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
 
 def classifier_folder(folder=None):
     """Where the classifier is: `folder`, else the shipped one. ValueError in one line if absent."""
-    folder = folder or os.path.join(os.path.dirname(os.path.abspath(__file__)), "miniatures", "classifier")
-    if not all(os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")):
-        raise ValueError(f"no digit classifier in {folder}; restore miniatures/classifier with git, retrain it "
-                         "with `python miniature.py --family classifier`, or pass --reward-checkpoint FOLDER")
+    folder = folder or os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "miniatures", "classifier"
+    )
+    if not all(
+        os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")
+    ):
+        raise ValueError(
+            f"no digit classifier in {folder}; restore miniatures/classifier with git, retrain it "
+            "with `python miniature.py --family classifier`, or pass --reward-checkpoint FOLDER"
+        )
     return folder
 
 
 def load_classifier(folder=None):
     return DigitClassifier.from_pretrained(classifier_folder(folder)).eval()
-
-
 
 
 class DigitReward:
@@ -315,7 +388,9 @@ class DigitReward:
         images = quantize(self.backbone.decode(latents)).to(self.device)
         side = self.model.side
         if images.shape[-1] != side or images.shape[-2] != side:
-            images = F.interpolate(images, (side, side), mode="bicubic", align_corners=False, antialias=True)
+            images = F.interpolate(
+                images, (side, side), mode="bicubic", align_corners=False, antialias=True
+            )
         return torch.log_softmax(self.model(images.clamp(0, 1)).float(), dim=1)  # (N, 10)
 
     @torch.no_grad()
@@ -323,7 +398,9 @@ class DigitReward:
 
         log_probs = self.log_probs(latents)
         digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=log_probs.device)
-        return log_probs.gather(1, digits[:, None]).squeeze(1), (log_probs.argmax(1) == digits).float()
+        return log_probs.gather(1, digits[:, None]).squeeze(1), (
+            log_probs.argmax(1) == digits
+        ).float()
 
     def __call__(self, latents, prompts, noise, cond):
         return self.details(latents, prompts)[0]
@@ -335,6 +412,7 @@ def load_digit(backbone, device=None, checkpoint=None):
 
 # ----------------------------------------------------------------------------------------------
 
+
 def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):
     import ocr  # EasyOCR needs torchvision: imported only when asked for
 
@@ -344,21 +422,38 @@ def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):
 def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, batch_size=8):
     import geneval
 
-    return geneval.load_geneval(backbone, device=device, checkpoint=checkpoint, clip_checkpoint=clip_checkpoint, batch_size=batch_size)
+    return geneval.load_geneval(
+        backbone,
+        device=device,
+        checkpoint=checkpoint,
+        clip_checkpoint=clip_checkpoint,
+        batch_size=batch_size,
+    )
 
 
-REWARDS = {"teacher": load_teacher, "hpsv2": load_hpsv2, "clip": load_clip, "ocr": load_ocr, "geneval": load_geneval,
-           "digit": load_digit}
-IMAGE_CONTENT = ("ocr", "geneval")  # rewards that read text or objects: not for the 8x8 embedded backbones
-COLUMNS = {"ocr": ("ocr", "ocr edit"), "geneval": ("geneval", "geneval correct"),
-           "digit": ("digit", "digit accuracy")}  # what metrics() returns, per reward
+REWARDS = {
+    "teacher": load_teacher,
+    "hpsv2": load_hpsv2,
+    "clip": load_clip,
+    "ocr": load_ocr,
+    "geneval": load_geneval,
+    "digit": load_digit,
+}
+IMAGE_CONTENT = (
+    "ocr",
+    "geneval",
+)  # rewards that read text or objects: not for the 8x8 embedded backbones
+COLUMNS = {
+    "ocr": ("ocr", "ocr edit"),
+    "geneval": ("geneval", "geneval correct"),
+    "digit": ("digit", "digit accuracy"),
+}  # what metrics() returns, per reward
 
 
 def check_prompts(name, prompts):
     """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR needs
     a "quoted" target text, GenEval one of its templates."""
     if name == "digit":
-
         for prompt in prompts:
             digit_of(prompt)
     if name in IMAGE_CONTENT:
@@ -375,10 +470,16 @@ def metrics(reward, name, latents, prompts, noise, cond):
     correctness (GenEval's own accuracy) beside it."""
     if name == "ocr":
         rows = reward.details(latents, prompts)
-        return {"ocr": torch.tensor([row["recall"] for row in rows]), "ocr edit": torch.tensor([row["edit"] for row in rows])}
+        return {
+            "ocr": torch.tensor([row["recall"] for row in rows]),
+            "ocr edit": torch.tensor([row["edit"] for row in rows]),
+        }
     if name == "geneval":
         rows = reward.details(latents, prompts)
-        return {"geneval": torch.tensor([row["reward"] for row in rows]), "geneval correct": torch.tensor([float(row["correct"]) for row in rows])}
+        return {
+            "geneval": torch.tensor([row["reward"] for row in rows]),
+            "geneval correct": torch.tensor([float(row["correct"]) for row in rows]),
+        }
     if name == "digit":
         log_prob, correct = reward.details(latents, prompts)
         return {"digit": log_prob.cpu(), "digit accuracy": correct.cpu()}
@@ -402,16 +503,22 @@ def check_reward(name, checkpoint=None):
 
         check_ocr(checkpoint)
     if name == "geneval":
-        from geneval import CLIP_DEFAULT as GENEVAL_CLIP, DETECTOR_DEFAULT, check_weights
+        from geneval import CLIP_DEFAULT as GENEVAL_CLIP
+        from geneval import DETECTOR_DEFAULT, check_weights
 
-        check_weights(checkpoint or DETECTOR_DEFAULT, "GenEval detector", also=(GENEVAL_CLIP, "CLIP model"))
+        check_weights(
+            checkpoint or DETECTOR_DEFAULT, "GenEval detector", also=(GENEVAL_CLIP, "CLIP model")
+        )
     if name == "digit":
-
         classifier_folder(checkpoint)
     if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
         model = checkpoint or CLIP_DEFAULT
-        hub_file(model, "config.json", f"CLIP model {model!r} not found: download it with "
-                  f"`hf download {model}` or pass --reward-checkpoint PATH to a local copy")
+        hub_file(
+            model,
+            "config.json",
+            f"CLIP model {model!r} not found: download it with "
+            f"`hf download {model}` or pass --reward-checkpoint PATH to a local copy",
+        )
 
 
 def load_reward(name, backbone, device=None, checkpoint=None, **options):

@@ -19,6 +19,7 @@ pipeline's own latents (tests/test_rollout_diffusers.py).
     latents = backbone.sample(noise, cond, backbone.default_times(4).expand(10, -1))
     images = backbone.decode(latents)                   # (N, 3, H, W) in [0, 1]
 """
+
 import inspect
 
 import torch
@@ -54,8 +55,12 @@ class Backbone:
     def policy_inputs(self, noise, cond):
         """The noise as an image-shaped latent (N, C, H, W), the prompt's token embeddings with
         their mask, and the pooled embedding."""
-        return dict(latent=noise.float(), text=cond["prompt_embeds"].float(),
-                    text_mask=cond["text_mask"], pooled=cond["pooled_prompt_embeds"].float())
+        return dict(
+            latent=noise.float(),
+            text=cond["prompt_embeds"].float(),
+            text_mask=cond["text_mask"],
+            pooled=cond["pooled_prompt_embeds"].float(),
+        )
 
     def reference(self, noise, cond):
         times = self.default_times(self.reference_steps).expand(noise.shape[0], -1)
@@ -104,8 +109,9 @@ class PipelineBackbone(Backbone):
         self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
         self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
         if self.resolution % multiple:
-            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got "
-                             f"{self.resolution}")
+            raise ValueError(
+                f"{name}: resolution must be a multiple of {multiple}, got {self.resolution}"
+            )
 
     @torch.no_grad()
     def decode(self, latents):
@@ -134,8 +140,9 @@ def _token_mask(tokenizer, prompts, length):
     """(N, length) bool, True = a real token, exactly as the pipeline pads and truncates."""
     if tokenizer is None:
         return torch.zeros(len(prompts), length, dtype=torch.bool)
-    tokens = tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
-                       return_tensors="pt")
+    tokens = tokenizer(
+        prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
+    )
     return tokens.attention_mask.bool()
 
 
@@ -161,25 +168,35 @@ class SD3Backbone(PipelineBackbone):
         self.text_length = _text_length(pipe, pipe.tokenizer_3)
         config = self.model.config
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        self.policy_dims = dict(latent_channels=config.in_channels,
-                                text_dim=config.joint_attention_dim,
-                                pooled_dim=config.pooled_projection_dim)
+        self.policy_dims = dict(
+            latent_channels=config.in_channels,
+            text_dim=config.joint_attention_dim,
+            pooled_dim=config.pooled_projection_dim,
+        )
 
     @torch.no_grad()
-    def encode_prompts(self, prompts, prompt_2=None, prompt_3=None, clip_skip=None,
-                       max_sequence_length=None):
+    def encode_prompts(
+        self, prompts, prompt_2=None, prompt_3=None, clip_skip=None, max_sequence_length=None
+    ):
         """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         pipe, length = self.pipe, max_sequence_length or self.text_length
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=prompts, prompt_2=prompt_2, prompt_3=prompt_3, device=self.device,
-            clip_skip=clip_skip, do_classifier_free_guidance=self.cfg, max_sequence_length=length)
+            prompt=prompts,
+            prompt_2=prompt_2,
+            prompt_3=prompt_3,
+            device=self.device,
+            clip_skip=clip_skip,
+            do_classifier_free_guidance=self.cfg,
+            max_sequence_length=length,
+        )
         clip_mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer_max_length)
         t5_mask = _token_mask(pipe.tokenizer_3, prompt_3 or prompts, length)
         mask = torch.cat([clip_mask, t5_mask], dim=1).to(self.device)  # (N, 77 + T5 length)
         cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask)
         if self.cfg:
-            cond.update(negative_prompt_embeds=negative,
-                        negative_pooled_prompt_embeds=negative_pooled)
+            cond.update(
+                negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled
+            )
         return cond
 
     def default_times(self, steps):
@@ -200,7 +217,10 @@ class SD3Backbone(PipelineBackbone):
             prediction = self.model(
                 hidden_states=state.to(self.dtype).repeat(copies, 1, 1, 1),
                 timestep=(t * 1000).repeat(copies),  # the pipeline's timesteps = sigmas * 1000
-                encoder_hidden_states=text, pooled_projections=pooled, return_dict=False)[0]
+                encoder_hidden_states=text,
+                pooled_projections=pooled,
+                return_dict=False,
+            )[0]
             return _guided(prediction, self.guidance) if self.cfg else prediction
 
         return run_schedule(velocity, noise.float(), times)
@@ -225,19 +245,23 @@ class FluxBackbone(PipelineBackbone):
         self.latent_channels = config.in_channels // 4
         size = self.latent_size
         self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
-        self.policy_dims = dict(latent_channels=self.latent_channels,
-                                text_dim=config.joint_attention_dim,
-                                pooled_dim=config.pooled_projection_dim)
+        self.policy_dims = dict(
+            latent_channels=self.latent_channels,
+            text_dim=config.joint_attention_dim,
+            pooled_dim=config.pooled_projection_dim,
+        )
 
     @torch.no_grad()
     def encode_prompts(self, prompts, prompt_2=None, max_sequence_length=None):
         """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         length = max_sequence_length or self.text_length
-        embeds, pooled, _ = self.pipe.encode_prompt(prompt=prompts, prompt_2=prompt_2,
-                                                    device=self.device, max_sequence_length=length)
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=prompt_2, device=self.device, max_sequence_length=length
+        )
         mask = _token_mask(self.pipe.tokenizer_2, prompt_2 or prompts, length)  # the T5 tokens
-        return dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled,
-                    text_mask=mask.to(self.device))
+        return dict(
+            prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask.to(self.device)
+        )
 
     def pack(self, latents):
         size = self.latent_size
@@ -262,9 +286,13 @@ class FluxBackbone(PipelineBackbone):
 
         config = self.pipe.scheduler.config
         tokens = (self.latent_size // 2) ** 2
-        mu = calculate_shift(tokens, config.get("base_image_seq_len", 256),
-                             config.get("max_image_seq_len", 4096), config.get("base_shift", 0.5),
-                             config.get("max_shift", 1.15))
+        mu = calculate_shift(
+            tokens,
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.15),
+        )
         scheduler = type(self.pipe.scheduler).from_config(config)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         return scheduler.sigmas.float()
@@ -283,10 +311,15 @@ class FluxBackbone(PipelineBackbone):
 
         def velocity(state, t):
             return self.model(
-                hidden_states=state.to(dtype), timestep=t.to(dtype), guidance=guidance,
+                hidden_states=state.to(dtype),
+                timestep=t.to(dtype),
+                guidance=guidance,
                 pooled_projections=cond["pooled_prompt_embeds"],
-                encoder_hidden_states=cond["prompt_embeds"], txt_ids=text_ids, img_ids=image_ids,
-                return_dict=False)[0]
+                encoder_hidden_states=cond["prompt_embeds"],
+                txt_ids=text_ids,
+                img_ids=image_ids,
+                return_dict=False,
+            )[0]
 
         return run_schedule(velocity, noise.float(), times)
 
@@ -309,16 +342,20 @@ class SDXLBackbone(PipelineBackbone):
         linear = config.interpolation_type == "linear" and not config.get("use_karras_sigmas")
         discrete = config.get("timestep_type", "discrete") == "discrete"
         if config.prediction_type != "epsilon" or not linear or not discrete:
-            raise ValueError(f"{name}: only epsilon prediction with linear sigma interpolation on "
-                             "discrete timesteps is supported")
+            raise ValueError(
+                f"{name}: only epsilon prediction with linear sigma interpolation on "
+                "discrete timesteps is supported"
+            )
         alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
         # (1000,) sigma per timestep
         self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5
         channels = self.model.config.in_channels
         self.latent_shape = (channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        self.policy_dims = dict(latent_channels=channels,
-                                text_dim=self.model.config.cross_attention_dim,
-                                pooled_dim=pipe.text_encoder_2.config.projection_dim)
+        self.policy_dims = dict(
+            latent_channels=channels,
+            text_dim=self.model.config.cross_attention_dim,
+            pooled_dim=pipe.text_encoder_2.config.projection_dim,
+        )
 
     def sigma(self, times):
         """sigma(t): linear interpolation of the noise table at timestep t * 999; t = 0 -> 0."""
@@ -336,19 +373,28 @@ class SDXLBackbone(PipelineBackbone):
         """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         pipe = self.pipe
         embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
-            prompt=prompts, prompt_2=prompt_2, device=self.device,
-            do_classifier_free_guidance=self.cfg, clip_skip=clip_skip)
+            prompt=prompts,
+            prompt_2=prompt_2,
+            device=self.device,
+            do_classifier_free_guidance=self.cfg,
+            clip_skip=clip_skip,
+        )
         size = (self.resolution, self.resolution)
         projection = pipe.text_encoder_2.config.projection_dim
-        time_ids = pipe._get_add_time_ids(size, (0, 0), size, dtype=embeds.dtype,
-                                          text_encoder_projection_dim=projection)
+        time_ids = pipe._get_add_time_ids(
+            size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
+        )
         mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length)
-        cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled,
-                    time_ids=time_ids.to(self.device).repeat(len(prompts), 1),  # (N, 6)
-                    text_mask=mask.to(self.device))
+        cond = dict(
+            prompt_embeds=embeds,
+            pooled_prompt_embeds=pooled,
+            time_ids=time_ids.to(self.device).repeat(len(prompts), 1),  # (N, 6)
+            text_mask=mask.to(self.device),
+        )
         if self.cfg:
-            cond.update(negative_prompt_embeds=negative,
-                        negative_pooled_prompt_embeds=negative_pooled)
+            cond.update(
+                negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled
+            )
         return cond
 
     def default_times(self, steps):
@@ -374,9 +420,12 @@ class SDXLBackbone(PipelineBackbone):
             sigma = self.sigma(t).view(view)
             model_input = (state / (sigma**2 + 1) ** 0.5).to(self.dtype)  # scale_model_input
             prediction = self.model(
-                model_input.repeat(copies, 1, 1, 1), (t * 999).repeat(copies),
-                encoder_hidden_states=text, return_dict=False,
-                added_cond_kwargs=dict(text_embeds=pooled, time_ids=time_ids))[0]
+                model_input.repeat(copies, 1, 1, 1),
+                (t * 999).repeat(copies),
+                encoder_hidden_states=text,
+                return_dict=False,
+                added_cond_kwargs=dict(text_embeds=pooled, time_ids=time_ids),
+            )[0]
             return _guided(prediction, self.guidance) if self.cfg else prediction
 
         # the pipeline's init_noise_sigma: sqrt(sigma_0^2 + 1) ("leading" spacing) or sigma_0
@@ -396,14 +445,19 @@ class SDXLBackbone(PipelineBackbone):
 
 
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
-PIPELINES = {"sd3": "StableDiffusion3Pipeline", "flux": "FluxPipeline",
-             "sdxl": "StableDiffusionXLPipeline"}
+PIPELINES = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "sdxl": "StableDiffusionXLPipeline",
+}
 
 
 def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
     """Wrap an already built diffusers pipeline (how the tests inject tiny random ones)."""
     family = family or {cls: key for key, cls in PIPELINES.items()}.get(type(pipe).__name__)
     if family not in FAMILIES:
-        raise ValueError(f"cannot tell the family of {type(pipe).__name__}; pass family= one of "
-                         f"{', '.join(FAMILIES)}")
+        raise ValueError(
+            f"cannot tell the family of {type(pipe).__name__}; pass family= one of "
+            f"{', '.join(FAMILIES)}"
+        )
     return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)

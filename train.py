@@ -81,8 +81,9 @@ class Config:
 # rollout_batch: samples per backbone call, for GPU memory.
 HUB = dict(steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2")
 EMBEDDED = dict(steps=4, contexts=32, iterations=300, lr=3e-3, reward="teacher", rollout_batch=None)
-MINIATURE = dict(steps=3, contexts=16, rollouts=4, iterations=200, lr=3e-3, reward="digit",
-                 rollout_batch=None)
+MINIATURE = dict(
+    steps=3, contexts=16, rollouts=4, iterations=200, lr=3e-3, reward="digit", rollout_batch=None
+)
 TRAINING = {
     "sd35m": dict(HUB, contexts=32, rollout_batch=16),
     "sd35l": dict(HUB, contexts=16, rollout_batch=8),
@@ -97,10 +98,16 @@ TRAINING = {
     "mini-sdxl": MINIATURE,
 }
 GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's lr it barely moves
-CHOICES = dict(backbone=list(TRAINING), policy=["instance", "global"], init=["default", "uniform"],
-               reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit"],
-               baseline=["js", "js-unbiased", "rloo", "xctx"], lr_decay=["cosine", "constant"],
-               dtype=["bfloat16", "float16", "float32"], device=["cpu", "cuda"])
+CHOICES = dict(
+    backbone=list(TRAINING),
+    policy=["instance", "global"],
+    init=["default", "uniform"],
+    reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit"],
+    baseline=["js", "js-unbiased", "rloo", "xctx"],
+    lr_decay=["cosine", "constant"],
+    dtype=["bfloat16", "float16", "float32"],
+    device=["cpu", "cuda"],
+)
 
 
 def get_lr(config, iteration):
@@ -114,8 +121,9 @@ def get_lr(config, iteration):
 def parse_config(argv=None):
     """argparse from the dataclass (--field-name value, booleans as flags), then TRAINING's
     defaults for the fields left None."""
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.error = lambda message: parser.exit(2, f"train.py: error: {message}\n")  # one line
     for item in dataclasses.fields(Config):
         flag = "--" + item.name.replace("_", "-")
@@ -126,8 +134,9 @@ def parse_config(argv=None):
         kind = item.type
         if isinstance(kind, types.UnionType):  # "int | None" -> int
             kind = next(arg for arg in kind.__args__ if arg is not type(None))
-        parser.add_argument(flag, type=kind, default=item.default,
-                            choices=CHOICES.get(item.name), help=help)
+        parser.add_argument(
+            flag, type=kind, default=item.default, choices=CHOICES.get(item.name), help=help
+        )
     config = Config(**vars(parser.parse_args(argv)))
     for key, default in TRAINING[config.backbone].items():
         if getattr(config, key) is None:
@@ -164,23 +173,34 @@ def main(config):
     backbone, reward, prompts = run.backbone, run.reward, run.prompts
     contexts_per_rank = config.contexts // run.world_size
     first = run.rank * contexts_per_rank  # this rank's contexts in the global batch
-    progress = tqdm(range(run.start, config.iterations), initial=run.start,
-                    total=config.iterations, disable=not run.master)
+    progress = tqdm(
+        range(run.start, config.iterations),
+        initial=run.start,
+        total=config.iterations,
+        disable=not run.master,
+    )
     for iteration in progress:
         t0 = time.time()
         # ---------------- contexts: a prompt and an initial noise x_T each, seeded ----------------
-        generators = [torch.Generator().manual_seed(context_seed(config.seed, iteration, first + c))
-                      for c in range(contexts_per_rank)]
-        batch_prompts = [prompts[torch.randint(len(prompts), (1,), generator=g).item()]
-                         for g in generators]
+        generators = [
+            torch.Generator().manual_seed(context_seed(config.seed, iteration, first + c))
+            for c in range(contexts_per_rank)
+        ]
+        batch_prompts = [
+            prompts[torch.randint(len(prompts), (1,), generator=g).item()] for g in generators
+        ]
         # ---------------- rollout: K schedules per context, sampled without gradients -------------
         with torch.no_grad():
             noise = torch.cat([backbone.sample_noise(1, g) for g in generators])
             cond = backbone.encode_prompts(batch_prompts)
             inputs = backbone.policy_inputs(noise, cond)
             alpha = run.raw_policy(**inputs)  # (B/world, L+1) Dirichlet concentrations
-            tau = torch.cat([sample_increments(alpha[c : c + 1], config.rollouts, g)
-                             for c, g in enumerate(generators)])  # (B/world, K, L+1) increments
+            tau = torch.cat(
+                [
+                    sample_increments(alpha[c : c + 1], config.rollouts, g)
+                    for c, g in enumerate(generators)
+                ]
+            )  # (B/world, K, L+1) increments
             times = times_from_increments(tau).flatten(0, 1).to(run.device)  # (B/world * K, L+1)
             noise_k = noise.repeat_interleave(config.rollouts, 0)  # context-major, as times
             cond_k = {key: v.repeat_interleave(config.rollouts, 0) for key, v in cond.items()}
@@ -226,26 +246,41 @@ def main(config):
         # shrinkage: the plug-in James-Stein weight of this batch, whichever baseline trains
         enough = config.contexts >= MIN_CONTEXTS["js"]
         js_weight = shrinkage(all_rewards).item() if enough else math.nan
-        row = dict(iteration=done, reward=all_rewards.mean().item(),
-                   reward_std=all_rewards.std().item(), shrinkage=js_weight, loss=loss.item(),
-                   grad_norm=grad_norm.item(), concentration=alpha.detach().sum(-1).mean().item(),
-                   stop_margin=mean_increments(alpha.detach())[:, -1].mean().item(),  # t_L, mean
-                   rollout_s=t_rollout, step_s=time.time() - t0)
+        row = dict(
+            iteration=done,
+            reward=all_rewards.mean().item(),
+            reward_std=all_rewards.std().item(),
+            shrinkage=js_weight,
+            loss=loss.item(),
+            grad_norm=grad_norm.item(),
+            concentration=alpha.detach().sum(-1).mean().item(),
+            stop_margin=mean_increments(alpha.detach())[:, -1].mean().item(),  # t_L, mean
+            rollout_s=t_rollout,
+            step_s=time.time() - t0,
+        )
         if checkpoint_now:  # the held-out gain on the first 32 held-out contexts
             row["heldout_gain"] = run.curve(run.raw_policy)
         with open(run.metrics_path, "a") as file:
             file.write(json.dumps(row) + "\n")
         if done % config.log_interval == 0 or done == config.iterations:
-            progress.write(f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a "
-                           f"{row['shrinkage']:.3f} | loss {row['loss']:+.4f} | grad "
-                           f"{row['grad_norm']:.3f} | concentration {row['concentration']:.1f} | "
-                           f"stop margin {row['stop_margin']:.4f}")
+            progress.write(
+                f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a "
+                f"{row['shrinkage']:.3f} | loss {row['loss']:+.4f} | grad "
+                f"{row['grad_norm']:.3f} | concentration {row['concentration']:.1f} | "
+                f"stop margin {row['stop_margin']:.4f}"
+            )
         if checkpoint_now:
-            save_checkpoint(run.ckpt_path, dict(policy=run.raw_policy.state_dict(),
-                                                policy_config=run.raw_policy.config,
-                                                optimizer=run.optimizer.state_dict(),
-                                                iteration=done, config=dataclasses.asdict(config),
-                                                rng={"torch": torch.get_rng_state()}))
+            save_checkpoint(
+                run.ckpt_path,
+                dict(
+                    policy=run.raw_policy.state_dict(),
+                    policy_config=run.raw_policy.config,
+                    optimizer=run.optimizer.state_dict(),
+                    iteration=done,
+                    config=dataclasses.asdict(config),
+                    rng={"torch": torch.get_rng_state()},
+                ),
+            )
             # (every draw in the loop has its own seeded generator; the global RNG state is kept
             # so that a resume stays exact should anything draw from it)
 

@@ -1,4 +1,5 @@
 """Shared runs of train.py itself: the checkpoints that evaluate.py and sample.py are tested on."""
+
 import os
 import subprocess
 import sys
@@ -19,8 +20,14 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 def run_script(script, args, cwd, timeout=300):
     """A script of the repository in a fresh process, as a user runs it."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *args],
+        cwd=cwd,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def train_in_process(out_dir, *args):
@@ -38,14 +45,30 @@ def train_in_process(out_dir, *args):
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
     """A short digits training (L = 4, 60 iterations, 128 held-out contexts): its out dir."""
-    return train_in_process(tmp_path_factory.mktemp("digits") / "out", "--iterations", "60", "--ckpt-interval", "30",
-                            "--eval-contexts", "128", "--log-interval", "20")
+    return train_in_process(
+        tmp_path_factory.mktemp("digits") / "out",
+        "--iterations",
+        "60",
+        "--ckpt-interval",
+        "30",
+        "--eval-contexts",
+        "128",
+        "--log-interval",
+        "20",
+    )
 
 
 @pytest.fixture(scope="session")
 def digits_global_run(tmp_path_factory):
-    return train_in_process(tmp_path_factory.mktemp("digits_global") / "out", "--policy", "global", "--iterations", "3",
-                            "--eval-contexts", "4")
+    return train_in_process(
+        tmp_path_factory.mktemp("digits_global") / "out",
+        "--policy",
+        "global",
+        "--iterations",
+        "3",
+        "--eval-contexts",
+        "4",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -67,10 +90,32 @@ def tiny_runs(tmp_path_factory):
         patch.setattr(rollout.Backbone, "reference_steps", 4)
         for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
             runs[backbone] = train_in_process(
-                folder / f"out_{backbone}", "--backbone", backbone, "--model-path", str(folder / family), "--resolution",
-                str(TINY_RESOLUTION), "--prompts", str(prompts), "--eval-prompts", str(prompts), "--reward", "teacher",
-                "--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4", "--rollout-batch", "3",
-                "--device", "cpu")
+                folder / f"out_{backbone}",
+                "--backbone",
+                backbone,
+                "--model-path",
+                str(folder / family),
+                "--resolution",
+                str(TINY_RESOLUTION),
+                "--prompts",
+                str(prompts),
+                "--eval-prompts",
+                str(prompts),
+                "--reward",
+                "teacher",
+                "--steps",
+                "2",
+                "--iterations",
+                "2",
+                "--contexts",
+                "4",
+                "--eval-contexts",
+                "4",
+                "--rollout-batch",
+                "3",
+                "--device",
+                "cpu",
+            )
     return runs, folder
 
 

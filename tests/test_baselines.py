@@ -3,7 +3,15 @@ import math
 import pytest
 import torch
 
-from baselines import BASELINES, cross_context, james_stein, james_stein_unbiased, rloo, shrinkage, shrinkage_leave_one_out
+from baselines import (
+    BASELINES,
+    cross_context,
+    james_stein,
+    james_stein_unbiased,
+    rloo,
+    shrinkage,
+    shrinkage_leave_one_out,
+)
 
 # Hand example used below, B = 3 contexts, K = 2 rollouts.
 #   context means 2, 4, 6 (grand mean 4); within variances (1-3)^2/2 = 2, (2-6)^2/2 = 8, (4-8)^2/2 = 8
@@ -29,7 +37,9 @@ def test_rloo_hand_values():
     # [1, 2, 6]: others' means (2+6)/2 = 4, (1+6)/2 = 3.5, (1+2)/2 = 1.5
     assert torch.allclose(rloo(torch.tensor([[1.0, 2.0, 6.0]])), torch.tensor([[4.0, 3.5, 1.5]]))
     # K = 2: the other rollout
-    assert torch.equal(rloo(HAND), torch.tensor([[3.0, 1.0], [6.0, 2.0], [8.0, 4.0]], dtype=torch.float64))
+    assert torch.equal(
+        rloo(HAND), torch.tensor([[3.0, 1.0], [6.0, 2.0], [8.0, 4.0]], dtype=torch.float64)
+    )
 
 
 def test_cross_context_hand_values():
@@ -37,14 +47,19 @@ def test_cross_context_hand_values():
     expected = torch.tensor([[23.0, 21.0], [22.0, 18.0], [20.0, 16.0]], dtype=torch.float64) / 5
     assert torch.allclose(cross_context(HAND), expected)
     # [[1, 2], [3, 6]]: total 12, B*K - 1 = 3
-    assert torch.allclose(cross_context(torch.tensor([[1.0, 2.0], [3.0, 6.0]])), torch.tensor([[11 / 3, 10 / 3], [3.0, 2.0]]))
+    assert torch.allclose(
+        cross_context(torch.tensor([[1.0, 2.0], [3.0, 6.0]])),
+        torch.tensor([[11 / 3, 10 / 3], [3.0, 2.0]]),
+    )
 
 
 def test_james_stein_hand_values():
     assert shrinkage(HAND).item() == pytest.approx(HAND_WEIGHT, rel=1e-12)
     assert shrinkage(HAND).shape == ()
     # b = (23/73) * rloo + (50/73) * xctx, e.g. b[0, 0] = (23*3 + 50*4.6) / 73 = 299/73
-    expected = torch.tensor([[299.0, 233.0], [358.0, 226.0], [384.0, 252.0]], dtype=torch.float64) / 73
+    expected = (
+        torch.tensor([[299.0, 233.0], [358.0, 226.0], [384.0, 252.0]], dtype=torch.float64) / 73
+    )
     assert torch.allclose(james_stein(HAND), expected, rtol=1e-12)
 
 
@@ -54,11 +69,17 @@ def test_james_stein_follows_the_written_formula():
     rewards = random_rewards(7, 3, seed=1)
     contexts, rollouts = rewards.shape
     within = rewards.var(dim=1).mean()
-    spread = (rewards.mean(dim=1) - cross_context(rewards).mean(dim=1)).square().sum() / (contexts - 1)
+    spread = (rewards.mean(dim=1) - cross_context(rewards).mean(dim=1)).square().sum() / (
+        contexts - 1
+    )
     between = torch.clamp(spread - within / rollouts, min=0)
     weight = (within / (rollouts - 1)) / (within / (rollouts - 1) + between)
     assert shrinkage(rewards).item() == pytest.approx(weight.item(), rel=1e-12)
-    assert torch.allclose(james_stein(rewards), (1 - weight) * rloo(rewards) + weight * cross_context(rewards), rtol=1e-12)
+    assert torch.allclose(
+        james_stein(rewards),
+        (1 - weight) * rloo(rewards) + weight * cross_context(rewards),
+        rtol=1e-12,
+    )
 
 
 def test_unbiased_hand_values():
@@ -78,7 +99,7 @@ def test_unbiased_weight_is_the_weight_without_that_context():
     rewards = random_rewards(9, 4, seed=2)
     weights = shrinkage_leave_one_out(rewards)
     for context in range(rewards.shape[0]):
-        others = torch.cat([rewards[:context], rewards[context + 1:]])
+        others = torch.cat([rewards[:context], rewards[context + 1 :]])
         assert weights[context].item() == pytest.approx(shrinkage(others).item(), rel=1e-10)
 
 
@@ -94,7 +115,9 @@ def test_baseline_of_a_rollout_ignores_its_own_reward(name):
         for rollout in range(3):
             changed = rewards.clone()
             changed[context, rollout] += 7.5
-            assert BASELINES[name](changed)[context, rollout].item() == pytest.approx(baseline[context, rollout].item(), rel=1e-12, abs=1e-12)
+            assert BASELINES[name](changed)[context, rollout].item() == pytest.approx(
+                baseline[context, rollout].item(), rel=1e-12, abs=1e-12
+            )
 
 
 def test_plug_in_james_stein_does_use_its_own_reward():
@@ -116,7 +139,9 @@ def test_unbiased_weight_ignores_every_reward_of_its_context():
         changed_weights = shrinkage_leave_one_out(changed)
         assert changed_weights[context].item() == pytest.approx(weights[context].item(), rel=1e-12)
         others = [c for c in range(6) if c != context]
-        assert (changed_weights[others] - weights[others]).abs().min() > 1e-4  # the others' weights do see it
+        assert (
+            changed_weights[others] - weights[others]
+        ).abs().min() > 1e-4  # the others' weights do see it
         weight = changed_weights[context]
         expected = (1 - weight) * rloo(changed)[context] + weight * cross_context(changed)[context]
         assert torch.allclose(james_stein_unbiased(changed)[context], expected, rtol=1e-12)
@@ -155,28 +180,41 @@ def test_degenerate_batches():
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_shift_and_scale_equivariance(name):
     rewards = random_rewards(6, 3, seed=6)
-    assert torch.allclose(BASELINES[name](2.5 * rewards - 40.0), 2.5 * BASELINES[name](rewards) - 40.0, atol=1e-10)
+    assert torch.allclose(
+        BASELINES[name](2.5 * rewards - 40.0), 2.5 * BASELINES[name](rewards) - 40.0, atol=1e-10
+    )
 
 
 def test_weight_is_shift_and_scale_invariant():
     rewards = random_rewards(6, 3, seed=6)
-    assert shrinkage(0.1 * rewards + 30.0).item() == pytest.approx(shrinkage(rewards).item(), rel=1e-9)
+    assert shrinkage(0.1 * rewards + 30.0).item() == pytest.approx(
+        shrinkage(rewards).item(), rel=1e-9
+    )
 
 
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_dtype_shape_and_detached(name):
     rewards = random_rewards(5, 2, seed=7).float().requires_grad_(True)
     baseline = BASELINES[name](rewards)
-    assert baseline.shape == (5, 2) and baseline.dtype == torch.float32 and not baseline.requires_grad
-    assert BASELINES[name](torch.tensor([[1, 2], [3, 5], [4, 4], [0, 9]])).dtype == torch.get_default_dtype()
+    assert (
+        baseline.shape == (5, 2) and baseline.dtype == torch.float32 and not baseline.requires_grad
+    )
+    assert (
+        BASELINES[name](torch.tensor([[1, 2], [3, 5], [4, 4], [0, 9]])).dtype
+        == torch.get_default_dtype()
+    )
 
 
 def test_float32_rewards_near_30_are_handled_in_float64():
     # HPSv2-like rewards: level 30, differences of 0.1; float32 arithmetic alone would lose digits in s2 and d2
     rewards64 = 30.0 + 0.1 * random_rewards(16, 2, seed=8, spread=0.7)
     rewards32 = rewards64.float()
-    assert shrinkage(rewards32).item() == pytest.approx(shrinkage(rewards32.double()).item(), rel=1e-6)
-    assert torch.allclose(james_stein(rewards32).double(), james_stein(rewards32.double()), atol=1e-5)
+    assert shrinkage(rewards32).item() == pytest.approx(
+        shrinkage(rewards32.double()).item(), rel=1e-6
+    )
+    assert torch.allclose(
+        james_stein(rewards32).double(), james_stein(rewards32.double()), atol=1e-5
+    )
 
 
 def test_a_stack_of_batches_equals_each_batch_alone():
@@ -185,7 +223,9 @@ def test_a_stack_of_batches_equals_each_batch_alone():
         for name, baseline in BASELINES.items():
             assert torch.allclose(baseline(batches)[index], baseline(batches[index])), name
         assert torch.allclose(shrinkage(batches)[index], shrinkage(batches[index]))
-        assert torch.allclose(shrinkage_leave_one_out(batches)[index], shrinkage_leave_one_out(batches[index]))
+        assert torch.allclose(
+            shrinkage_leave_one_out(batches)[index], shrinkage_leave_one_out(batches[index])
+        )
 
 
 # -----------------------------------------------------------------------------
@@ -194,8 +234,12 @@ def test_a_stack_of_batches_equals_each_batch_alone():
 
 def simulate(batches, contexts, rollouts, sigma2, delta2, seed):
     generator = torch.Generator().manual_seed(seed)
-    means = 1.0 + math.sqrt(delta2) * torch.randn((batches, contexts, 1), generator=generator, dtype=torch.float64)
-    return means, means + math.sqrt(sigma2) * torch.randn((batches, contexts, rollouts), generator=generator, dtype=torch.float64)
+    means = 1.0 + math.sqrt(delta2) * torch.randn(
+        (batches, contexts, 1), generator=generator, dtype=torch.float64
+    )
+    return means, means + math.sqrt(sigma2) * torch.randn(
+        (batches, contexts, rollouts), generator=generator, dtype=torch.float64
+    )
 
 
 @pytest.mark.parametrize("rollouts, delta2", [(2, 1.0), (4, 0.25)])
@@ -211,15 +255,21 @@ def test_weight_is_consistent(rollouts, delta2):
     true = (1 / (rollouts - 1)) / (1 / (rollouts - 1) + delta2)
     spread = delta2 + 1 / rollouts
     squared_denominator = (delta2 + 1 / (rollouts - 1)) ** 2
-    sd_from_within = spread / (rollouts - 1) / squared_denominator * math.sqrt(2 / (contexts * (rollouts - 1)))
-    sd_from_spread = 1 / (rollouts - 1) / squared_denominator * spread * math.sqrt(2 / (contexts - 1))
+    sd_from_within = (
+        spread / (rollouts - 1) / squared_denominator * math.sqrt(2 / (contexts * (rollouts - 1)))
+    )
+    sd_from_spread = (
+        1 / (rollouts - 1) / squared_denominator * spread * math.sqrt(2 / (contexts - 1))
+    )
     sd = math.hypot(sd_from_within, sd_from_spread)
     assert sd < 0.01  # a tolerance that can tell a from neighbouring values
     assert abs(shrinkage(rewards[0]).item() - true) < 5 * sd
     assert abs(shrinkage_leave_one_out(rewards[0]).mean().item() - true) < 5 * sd
 
 
-@pytest.mark.parametrize("contexts, rollouts, delta2", [(3, 2, 1.0), (4, 4, 0.3), (16, 2, 3.0), (32, 8, 0.1)])
+@pytest.mark.parametrize(
+    "contexts, rollouts, delta2", [(3, 2, 1.0), (4, 4, 0.3), (16, 2, 3.0), (32, 8, 0.1)]
+)
 def test_james_stein_beats_rloo_as_an_estimate_of_mu(contexts, rollouts, delta2):
     # paired over the same 4000 simulated batches: mean of (JS error - RLOO error) must be below 0 by
     # more than 4 standard errors of that mean
@@ -243,7 +293,10 @@ def test_shape_errors(name):
 
 
 def test_context_count_errors():
-    with pytest.raises(ValueError, match="needs at least 3 contexts per batch, got B=2; use more contexts or the rloo baseline"):
+    with pytest.raises(
+        ValueError,
+        match="needs at least 3 contexts per batch, got B=2; use more contexts or the rloo baseline",
+    ):
         james_stein(torch.rand(2, 4))
     with pytest.raises(ValueError, match="needs at least 4 contexts per batch, got B=3"):
         james_stein_unbiased(torch.rand(3, 4))
@@ -276,5 +329,9 @@ def test_the_readings_of_the_papers_variance_estimates_as_baselines_py_states_th
         as_written = (means - cross_context(rewards).mean(-1)).square().sum(-1) / (contexts - 1)
         assert torch.allclose(as_written, (16 / 15) ** 2 * textbook_spread)
         assert shrinkage(rewards).mean().item() == pytest.approx(used, abs=1.5e-3)
-        assert js_weight(literal_s2, as_written, rollouts).mean().item() == pytest.approx(literal, abs=1.5e-3)
-        assert js_weight(s2, textbook_spread, rollouts).mean().item() == pytest.approx(textbook, abs=1.5e-3)
+        assert js_weight(literal_s2, as_written, rollouts).mean().item() == pytest.approx(
+            literal, abs=1.5e-3
+        )
+        assert js_weight(s2, textbook_spread, rollouts).mean().item() == pytest.approx(
+            textbook, abs=1.5e-3
+        )

@@ -2,6 +2,7 @@
 hand-built detections (thresholds, counts, duplicates, position margins, colours, exclusions) against
 values computed by hand and against a port of GenEval's own `evaluate`, and the detector + colour
 path end to end on a tiny randomly initialised Mask2Former and CLIPModel built here."""
+
 import json
 import pathlib
 import random
@@ -32,29 +33,63 @@ def det(label, score=0.95, box=(0, 0, 10, 10), color=None):
 
 
 def test_templates_and_record_layout():
-    assert parse("a photo of a dog") == {"tag": "single_object", "include": [{"class": "dog", "count": 1}], "prompt": "a photo of a dog"}
+    assert parse("a photo of a dog") == {
+        "tag": "single_object",
+        "include": [{"class": "dog", "count": 1}],
+        "prompt": "a photo of a dog",
+    }
     assert parse("a photo of an umbrella")["include"] == [{"class": "umbrella", "count": 1}]
-    assert parse("a photo of two dogs") == {"tag": "counting", "include": [{"class": "dog", "count": 2}],
-                                            "exclude": [{"class": "dog", "count": 3}], "prompt": "a photo of two dogs"}
-    assert parse("a photo of four buses")["include"] == [{"class": "bus", "count": 4}]  # "+es" after an s, as GenEval
+    assert parse("a photo of two dogs") == {
+        "tag": "counting",
+        "include": [{"class": "dog", "count": 2}],
+        "exclude": [{"class": "dog", "count": 3}],
+        "prompt": "a photo of two dogs",
+    }
+    assert parse("a photo of four buses")["include"] == [
+        {"class": "bus", "count": 4}
+    ]  # "+es" after an s, as GenEval
     assert parse("a photo of three skises")["include"] == [{"class": "skis", "count": 3}]
-    assert parse("a photo of a red car")["include"] == [{"class": "car", "count": 1, "color": "red"}]
+    assert parse("a photo of a red car")["include"] == [
+        {"class": "car", "count": 1, "color": "red"}
+    ]
     assert parse("a photo of an orange")["tag"] == "single_object"  # orange is a class and a colour
-    assert parse("a photo of an orange orange")["include"] == [{"class": "orange", "count": 1, "color": "orange"}]
+    assert parse("a photo of an orange orange")["include"] == [
+        {"class": "orange", "count": 1, "color": "orange"}
+    ]
     assert parse("a photo of a dog left of a cat") == {
-        "tag": "position", "include": [{"class": "cat", "count": 1}, {"class": "dog", "count": 1, "position": ["left of", 0]}],
-        "prompt": "a photo of a dog left of a cat"}
+        "tag": "position",
+        "include": [
+            {"class": "cat", "count": 1},
+            {"class": "dog", "count": 1, "position": ["left of", 0]},
+        ],
+        "prompt": "a photo of a dog left of a cat",
+    }
     assert parse("a photo of a red car and a blue bench")["include"] == [
-        {"class": "car", "count": 1, "color": "red"}, {"class": "bench", "count": 1, "color": "blue"}]
+        {"class": "car", "count": 1, "color": "red"},
+        {"class": "bench", "count": 1, "color": "blue"},
+    ]
     assert parse("a photo of a tv remote and an oven")["tag"] == "two_object"
     # GenEval's key order: tag, include, exclude, prompt
     assert list(parse("a photo of three cats")) == ["tag", "include", "exclude", "prompt"]
     assert len(geneval.PHRASES) == 80 + 80 * 10  # no phrase is two things
 
 
-@pytest.mark.parametrize("prompt", ["a photo of a unicorn", "a photo of five dogs", "a photo of one dog", "a dog",
-                                    "A photo of a dog", "a photo of a red car and a bench", "a photo of a red dog left of a cat",
-                                    "a photo of a dog and a cat and a bird", "a photo of a dog next to a cat", "a photo of two dog", ""])
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        "a photo of a unicorn",
+        "a photo of five dogs",
+        "a photo of one dog",
+        "a dog",
+        "A photo of a dog",
+        "a photo of a red car and a bench",
+        "a photo of a red dog left of a cat",
+        "a photo of a dog and a cat and a bird",
+        "a photo of a dog next to a cat",
+        "a photo of two dog",
+        "",
+    ],
+)
 def test_parse_rejects_other_prompts_in_one_line(prompt):
     with pytest.raises(ValueError, match="not a GenEval prompt") as error:
         parse(prompt)
@@ -65,14 +100,30 @@ def test_benchmark_regenerates_genevals_prompts():
     records = geneval.benchmark()
     counts = {tag: sum(r["tag"] == tag for r in records) for tag in geneval.TAGS}
     # GenEval's evaluation_metadata.jsonl: 553 prompts, its first records and prompts quoted from it
-    assert counts == {"single_object": 80, "two_object": 99, "counting": 80, "colors": 94, "position": 100, "color_attr": 100}
+    assert counts == {
+        "single_object": 80,
+        "two_object": 99,
+        "counting": 80,
+        "colors": 94,
+        "position": 100,
+        "color_attr": 100,
+    }
     firsts = {tag: next(r["prompt"] for r in records if r["tag"] == tag) for tag in geneval.TAGS}
-    assert firsts["single_object"] == "a photo of a bench" and firsts["counting"] == "a photo of two clocks"
+    assert (
+        firsts["single_object"] == "a photo of a bench"
+        and firsts["counting"] == "a photo of two clocks"
+    )
     assert firsts["position"] == "a photo of a dog right of a teddy bear"
     prompts = {r["prompt"] for r in records}
-    assert {"a photo of a bench left of a bear", "a photo of an elephant below a horse", "a photo of four giraffes",
-            "a photo of a yellow car and an orange toothbrush", "a photo of a red orange and a purple broccoli",
-            "a photo of a pink car", "a photo of a brown giraffe and a white stop sign"} <= prompts
+    assert {
+        "a photo of a bench left of a bear",
+        "a photo of an elephant below a horse",
+        "a photo of four giraffes",
+        "a photo of a yellow car and an orange toothbrush",
+        "a photo of a red orange and a purple broccoli",
+        "a photo of a pink car",
+        "a photo of a brown giraffe and a white stop sign",
+    } <= prompts
     assert all(parse(r["prompt"]) == r for r in records)
 
 
@@ -81,14 +132,18 @@ def test_shipped_prompt_sets():
     heldout_lines, heldout = load("heldout")
     assert len(train) >= 600 and len(heldout) >= 300
     assert {r["tag"] for r in train} == set(geneval.TAGS)
-    assert {tag: sum(r["tag"] == tag for r in heldout) for tag in geneval.TAGS} == dict.fromkeys(geneval.TAGS, 50)
+    assert {tag: sum(r["tag"] == tag for r in heldout) for tag in geneval.TAGS} == dict.fromkeys(
+        geneval.TAGS, 50
+    )
     train_prompts, heldout_prompts = [r["prompt"] for r in train], [r["prompt"] for r in heldout]
     assert len(set(train_prompts)) == len(train) and len(set(heldout_prompts)) == len(heldout)
     assert not set(train_prompts) & set(heldout_prompts)
     benchmark = {r["prompt"] for r in geneval.benchmark() if r["tag"] != "single_object"}
     assert not benchmark & (set(train_prompts) | set(heldout_prompts))
     for line, record in zip(train_lines + heldout_lines, train + heldout):
-        assert parse(record["prompt"]) == record and json.dumps(parse(record["prompt"])) == line  # same layout, key order
+        assert (
+            parse(record["prompt"]) == record and json.dumps(parse(record["prompt"])) == line
+        )  # same layout, key order
     assert (train, heldout) == geneval.splits(0)  # the files are what the generator writes
 
 
@@ -106,31 +161,56 @@ def test_detection_threshold_is_strict():
 
 def test_counting_threshold_and_counts_one_off():
     record = parse("a photo of two dogs")  # requirements: >= 2 dogs, fewer than 3
-    assert score(record, [det("dog", 0.95), det("dog", 0.9)]) == (0.5, False)  # 0.9 is not above 0.9
+    assert score(record, [det("dog", 0.95), det("dog", 0.9)]) == (
+        0.5,
+        False,
+    )  # 0.9 is not above 0.9
     assert score(record, [det("dog", 0.95), det("dog", 0.9001)]) == (1.0, True)
-    assert score(record, [det("dog", 0.95), det("dog", 0.91), det("dog", 0.8)]) == (1.0, True)  # 0.8 < 0.9: not counted
-    assert score(record, [det("dog", 0.95), det("dog", 0.91), det("dog", 0.92)]) == (0.5, False)  # one too many
+    assert score(record, [det("dog", 0.95), det("dog", 0.91), det("dog", 0.8)]) == (
+        1.0,
+        True,
+    )  # 0.8 < 0.9: not counted
+    assert score(record, [det("dog", 0.95), det("dog", 0.91), det("dog", 0.92)]) == (
+        0.5,
+        False,
+    )  # one too many
     assert score(record, [det("dog", 0.95)]) == (0.5, False)  # one too few
     assert score(record, []) == (0.5, False)
     # the counting threshold holds for a counting prompt only
-    assert score(parse("a photo of a dog and a cat"), [det("dog", 0.5), det("cat", 0.5)]) == (1.0, True)
+    assert score(parse("a photo of a dog and a cat"), [det("dog", 0.5), det("cat", 0.5)]) == (
+        1.0,
+        True,
+    )
 
 
 def test_overlapping_duplicates_count_unless_nms_is_asked_for():
     record = parse("a photo of two dogs")
     duplicates = [det("dog", 0.97, (0, 0, 9, 9)), det("dog", 0.96, (0, 0, 9, 9))]
-    assert score(record, duplicates) == (1.0, True)  # GenEval's default max_overlap 1.0 suppresses nothing
+    assert score(record, duplicates) == (
+        1.0,
+        True,
+    )  # GenEval's default max_overlap 1.0 suppresses nothing
     assert score(record, duplicates, nms_threshold=0.5) == (0.5, False)
-    apart = [det("dog", 0.97, (0, 0, 9, 9)), det("dog", 0.96, (5, 0, 14, 9))]  # IoU 50 / 150 with the +1 convention
+    apart = [
+        det("dog", 0.97, (0, 0, 9, 9)),
+        det("dog", 0.96, (5, 0, 14, 9)),
+    ]  # IoU 50 / 150 with the +1 convention
     assert geneval.box_iou(apart[0].box, apart[1].box) == pytest.approx(1 / 3)
     assert score(record, apart, nms_threshold=0.34) == (1.0, True)
-    assert score(record, apart, nms_threshold=1 / 3) == (0.5, False)  # kept only below the threshold
+    assert score(record, apart, nms_threshold=1 / 3) == (
+        0.5,
+        False,
+    )  # kept only below the threshold
 
 
 def test_at_most_max_objects_per_class_best_first():
-    found = geneval.found_objects([det("cat", 0.4 + i / 100) for i in range(20)] + [det("dog", 0.5)], "two_object")
+    found = geneval.found_objects(
+        [det("cat", 0.4 + i / 100) for i in range(20)] + [det("dog", 0.5)], "two_object"
+    )
     assert [len(found["cat"]), len(found["dog"])] == [16, 1]
-    assert [d.score for d in found["cat"]] == sorted((0.4 + i / 100 for i in range(4, 20)), reverse=True)
+    assert [d.score for d in found["cat"]] == sorted(
+        (0.4 + i / 100 for i in range(4, 20)), reverse=True
+    )
 
 
 def test_relative_position_margin():
@@ -145,7 +225,9 @@ def test_relative_position_margin():
     assert geneval.relative_position(box, box) == set()
     # diagonal at 45 degrees: (6 - 2) / (6 * 2 ** 0.5) = 0.47 on each axis, neither relation
     assert geneval.relative_position(box, (6, 6, 16, 16)) == set()
-    assert geneval.relative_position(box, (20, 8, 30, 18)) == {"left of"}  # (20 - 2) / |(20, 8)| = 0.84, (8 - 2) / 21.5 = 0.28
+    assert geneval.relative_position(box, (20, 8, 30, 18)) == {
+        "left of"
+    }  # (20 - 2) / |(20, 8)| = 0.84, (8 - 2) / 21.5 = 0.28
     # bigger objects need more room: a 30 wide target moves the threshold to d > 8
     assert geneval.relative_position(box, (-2, 0, 28, 10)) == set()  # centres 8 apart, margin 4
     assert geneval.relative_position(box, (-1.9, 0, 28.1, 10)) == {"left of"}
@@ -156,19 +238,32 @@ def test_position_prompts():
     cat = det("cat", 0.9, (50, 0, 60, 10))
     assert score(record, [det("dog", 0.9, (0, 0, 10, 10)), cat]) == (1.0, True)
     assert score(record, [det("dog", 0.9, (100, 0, 110, 10)), cat]) == (pytest.approx(2 / 3), False)
-    assert score(record, [det("dog", 0.9, (47, 0, 57, 10)), cat]) == (pytest.approx(2 / 3), False)  # within the margin
-    assert score(record, [det("dog", 0.9, (0, 0, 10, 10))]) == (pytest.approx(1 / 3), False)  # no target
+    assert score(record, [det("dog", 0.9, (47, 0, 57, 10)), cat]) == (
+        pytest.approx(2 / 3),
+        False,
+    )  # within the margin
+    assert score(record, [det("dog", 0.9, (0, 0, 10, 10))]) == (
+        pytest.approx(1 / 3),
+        False,
+    )  # no target
     assert score(record, [cat]) == (pytest.approx(1 / 3), False)
     # only the best detection of each class is placed: a weaker dog on the wrong side does not matter
-    assert score(record, [det("dog", 0.9, (0, 0, 10, 10)), det("dog", 0.5, (100, 0, 110, 10)), cat]) == (1.0, True)
-    assert score(record, [det("dog", 0.5, (0, 0, 10, 10)), det("dog", 0.9, (100, 0, 110, 10)), cat]) == (pytest.approx(2 / 3), False)
+    assert score(
+        record, [det("dog", 0.9, (0, 0, 10, 10)), det("dog", 0.5, (100, 0, 110, 10)), cat]
+    ) == (1.0, True)
+    assert score(
+        record, [det("dog", 0.5, (0, 0, 10, 10)), det("dog", 0.9, (100, 0, 110, 10)), cat]
+    ) == (pytest.approx(2 / 3), False)
 
 
 def test_colors_and_color_attr():
     record = parse("a photo of a red car")  # requirements: a car, red
     assert score(record, [det("car", color="red")]) == (1.0, True)
     assert score(record, [det("car", color="blue")]) == (0.5, False)
-    assert score(record, [det("car", 0.9, color="blue"), det("car", 0.5, color="red")]) == (0.5, False)  # the best car decides
+    assert score(record, [det("car", 0.9, color="blue"), det("car", 0.5, color="red")]) == (
+        0.5,
+        False,
+    )  # the best car decides
     assert score(record, [det("truck", color="red")]) == (0.0, False)
     record = parse("a photo of a red car and a blue bench")  # a car, red, a bench, blue
     assert score(record, [det("car", color="red"), det("bench", color="blue")]) == (1.0, True)
@@ -180,17 +275,30 @@ def test_colors_and_color_attr():
 
 
 def test_exclusions_and_two_objects():
-    record = {"tag": "two_object", "include": [{"class": "dog", "count": 1}], "exclude": [{"class": "cat", "count": 1}], "prompt": ""}
+    record = {
+        "tag": "two_object",
+        "include": [{"class": "dog", "count": 1}],
+        "exclude": [{"class": "cat", "count": 1}],
+        "prompt": "",
+    }
     assert score(record, [det("dog")]) == (1.0, True)
     assert score(record, [det("dog"), det("cat")]) == (0.5, False)
-    assert score(record, [det("dog"), det("cat", 0.3)]) == (1.0, True)  # an exclusion counts kept detections only
+    assert score(record, [det("dog"), det("cat", 0.3)]) == (
+        1.0,
+        True,
+    )  # an exclusion counts kept detections only
     record = parse("a photo of a dog and a cat")
     assert score(record, [det("dog")]) == (0.5, False)
-    assert score(record, [det("dog"), det("cat"), det("bird")]) == (1.0, True)  # other classes are not excluded
+    assert score(record, [det("dog"), det("cat"), det("bird")]) == (
+        1.0,
+        True,
+    )  # other classes are not excluded
 
 
 def test_summary_is_a_mean_over_tasks():
-    rows = [{"tag": "single_object", "correct": c} for c in (True, True, False)] + [{"tag": "counting", "correct": False}]
+    rows = [{"tag": "single_object", "correct": c} for c in (True, True, False)] + [
+        {"tag": "counting", "correct": False}
+    ]
     result = geneval.summary(rows)
     assert result["tasks"] == {"single_object": pytest.approx(2 / 3), "counting": 0.0}
     assert result["overall"] == pytest.approx(1 / 3)  # the mean over images would be 1 / 2
@@ -211,10 +319,14 @@ def reference_relative_position(box_a, box_b):
         return set()
     dx, dy = revised_offset / np.linalg.norm(offset)
     relations = set()
-    if dx < -0.5: relations.add("left of")
-    if dx > 0.5: relations.add("right of")
-    if dy < -0.5: relations.add("above")
-    if dy > 0.5: relations.add("below")
+    if dx < -0.5:
+        relations.add("left of")
+    if dx > 0.5:
+        relations.add("right of")
+    if dy < -0.5:
+        relations.add("above")
+    if dy > 0.5:
+        relations.add("below")
     return relations
 
 
@@ -231,11 +343,14 @@ def reference_correct(metadata, detections):
     correct, matched_groups = True, []
     for req in metadata.get("include", []):
         matched = True
-        found_objects = objects.get(req["class"], [])[:req["count"]]
+        found_objects = objects.get(req["class"], [])[: req["count"]]
         if len(found_objects) < req["count"]:
             correct = matched = False
         else:
-            if "color" in req and [obj.color for obj in found_objects].count(req["color"]) < req["count"]:
+            if (
+                "color" in req
+                and [obj.color for obj in found_objects].count(req["color"]) < req["count"]
+            ):
                 correct = matched = False
             if "position" in req and matched:
                 expected_rel, target_group = req["position"]
@@ -244,7 +359,9 @@ def reference_correct(metadata, detections):
                 else:
                     for obj in found_objects:
                         for target_obj in matched_groups[target_group]:
-                            if expected_rel not in reference_relative_position(obj.box, target_obj.box):
+                            if expected_rel not in reference_relative_position(
+                                obj.box, target_obj.box
+                            ):
                                 correct = matched = False
                                 break
                         if not matched:
@@ -262,10 +379,17 @@ def random_scene(record, rng):
     detections = []
     for clause in record["include"] + [{"class": rng.choice(geneval.CLASSES)}]:
         for _ in range(rng.choice([0, 1, 1, 2, 2, 3, 4])):
-            x, y, w, h = rng.uniform(0, 100), rng.uniform(0, 100), rng.uniform(5, 40), rng.uniform(5, 40)
+            x, y, w, h = (
+                rng.uniform(0, 100),
+                rng.uniform(0, 100),
+                rng.uniform(5, 40),
+                rng.uniform(5, 40),
+            )
             color = clause.get("color") if rng.random() < 0.7 else rng.choice(geneval.COLORS)
             # distinct scores: GenEval orders ties by numpy's argsort, which no rule should depend on
-            score = rng.choice([0.2, 0.3, 0.5, 0.9, 0.95, 0.99, rng.random()]) - 1e-9 * len(detections)
+            score = rng.choice([0.2, 0.3, 0.5, 0.9, 0.95, 0.99, rng.random()]) - 1e-9 * len(
+                detections
+            )
             detections.append(Detection(clause["class"], score, (x, y, x + w, y + h), color=color))
     return detections
 
@@ -299,7 +423,11 @@ class ImageBackbone:
 
 def byte_level_vocab():
     """CLIP's byte-to-unicode alphabet, each char alone and as a word end, plus the two specials."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = [chr(code) for code in printable + [256 + n for n in range(256 - len(printable))]]
     vocab = {char: index for index, char in enumerate(chars)}
     vocab.update({char + "</w>": index + 256 for index, char in enumerate(chars)})
@@ -323,37 +451,90 @@ def one_thread():
 def tiny_models(tmp_path_factory):
     """A Mask2Former (Swin backbone, 8 queries, COCO's 80 labels) whose class head favours "car",
     so that detections pass the thresholds, and a CLIPModel with its tokenizer, saved to folders."""
-    from transformers import (CLIPConfig, CLIPModel, CLIPTokenizer, Mask2FormerConfig,
-                              Mask2FormerForUniversalSegmentation, SwinConfig)
+    from transformers import (
+        CLIPConfig,
+        CLIPModel,
+        CLIPTokenizer,
+        Mask2FormerConfig,
+        Mask2FormerForUniversalSegmentation,
+        SwinConfig,
+    )
 
     torch.manual_seed(0)
-    swin = SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[1, 1, 1, 1], num_heads=[1, 1, 1, 1], window_size=4,
-                      out_features=["stage1", "stage2", "stage3", "stage4"])
-    config = Mask2FormerConfig(backbone_config=swin, hidden_dim=32, feature_size=32, mask_feature_size=32, encoder_feedforward_dim=32,
-                               dim_feedforward=32, num_queries=8, decoder_layers=2, encoder_layers=1, num_attention_heads=2,
-                               id2label=dict(enumerate(geneval.CLASSES)))
+    swin = SwinConfig(
+        image_size=64,
+        patch_size=4,
+        embed_dim=32,
+        depths=[1, 1, 1, 1],
+        num_heads=[1, 1, 1, 1],
+        window_size=4,
+        out_features=["stage1", "stage2", "stage3", "stage4"],
+    )
+    config = Mask2FormerConfig(
+        backbone_config=swin,
+        hidden_dim=32,
+        feature_size=32,
+        mask_feature_size=32,
+        encoder_feedforward_dim=32,
+        dim_feedforward=32,
+        num_queries=8,
+        decoder_layers=2,
+        encoder_layers=1,
+        num_attention_heads=2,
+        id2label=dict(enumerate(geneval.CLASSES)),
+    )
     detector = Mask2FormerForUniversalSegmentation(config)
     with torch.no_grad():
         detector.class_predictor.bias[CAR] += 20.0
     detector_path = tmp_path_factory.mktemp("tiny-mask2former")
     detector.save_pretrained(detector_path)
-    text = dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513)
-    vision = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    text = dict(
+        vocab_size=514,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        bos_token_id=512,
+        eos_token_id=513,
+        pad_token_id=513,
+    )
+    vision = dict(
+        image_size=32,
+        patch_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+    )
     clip_path = tmp_path_factory.mktemp("tiny-clip")
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(clip_path)
-    CLIPTokenizer(vocab=byte_level_vocab(), merges=[], model_max_length=77).save_pretrained(clip_path)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    ).save_pretrained(clip_path)
+    CLIPTokenizer(vocab=byte_level_vocab(), merges=[], model_max_length=77).save_pretrained(
+        clip_path
+    )
     return str(detector_path), str(clip_path)
 
 
 @pytest.fixture(scope="module")
 def reward(tiny_models):
-    return geneval.load_geneval(ImageBackbone(), checkpoint=tiny_models[0], clip_checkpoint=tiny_models[1],
-                                detector_size=(64, 96), batch_size=2)
+    return geneval.load_geneval(
+        ImageBackbone(),
+        checkpoint=tiny_models[0],
+        clip_checkpoint=tiny_models[1],
+        detector_size=(64, 96),
+        batch_size=2,
+    )
 
 
 IMAGES = torch.rand(4, 3, 48, 64, generator=torch.Generator().manual_seed(1))
-PROMPTS = ["a photo of a red car", "a photo of two cars", "a photo of a dog left of a car", "a photo of a blue car and a green bench"]
+PROMPTS = [
+    "a photo of a red car",
+    "a photo of two cars",
+    "a photo of a dog left of a car",
+    "a photo of a blue car and a green bench",
+]
 
 
 def test_detections_are_masks_with_their_boxes(reward):
@@ -364,7 +545,12 @@ def test_detections_are_masks_with_their_boxes(reward):
             assert detection.label == "car" and detection.score >= geneval.THRESHOLD
             assert detection.mask.shape == (48, 64) and detection.mask.dtype == torch.bool
             rows, columns = detection.mask.nonzero().T
-            assert detection.box == (columns.min().item(), rows.min().item(), columns.max().item() + 1, rows.max().item() + 1)
+            assert detection.box == (
+                columns.min().item(),
+                rows.min().item(),
+                columns.max().item() + 1,
+                rows.max().item() + 1,
+            )
 
 
 def test_mask_box_is_mask2bbox():
@@ -380,21 +566,38 @@ def test_colour_is_clip_zero_shot_on_the_grey_composite_crop(reward, tiny_models
     images = preprocess.quantize(IMAGES)
     wanted = [(index, found[0]) for index, found in enumerate(reward.detect(images))]
     reward.classify_colors(images, wanted)
-    model, tokenizer = CLIPModel.from_pretrained(tiny_models[1]).eval(), AutoTokenizer.from_pretrained(tiny_models[1])
-    processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    model, tokenizer = (
+        CLIPModel.from_pretrained(tiny_models[1]).eval(),
+        AutoTokenizer.from_pretrained(tiny_models[1]),
+    )
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    )
     texts = [t.format(color=c, name="car") for c in geneval.COLORS for t in geneval.COLOR_TEMPLATES]
     tokens = tokenizer(texts, padding=True, return_tensors="pt")
     for index, detection in wanted:
         pixels = (images[index] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
         image = Image.fromarray(pixels)
-        composite = Image.composite(image, Image.new("RGB", image.size, color="#999"), Image.fromarray(detection.mask.numpy()))
-        crop = processor(images=[composite.crop(detection.box)], return_tensors="pt")["pixel_values"]
+        composite = Image.composite(
+            image,
+            Image.new("RGB", image.size, color="#999"),
+            Image.fromarray(detection.mask.numpy()),
+        )
+        crop = processor(images=[composite.crop(detection.box)], return_tensors="pt")[
+            "pixel_values"
+        ]
         with torch.no_grad():
-            out = model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=crop)
+            out = model(
+                input_ids=tokens["input_ids"],
+                attention_mask=tokens["attention_mask"],
+                pixel_values=crop,
+            )
         classifier = torch.nn.functional.normalize(out.text_embeds.view(10, 3, -1).mean(1), dim=-1)
         scores = classifier @ out.image_embeds[0]
         assert detection.color == geneval.COLORS[int(scores.argmax())]
-        assert (scores.sort().values[-1] - scores.sort().values[-2]) > 1e-5  # the argmax is not a tie
+        assert (
+            scores.sort().values[-1] - scores.sort().values[-2]
+        ) > 1e-5  # the argmax is not a tie
 
 
 def test_reward_end_to_end_and_batch_equals_one_by_one(reward):
@@ -403,12 +606,20 @@ def test_reward_end_to_end_and_batch_equals_one_by_one(reward):
     rows = reward.details(IMAGES, PROMPTS)
     assert [row["tag"] for row in rows] == ["colors", "counting", "position", "color_attr"]
     assert [len(row["requirements"]) for row in rows] == [2, 2, 3, 4]
-    assert rows[0]["requirements"][0] == ("1 car", True) and rows[2]["requirements"][1] == ("1 dog", False)
+    assert rows[0]["requirements"][0] == ("1 car", True) and rows[2]["requirements"][1] == (
+        "1 dog",
+        False,
+    )
     assert torch.equal(scores, torch.tensor([row["reward"] for row in rows]))
     for row in rows:
         met = [ok for _, ok in row["requirements"]]
         assert row["reward"] == sum(met) / len(met) and row["correct"] == all(met)
-    single = torch.cat([reward(IMAGES[index:index + 1], PROMPTS[index:index + 1], None, None) for index in range(4)])
+    single = torch.cat(
+        [
+            reward(IMAGES[index : index + 1], PROMPTS[index : index + 1], None, None)
+            for index in range(4)
+        ]
+    )
     assert torch.equal(scores, single)  # each image is paired with its prompt and scored alone
 
 
@@ -419,15 +630,27 @@ def test_unparsable_prompt_fails_before_detection(reward, monkeypatch):
 
 
 def test_missing_weights_fail_in_one_line_before_loading(tmp_path, tiny_models, monkeypatch):
-    monkeypatch.setattr(geneval.GenEvalReward, "__init__", lambda *args, **kwargs: pytest.fail("loaded before checking"))
-    with pytest.raises(ValueError, match=r"GenEval detector 'facebook/mask2former-swin-small-coco-instance' not found: "
-                                         r"download it with `hf download .*` or pass a local folder") as error:
+    monkeypatch.setattr(
+        geneval.GenEvalReward,
+        "__init__",
+        lambda *args, **kwargs: pytest.fail("loaded before checking"),
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"GenEval detector 'facebook/mask2former-swin-small-coco-instance' not found: "
+        r"download it with `hf download .*` or pass a local folder",
+    ) as error:
         geneval.load_geneval(ImageBackbone(), clip_checkpoint=tiny_models[1])  # offline, not cached
     assert "\n" not in str(error.value)
-    with pytest.raises(ValueError, match=r"GenEval detector .* not found.*; CLIP model 'openai/clip-vit-large-patch14' not found"):
+    with pytest.raises(
+        ValueError,
+        match=r"GenEval detector .* not found.*; CLIP model 'openai/clip-vit-large-patch14' not found",
+    ):
         geneval.load_geneval(ImageBackbone())  # both missing: one message
     with pytest.raises(ValueError, match=r"CLIP model '.*no-clip' not found") as error:
-        geneval.load_geneval(ImageBackbone(), checkpoint=tiny_models[0], clip_checkpoint=str(tmp_path / "no-clip"))
+        geneval.load_geneval(
+            ImageBackbone(), checkpoint=tiny_models[0], clip_checkpoint=str(tmp_path / "no-clip")
+        )
     assert "\n" not in str(error.value)
 
 
@@ -438,4 +661,6 @@ def test_detector_must_have_cocos_80_classes(tmp_path, tiny_models):
     config.id2label = {0: "cat", 1: "dog"}
     Mask2FormerForUniversalSegmentation(config).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="has 2 classes; GenEval needs a COCO instance model"):
-        geneval.load_geneval(ImageBackbone(), checkpoint=str(tmp_path), clip_checkpoint=tiny_models[1])
+        geneval.load_geneval(
+            ImageBackbone(), checkpoint=str(tmp_path), clip_checkpoint=tiny_models[1]
+        )

@@ -1,14 +1,22 @@
 """The trained miniatures (miniature.py): the shipped folders load with the stock diffusers classes,
 their images are digits the classifier reads, the digit reward scores pixels, and train.py runs them
 on a CPU in float32 and bfloat16. Nothing here trains a miniature: the tests read the shipped ones."""
+
 import json
 import os
 
 import pytest
 import torch
 from conftest import ROOT, train_in_process
-from diffusers import (AutoencoderKL, FluxPipeline, FluxTransformer2DModel, SD3Transformer2DModel, StableDiffusion3Pipeline,
-                       StableDiffusionXLPipeline, UNet2DConditionModel)
+from diffusers import (
+    AutoencoderKL,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
 
 import backbones
 import launch
@@ -18,8 +26,11 @@ import train
 from prompts import heldout_contexts
 from rewards import DigitReward, load_reward
 
-STOCK = {"mini-sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel), "mini-flux": (FluxPipeline, FluxTransformer2DModel),
-         "mini-sdxl": (StableDiffusionXLPipeline, UNet2DConditionModel)}
+STOCK = {
+    "mini-sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel),
+    "mini-flux": (FluxPipeline, FluxTransformer2DModel),
+    "mini-sdxl": (StableDiffusionXLPipeline, UNet2DConditionModel),
+}
 LATENT_CHANNELS = {"mini-sd3": 16, "mini-flux": 16, "mini-sdxl": 4}
 BF16_GAP = 0.05  # mean |digit reward difference| per context, bfloat16 against float32
 
@@ -33,14 +44,18 @@ def test_the_shipped_folders_load_with_the_stock_classes_and_fit_in_10_mb():
     folder = os.path.join(ROOT, "miniatures")
     files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
     assert sum(os.path.getsize(path) for path in files) <= 10 * 2**20
-    weights = [path for path in files if path.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt"))]
+    weights = [
+        path for path in files if path.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt"))
+    ]
     assert weights and all(path.endswith(".safetensors") for path in weights)  # no pickle anywhere
     for name, (pipeline_class, denoiser_class) in STOCK.items():
         pipe = pipeline_class.from_pretrained(os.path.join(folder, name))
         denoiser = pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
         assert type(denoiser) is denoiser_class and type(pipe.vae) is AutoencoderKL
         assert pipe.vae.config.latent_channels == LATENT_CHANNELS[name]
-        assert 2 ** (len(pipe.vae.config.block_out_channels) - 1) >= 2  # the VAE downsamples at least 2x
+        assert (
+            2 ** (len(pipe.vae.config.block_out_channels) - 1) >= 2
+        )  # the VAE downsamples at least 2x
 
 
 @pytest.mark.parametrize("paraphrases, least", [("training", 0.9), ("held-out", 0.75)])
@@ -60,7 +75,9 @@ def test_fifty_step_samples_are_digits_the_classifier_recognises(mini, paraphras
 
 
 def test_different_prompts_give_different_embeddings(mini):
-    cond = mini.encode_prompts(["a handwritten 7", "a handwritten 1", "the numeral 7 written by hand"])
+    cond = mini.encode_prompts(
+        ["a handwritten 7", "a handwritten 1", "the numeral 7 written by hand"]
+    )
     embeds = cond["prompt_embeds"]
     assert not torch.allclose(embeds[0], embeds[1]) and not torch.allclose(embeds[0], embeds[2])
 
@@ -89,8 +106,12 @@ def test_the_digit_reward_is_the_log_probability_of_the_prompted_digit():
     wrong = [f"the digit {(d + 5) % 10}" for d in labels[:20].tolist()]
     scores, correct = reward.details(picked, right)
     with torch.no_grad():
-        expected = torch.log_softmax(reward.model(miniature.split()[0][0][:20]), 1)[torch.arange(20), labels[:20]]
-    assert torch.allclose(scores, expected, atol=1e-5)  # 8-bit quantisation of already 8-bit images changes nothing
+        expected = torch.log_softmax(reward.model(miniature.split()[0][0][:20]), 1)[
+            torch.arange(20), labels[:20]
+        ]
+    assert torch.allclose(
+        scores, expected, atol=1e-5
+    )  # 8-bit quantisation of already 8-bit images changes nothing
     assert (scores <= 0).all() and correct.mean() >= 0.9
     assert (reward(picked, wrong, None, None) < scores).float().mean() >= 0.9
     with pytest.raises(ValueError, match="exactly one digit"):
@@ -98,8 +119,13 @@ def test_the_digit_reward_is_the_log_probability_of_the_prompted_digit():
 
 
 def test_the_digit_reward_is_refused_on_other_backbones(tmp_path):
-    with pytest.raises(SystemExit, match="the digit reward reads the 16x16 handwritten digits that only the mini-") as error:
-        launch.check_config(train.parse_config(["--reward", "digit", "--out-dir", str(tmp_path / "out")]), world_size=1)
+    with pytest.raises(
+        SystemExit, match="the digit reward reads the 16x16 handwritten digits that only the mini-"
+    ) as error:
+        launch.check_config(
+            train.parse_config(["--reward", "digit", "--out-dir", str(tmp_path / "out")]),
+            world_size=1,
+        )
     assert "\n" not in str(error.value)
 
 
@@ -108,9 +134,14 @@ def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases(tmp_path):
         config = train.parse_config(["--backbone", name, "--out-dir", str(tmp_path / "out")])
         launch.check_config(config, world_size=1)  # no "--device cpu to insist"
         assert config.reward == "digit" and config.device is None and config.threads == 1
-        assert (config.prompts, config.eval_prompts) == ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
+        assert (config.prompts, config.eval_prompts) == (
+            "prompts/digit_train.txt",
+            "prompts/digit_heldout.txt",
+        )
     train_prompts, heldout = miniature.prompt_lists()
-    assert not set(train_prompts) & set(heldout) and {rewards.digit_of(p) for p in heldout} == set(range(10))
+    assert not set(train_prompts) & set(heldout) and {rewards.digit_of(p) for p in heldout} == set(
+        range(10)
+    )
 
 
 def test_bfloat16_rewards_are_finite_and_close_to_float32(mini):
@@ -121,9 +152,13 @@ def test_bfloat16_rewards_are_finite_and_close_to_float32(mini):
     prompts, seeds = heldout_contexts(heldout, 32)
     scores = {}
     for dtype in (torch.float32, torch.bfloat16):
-        backbone = mini if dtype == torch.float32 else backbones.load_backbone(mini.name, dtype=dtype)
+        backbone = (
+            mini if dtype == torch.float32 else backbones.load_backbone(mini.name, dtype=dtype)
+        )
         assert backbone.dtype == dtype
-        noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
+        noise = torch.cat(
+            [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
+        )
         cond = backbone.encode_prompts(prompts)
         latents = backbone.sample(noise, cond, backbone.default_times(3).expand(len(prompts), -1))
         scores[dtype] = load_reward("digit", backbone)(latents, prompts, noise, cond)
@@ -132,9 +167,22 @@ def test_bfloat16_rewards_are_finite_and_close_to_float32(mini):
 
 
 def test_train_runs_a_miniature_in_bfloat16(tmp_path):
-    out = train_in_process(tmp_path / "bf16", "--backbone", "mini-sd3", "--steps", "2", "--iterations", "2",
-                           "--eval-contexts", "8", "--dtype", "bfloat16")
+    out = train_in_process(
+        tmp_path / "bf16",
+        "--backbone",
+        "mini-sd3",
+        "--steps",
+        "2",
+        "--iterations",
+        "2",
+        "--eval-contexts",
+        "8",
+        "--dtype",
+        "bfloat16",
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["iteration"] for row in rows] == [1, 2] and all(torch.isfinite(torch.tensor(row["reward"])) for row in rows)
+    assert [row["iteration"] for row in rows] == [1, 2] and all(
+        torch.isfinite(torch.tensor(row["reward"])) for row in rows
+    )
     assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["dtype"] == "bfloat16"
     assert (out / "eval.json").is_file() and (out / "policy" / "model.safetensors").is_file()

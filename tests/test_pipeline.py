@@ -1,4 +1,5 @@
 """A trained schedule in a stock diffusers pipeline (pipeline.py), and the policy in the Hub format."""
+
 import inspect
 import json
 
@@ -6,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-import pipeline
 import backbones
+import pipeline
 import rollout
-from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from backbones import make_policy
+from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from checkpoints import load_checkpoint, load_policy, save_policy
 from policy import mean_increments, times_from_increments
 
@@ -19,7 +20,13 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     """A policy whose schedules differ per context and end at a stop margin > 0 (the head's last layer,
     zero at initialisation, gets random weights)."""
     torch.manual_seed(seed)
-    policy = make_policy(kind, backbone.policy_dims, steps, init_times=backbone.default_times(steps), stop_margin=0.02)
+    policy = make_policy(
+        kind,
+        backbone.policy_dims,
+        steps,
+        init_times=backbone.default_times(steps),
+        stop_margin=0.02,
+    )
     with torch.no_grad():
         if kind == "instance":
             policy.head[-1].weight.normal_(0.0, 0.3)
@@ -28,14 +35,18 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     return policy.eval()
 
 
-@pytest.fixture(scope="module", params=["sd3", "flux-dev", "sdxl", "mini-sd3", "mini-flux", "mini-sdxl"])
+@pytest.fixture(
+    scope="module", params=["sd3", "flux-dev", "sdxl", "mini-sd3", "mini-flux", "mini-sdxl"]
+)
 def tiny(request):
     """A tiny random pipeline of each family, and the trained miniatures (miniature.py) as shipped."""
     if request.param.startswith("mini-"):
         backbone = backbones.load_backbone(request.param)
         return backbone.pipe, backbone
     pipe = tiny_pipeline(request.param)
-    return pipe, rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[request.param])
+    return pipe, rollout.from_pipeline(
+        pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[request.param]
+    )
 
 
 @pytest.mark.parametrize("steps", [1, 4, 9])
@@ -43,32 +54,61 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     pipe, backbone = tiny
     policy = learned_policy(backbone, steps)
     prompts = ["a cat", "a red house on a hill"]
-    latents = pipeline.generate(pipe, policy, prompts, generator=torch.Generator().manual_seed(5), output_type="latent",
-                                height=backbone.resolution, guidance_scale=backbone.guidance or 0.0).images
+    latents = pipeline.generate(
+        pipe,
+        policy,
+        prompts,
+        generator=torch.Generator().manual_seed(5),
+        output_type="latent",
+        height=backbone.resolution,
+        guidance_scale=backbone.guidance or 0.0,
+    ).images
     noise = pipeline.pipeline_noise(backbone, 2, torch.Generator().manual_seed(5))
     cond = backbone.encode_prompts(prompts)
     with torch.no_grad():
-        times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))
-    assert (times[0] - times[1]).abs().max() > 1e-4 and (times[:, -1] > 1e-3).all()  # per-context schedules, a stop margin
+        times = times_from_increments(
+            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
+        )
+    assert (times[0] - times[1]).abs().max() > 1e-4 and (
+        times[:, -1] > 1e-3
+    ).all()  # per-context schedules, a stop margin
     expected = backbone.sample(noise, cond, times)
     assert latents.shape == expected.shape
     # float32 rounding is relative to the largest state on the way: the output, or for SD-XL the start,
     # noise * sqrt(sigma(t_0)^2 + 1), about 15x the noise at t_0 = 1 (a trained UNet's steps are large)
-    start = (backbone.sigma(times[:, :1]) ** 2 + 1).sqrt().view(-1, 1, 1, 1) if isinstance(backbone, rollout.SDXLBackbone) else 1.0
+    start = (
+        (backbone.sigma(times[:, :1]) ** 2 + 1).sqrt().view(-1, 1, 1, 1)
+        if isinstance(backbone, rollout.SDXLBackbone)
+        else 1.0
+    )
     scale = max(expected.abs().max().item(), (noise.float() * start).abs().max().item())
     assert (latents - expected).abs().max().item() / scale < 1e-5
-    assert type(pipe.scheduler).__name__ in ("FlowMatchEulerDiscreteScheduler", "EulerDiscreteScheduler")  # restored
+    assert type(pipe.scheduler).__name__ in (
+        "FlowMatchEulerDiscreteScheduler",
+        "EulerDiscreteScheduler",
+    )  # restored
 
 
 def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
     pipe, backbone = tiny
     seen = []
     original = pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
-    handle = original.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
-        kwargs.get("hidden_states", args[0] if args else kwargs.get("sample"))), with_kwargs=True)
+    handle = original.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(
+            kwargs.get("hidden_states", args[0] if args else kwargs.get("sample"))
+        ),
+        with_kwargs=True,
+    )
     try:
-        pipe("a cat", num_inference_steps=1, height=backbone.resolution, width=backbone.resolution, output_type="latent",
-             generator=torch.Generator().manual_seed(3), guidance_scale=backbone.guidance or 0.0)
+        pipe(
+            "a cat",
+            num_inference_steps=1,
+            height=backbone.resolution,
+            width=backbone.resolution,
+            output_type="latent",
+            generator=torch.Generator().manual_seed(3),
+            guidance_scale=backbone.guidance or 0.0,
+        )
     finally:
         handle.remove()
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(3))
@@ -82,16 +122,26 @@ def test_policy_folder_round_trip_without_pickle(tmp_path):
     policy = learned_policy(backbone, 4)
     config = dict(backbone="digits", steps=4, seed=0)
     save_policy(tmp_path / "policy", policy, config, iteration=7)
-    assert sorted(path.name for path in (tmp_path / "policy").iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(path.name for path in (tmp_path / "policy").iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
     saved = json.loads((tmp_path / "policy" / "config.json").read_text())
-    assert saved["backbone"] == "digits" and saved["steps"] == 4 and saved["training_config"] == dict(config, iteration=7)
+    assert (
+        saved["backbone"] == "digits"
+        and saved["steps"] == 4
+        and saved["training_config"] == dict(config, iteration=7)
+    )
     checkpoint, loaded = load_checkpoint(str(tmp_path / "policy"), backbone="digits", steps=4)
     assert checkpoint == dict(config=dict(config, iteration=7), iteration=7)
     noise = backbone.sample_noise(3, torch.Generator().manual_seed(0))
     inputs = backbone.policy_inputs(noise, backbone.encode_prompts(backbone.prompts[:3]))
     with torch.no_grad():
         assert torch.equal(loaded(**inputs), policy(**inputs))
-        assert torch.equal(load_policy(str(tmp_path / "policy"))(**inputs), policy(**inputs))  # the README's call
+        assert torch.equal(
+            load_policy(str(tmp_path / "policy"))(**inputs), policy(**inputs)
+        )  # the README's call
     with pytest.raises(ValueError, match="was trained for L=4 steps, not L=8") as error:
         load_checkpoint(str(tmp_path / "policy"), steps=8)
     assert "\n" not in str(error.value)
@@ -115,8 +165,12 @@ def test_a_global_schedule_exports_as_json(tiny):
     policy = learned_policy(backbone, 3, kind="global")
     exported = json.loads(json.dumps(pipeline.schedule_json(policy, backbone)))
     times = times_from_increments(mean_increments(policy(torch.zeros(1))))[0]
-    assert exported["steps"] == 3 and torch.allclose(torch.tensor(exported["times"], dtype=torch.float64), times.double(), atol=1e-7)
-    assert exported["times"][0] == 1.0 and exported["times"][-1] > 0  # ends at the stop margin, no final 0
+    assert exported["steps"] == 3 and torch.allclose(
+        torch.tensor(exported["times"], dtype=torch.float64), times.double(), atol=1e-7
+    )
+    assert (
+        exported["times"][0] == 1.0 and exported["times"][-1] > 0
+    )  # ends at the stop margin, no final 0
     sigmas = backbone.sigma(times) if isinstance(backbone, rollout.SDXLBackbone) else times
     assert torch.allclose(torch.tensor(exported["sigmas"]).float(), sigmas, rtol=1e-6)
     with pytest.raises(ValueError, match="only a global one exports"):
@@ -129,28 +183,46 @@ def test_a_shared_policy_loads_back_from_what_save_pretrained_alone_wrote(tmp_pa
     backbone = backbones.load_backbone("digits")
     policy = learned_policy(backbone, 4)
     save_policy(tmp_path / "policy", policy, dict(backbone="digits", steps=4, seed=3), iteration=9)
-    torch.save(dict(policy=policy.state_dict(), policy_config=policy.config, optimizer={}, iteration=9,
-                    config=dict(backbone="digits", steps=4, seed=3)), tmp_path / "ckpt.pt")
-    inputs = backbone.policy_inputs(backbone.sample_noise(3, torch.Generator().manual_seed(1)),
-                                    backbone.encode_prompts(backbone.prompts[:3]))
+    torch.save(
+        dict(
+            policy=policy.state_dict(),
+            policy_config=policy.config,
+            optimizer={},
+            iteration=9,
+            config=dict(backbone="digits", steps=4, seed=3),
+        ),
+        tmp_path / "ckpt.pt",
+    )
+    inputs = backbone.policy_inputs(
+        backbone.sample_noise(3, torch.Generator().manual_seed(1)),
+        backbone.encode_prompts(backbone.prompts[:3]),
+    )
     for source in ("policy", "ckpt.pt"):
         capsys.readouterr()
         shared = tmp_path / f"shared-{source}"
         load_policy(str(tmp_path / source)).save_pretrained(shared)
         checkpoint, loaded = load_checkpoint(str(shared), backbone="digits", steps=4)
         assert capsys.readouterr().out == ""
-        assert checkpoint["config"]["seed"] == 3 and checkpoint["iteration"] == 9 and loaded.backbone == "digits"
+        assert (
+            checkpoint["config"]["seed"] == 3
+            and checkpoint["iteration"] == 9
+            and loaded.backbone == "digits"
+        )
         with torch.no_grad():
             assert torch.equal(loaded(**inputs), policy(**inputs))
     bare = tmp_path / "bare"  # a policy built by hand: no training configuration, no backbone
     make_policy("global", backbone.policy_dims, 4).save_pretrained(bare)
     checkpoint, loaded = load_checkpoint(str(bare))
-    assert checkpoint["config"] == dict(backbone=None, steps=4, iteration=None) and loaded.steps == 4
+    assert (
+        checkpoint["config"] == dict(backbone=None, steps=4, iteration=None) and loaded.steps == 4
+    )
 
 
 def pipe_and_policy(family="sd3", steps=3):
     pipe = tiny_pipeline(family)
-    backbone = rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
+    backbone = rollout.from_pipeline(
+        pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family]
+    )
     policy = learned_policy(backbone, steps)
     policy.backbone = {"sd3": "sd35m", "flux-dev": "flux-dev", "sdxl": "sdxl"}[family]
     return pipe, backbone, policy
@@ -170,19 +242,31 @@ def test_generate_passes_the_pipelines_text_arguments_through(family):
     without them."""
     pipe, backbone, policy = pipe_and_policy(family)
     options = dict(TEXT_OPTIONS[family], height=TINY_RESOLUTION, output_type="latent")
-    latents = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(2), **options).images
+    latents = pipeline.generate(
+        pipe, policy, "a cat", generator=torch.Generator().manual_seed(2), **options
+    ).images
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(2))
     accepted = inspect.signature(backbone.encode_prompts).parameters
     cond = backbone.encode_prompts(["a cat"], **{k: v for k, v in options.items() if k in accepted})
     with torch.no_grad():
-        times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))
+        times = times_from_increments(
+            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
+        )
     original = pipe.scheduler
     pipe.scheduler = pipeline.learned_scheduler(backbone, times[0])
-    expected = pipe("a cat", latents=noise, num_inference_steps=3, width=TINY_RESOLUTION, **options).images
+    expected = pipe(
+        "a cat", latents=noise, num_inference_steps=3, width=TINY_RESOLUTION, **options
+    ).images
     pipe.scheduler = original
     assert (latents - expected).abs().max().item() < 1e-5 * max(1.0, expected.abs().max().item())
-    plain = {k: v for k, v in options.items() if k not in ("negative_prompt", "max_sequence_length", "clip_skip")}
-    without = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(2), **plain).images
+    plain = {
+        k: v
+        for k, v in options.items()
+        if k not in ("negative_prompt", "max_sequence_length", "clip_skip")
+    }
+    without = pipeline.generate(
+        pipe, policy, "a cat", generator=torch.Generator().manual_seed(2), **plain
+    ).images
     assert (without - latents).abs().max().item() > 1e-4  # the arguments are not ignored
 
 
@@ -193,20 +277,35 @@ def test_generate_outputs_are_the_pipelines_and_the_pipeline_is_left_as_found(fa
     model.train()
     pipe.set_progress_bar_config(disable=False, leave=False)
     grads = [p.requires_grad for p in model.parameters()]
-    arrays = pipeline.generate(pipe, policy, ["a cat", "a dog"], num_images_per_prompt=2, height=TINY_RESOLUTION,
-                               generator=torch.Generator().manual_seed(0), output_type="np").images
-    assert isinstance(arrays, np.ndarray) and arrays.shape == (4, TINY_RESOLUTION, TINY_RESOLUTION, 3)
+    arrays = pipeline.generate(
+        pipe,
+        policy,
+        ["a cat", "a dog"],
+        num_images_per_prompt=2,
+        height=TINY_RESOLUTION,
+        generator=torch.Generator().manual_seed(0),
+        output_type="np",
+    ).images
+    assert isinstance(arrays, np.ndarray) and arrays.shape == (
+        4,
+        TINY_RESOLUTION,
+        TINY_RESOLUTION,
+        3,
+    )
     images = pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION, return_dict=False)
     assert isinstance(images, tuple) and len(images[0]) == 1
     assert model.training and grads == [p.requires_grad for p in model.parameters()]
     assert pipe._progress_bar_config == dict(disable=False, leave=False)
 
 
-@pytest.mark.parametrize("arguments, message", [
-    (dict(num_inference_steps=7), "trained for L=3 steps, not num_inference_steps=7"),
-    (dict(sigmas=[1.0, 0.5, 0.0]), "drop sigmas="),
-    (dict(timesteps=[999, 500]), "drop timesteps="),
-])
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (dict(num_inference_steps=7), "trained for L=3 steps, not num_inference_steps=7"),
+        (dict(sigmas=[1.0, 0.5, 0.0]), "drop sigmas="),
+        (dict(timesteps=[999, 500]), "drop timesteps="),
+    ],
+)
 def test_generate_refuses_what_it_cannot_honour_in_one_line(arguments, message):
     pipe, _, policy = pipe_and_policy()
     with pytest.raises(ValueError, match=message) as error:
@@ -217,23 +316,36 @@ def test_generate_refuses_what_it_cannot_honour_in_one_line(arguments, message):
 def test_generate_refuses_a_pipeline_of_another_family():
     pipe, _, policy = pipe_and_policy()
     policy.backbone = "flux-dev"
-    with pytest.raises(ValueError, match="trained on flux-dev \\(flux\\), not for a StableDiffusion3Pipeline"):
+    with pytest.raises(
+        ValueError, match="trained on flux-dev \\(flux\\), not for a StableDiffusion3Pipeline"
+    ):
         pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION)
 
 
-@pytest.mark.parametrize("option", ["stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas"])
+@pytest.mark.parametrize(
+    "option", ["stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas"]
+)
 def test_scheduler_options_that_change_the_update_are_turned_off(option):
     """A pipeline whose scheduler config turns the option on: generate still equals the loop."""
     pipe, backbone, policy = pipe_and_policy()
     if option != "stochastic_sampling":  # the sigma-spacing options need scipy-free settings only
         pytest.importorskip("scipy")
     pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **{option: True})
-    latents = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(4), height=TINY_RESOLUTION,
-                                guidance_scale=4.5, output_type="latent").images
+    latents = pipeline.generate(
+        pipe,
+        policy,
+        "a cat",
+        generator=torch.Generator().manual_seed(4),
+        height=TINY_RESOLUTION,
+        guidance_scale=4.5,
+        output_type="latent",
+    ).images
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(4))
     cond = backbone.encode_prompts(["a cat"])
     with torch.no_grad():
-        times = times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))
+        times = times_from_increments(
+            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
+        )
     expected = backbone.sample(noise, cond, times)
     assert (latents - expected).abs().max().item() / expected.abs().max().item() < 1e-5
     assert pipe.scheduler.config[option] is True  # the user's scheduler is untouched
@@ -241,10 +353,16 @@ def test_scheduler_options_that_change_the_update_are_turned_off(option):
 
 def test_sdxl_configs_the_loop_cannot_run_are_refused():
     pipe = tiny_pipeline("sdxl")
-    backbone = rollout.from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE["sdxl"])
+    backbone = rollout.from_pipeline(
+        pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE["sdxl"]
+    )
     policy = learned_policy(backbone, 3)
-    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, prediction_type="v_prediction")
-    with pytest.raises(ValueError, match="only epsilon prediction with linear sigma interpolation") as error:
+    pipe.scheduler = type(pipe.scheduler).from_config(
+        pipe.scheduler.config, prediction_type="v_prediction"
+    )
+    with pytest.raises(
+        ValueError, match="only epsilon prediction with linear sigma interpolation"
+    ) as error:
         pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION)
     assert "\n" not in str(error.value)
 
@@ -252,8 +370,18 @@ def test_sdxl_configs_the_loop_cannot_run_are_refused():
 def test_a_generator_list_seeds_each_image_as_in_the_pipeline():
     pipe, _, policy = pipe_and_policy()
     options = dict(height=TINY_RESOLUTION, output_type="latent")
-    both = pipeline.generate(pipe, policy, ["a cat", "a dog"],
-                             generator=[torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)], **options).images
-    cat = pipeline.generate(pipe, policy, "a cat", generator=torch.Generator().manual_seed(1), **options).images
-    dog = pipeline.generate(pipe, policy, "a dog", generator=torch.Generator().manual_seed(2), **options).images
-    assert torch.allclose(both, torch.cat([cat, dog]), atol=1e-6)
+    both = pipeline.generate(
+        pipe,
+        policy,
+        ["a cat", "a dog"],
+        generator=[torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)],
+        **options,
+    ).images
+    cat = pipeline.generate(
+        pipe, policy, "a cat", generator=torch.Generator().manual_seed(1), **options
+    ).images
+    dog = pipeline.generate(
+        pipe, policy, "a dog", generator=torch.Generator().manual_seed(2), **options
+    ).images
+    # a batch of two and two batches of one round differently in float32 (about 1e-5 here)
+    torch.testing.assert_close(both, torch.cat([cat, dog]), rtol=1e-5, atol=1e-5)

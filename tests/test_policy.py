@@ -4,10 +4,21 @@ import math
 import pytest
 import torch
 
-from bench import POLICY_DIMS
-from policy import (ALPHA_MIN, TAU_FLOOR, GlobalPolicy, SchedulePolicy, build_policy, increments_from_times,
-                    initial_logits, log_prob, mean_increments, sample_increments, times_from_increments)
 from backbones import BACKBONES, make_policy
+from bench import POLICY_DIMS
+from policy import (
+    ALPHA_MIN,
+    TAU_FLOOR,
+    GlobalPolicy,
+    SchedulePolicy,
+    build_policy,
+    increments_from_times,
+    initial_logits,
+    log_prob,
+    mean_increments,
+    sample_increments,
+    times_from_increments,
+)
 
 DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 
@@ -113,7 +124,9 @@ def test_log_prob_by_hand():
     assert torch.allclose(log_prob(torch.ones(1, 3), tau), torch.full((1, 2), math.log(2.0)))
     # Dirichlet(2, 1): density Gamma(3) / Gamma(2) * tau_1 = 2 tau_1, a sum over components, not a mean
     tau = torch.tensor([[[0.25, 0.75]]])
-    assert log_prob(torch.tensor([[2.0, 1.0]]), tau).item() == pytest.approx(math.log(0.5), abs=1e-6)
+    assert log_prob(torch.tensor([[2.0, 1.0]]), tau).item() == pytest.approx(
+        math.log(0.5), abs=1e-6
+    )
 
 
 @pytest.mark.parametrize("scale", [0.05, 1.0, 30.0, 3000.0])
@@ -121,7 +134,9 @@ def test_log_prob_matches_torch_dirichlet(scale):
     generator = torch.Generator().manual_seed(0)
     alpha = (torch.rand(4, 11, generator=generator) + 0.5) * scale
     tau = sample_increments(alpha, 5, generator)
-    expected = torch.distributions.Dirichlet(alpha.double()[:, None, :]).log_prob(tau.double())  # (4, 5)
+    expected = torch.distributions.Dirichlet(alpha.double()[:, None, :]).log_prob(
+        tau.double()
+    )  # (4, 5)
     got = log_prob(alpha, tau)
     assert got.shape == (4, 5) and got.dtype == torch.float32
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4)
@@ -184,14 +199,24 @@ def test_policy_sizes_are_about_20m_for_the_real_models():
         with torch.device("meta"):
             policy = make_policy("instance", dims, 20, preset=BACKBONES[name]["policy"])
         params = sum(p.numel() for p in policy.parameters())
-        assert (50_000 <= params <= 200_000) if name == "digits" else (15e6 <= params <= 25e6), (name, params)
+        assert (50_000 <= params <= 200_000) if name == "digits" else (15e6 <= params <= 25e6), (
+            name,
+            params,
+        )
 
 
 def test_real_preset_runs_on_a_small_latent():
     # the real preset's shapes on a 512px-sized latent (64x64) and a short prompt: any resolution works
     dims = dict(latent_channels=16, text_dim=4096, pooled_dim=2048)
-    policy = make_policy("instance", dims, 5, preset="real", widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32)
-    alpha = policy(torch.randn(2, 16, 64, 64), torch.randn(2, 7, 4096), torch.ones(2, 7, dtype=torch.bool), torch.randn(2, 2048))
+    policy = make_policy(
+        "instance", dims, 5, preset="real", widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32
+    )
+    alpha = policy(
+        torch.randn(2, 16, 64, 64),
+        torch.randn(2, 7, 4096),
+        torch.ones(2, 7, dtype=torch.bool),
+        torch.randn(2, 2048),
+    )
     assert alpha.shape == (2, 6) and torch.all(torch.isfinite(alpha))
 
 
@@ -245,7 +270,14 @@ def test_pooled_embedding_must_match_the_construction():
 def test_default_init_reproduces_the_default_schedule(kind, steps):
     default = sd3_default_times(steps)
     stop_margin, concentration = 5e-3, 100.0
-    policy = make_policy(kind, DIGITS, steps, init_times=default, stop_margin=stop_margin, concentration=concentration)
+    policy = make_policy(
+        kind,
+        DIGITS,
+        steps,
+        init_times=default,
+        stop_margin=stop_margin,
+        concentration=concentration,
+    )
     alpha = policy(*digits_inputs(4))
     assert torch.allclose(alpha.sum(-1), torch.full((4,), concentration), rtol=1e-5)
     times = times_from_increments(mean_increments(alpha))  # (4, L+1)
@@ -269,11 +301,15 @@ def test_default_init_starting_below_one_starts_from_one():
 @pytest.mark.parametrize("kind", ["instance", "global"])
 def test_uniform_init_has_equal_increments(kind):
     policy = make_policy(kind, DIGITS, 9)
-    assert torch.allclose(mean_increments(policy(*digits_inputs(3))), torch.full((3, 10), 0.1), atol=1e-6)
+    assert torch.allclose(
+        mean_increments(policy(*digits_inputs(3))), torch.full((3, 10), 0.1), atol=1e-6
+    )
 
 
 def test_initial_logits_invert_softplus_for_small_and_large_concentrations():
-    times = torch.tensor([1.0, 0.5, 1e-3, 0.0], dtype=torch.float64)  # increments 0.5, 0.499, 1e-3, 0
+    times = torch.tensor(
+        [1.0, 0.5, 1e-3, 0.0], dtype=torch.float64
+    )  # increments 0.5, 0.499, 1e-3, 0
     for concentration in (1.01, 100.0, 1e6):
         logits = initial_logits(3, "default", times, concentration, stop_margin=1e-3)
         increments = increments_from_times(times)
@@ -290,7 +326,13 @@ def test_bad_initial_schedules_raise_value_errors():
     with pytest.raises(ValueError):
         GlobalPolicy(4, init="default", init_times=[1.0, 0.5, 0.5, 0.2, 0.0])  # a repeated time
     with pytest.raises(ValueError):
-        GlobalPolicy(4, concentration=1.0, stop_margin=1e-4, init="default", init_times=[1.0, 0.8, 0.6, 0.3, 0.0])
+        GlobalPolicy(
+            4,
+            concentration=1.0,
+            stop_margin=1e-4,
+            init="default",
+            init_times=[1.0, 0.8, 0.6, 0.3, 0.0],
+        )
 
 
 def test_instance_and_global_share_the_forward_signature():
@@ -299,4 +341,6 @@ def test_instance_and_global_share_the_forward_signature():
         policy = make_policy(kind, DIGITS, 7)
         assert isinstance(policy, cls) and policy.steps == 7
         assert policy(*inputs).shape == (5, 8)
-        assert policy(latent=inputs[0], text=inputs[1], text_mask=inputs[2], pooled=inputs[3]).shape == (5, 8)
+        assert policy(
+            latent=inputs[0], text=inputs[1], text_mask=inputs[2], pooled=inputs[3]
+        ).shape == (5, 8)

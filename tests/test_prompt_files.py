@@ -1,4 +1,5 @@
 """The prompt sets shipped in prompts/: format, counts, balance, and train/held-out disjointness."""
+
 import json
 import re
 from collections import Counter
@@ -9,7 +10,12 @@ import pytest
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 STYLES = ("anime", "concept-art", "paintings", "photo")
 # file: (minimum lines, minimum lines per style or None for the OCR sets)
-MINIMUM = {"train.jsonl": (440, 110), "heldout.jsonl": (220, 55), "ocr_train.jsonl": (220, None), "ocr_heldout.jsonl": (110, None)}
+MINIMUM = {
+    "train.jsonl": (440, 110),
+    "heldout.jsonl": (220, 55),
+    "ocr_train.jsonl": (220, None),
+    "ocr_heldout.jsonl": (110, None),
+}
 PAIRS = [("train.jsonl", "heldout.jsonl"), ("ocr_train.jsonl", "ocr_heldout.jsonl")]
 
 

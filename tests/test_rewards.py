@@ -1,6 +1,7 @@
 """Rewards in the core environment: teacher on the real digits backbone, CLIP through a tiny
 randomly initialised transformers CLIPModel saved and loaded by path, the HPS loader's error
 messages and tensor preprocessing. The HPS model itself is tested in tests/test_rewards_hps.py."""
+
 import pathlib
 import subprocess
 import sys
@@ -9,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
+import backbones
 import preprocess
 import rewards
-import backbones
 
 
 class ImageBackbone:
@@ -36,16 +37,30 @@ def to_pil(image):
 def test_import_stays_light():
     # The core install has no torchvision, hpsv2x or easyocr: importing the scripts and rewards must not need
     # them, and a command line that fails on its input must answer before diffusers or transformers load.
-    heavy = ('torchvision', 'hpsv2', 'open_clip', 'easyocr', 'cv2', 'easyocr_en_models', 'transformers', 'diffusers', 'matplotlib')
+    heavy = (
+        "torchvision",
+        "hpsv2",
+        "open_clip",
+        "easyocr",
+        "cv2",
+        "easyocr_en_models",
+        "transformers",
+        "diffusers",
+        "matplotlib",
+    )
     code = f"import sys, train, evaluate, sample, ocr, geneval; print(sorted(m for m in {heavy} if m in sys.modules))"
     repo = pathlib.Path(__file__).parents[1]
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo
+    )
     assert result.stdout.strip() == "[]"
 
 
 def test_quantize_rounds_to_8_bits():
     images = torch.tensor([-0.1, 0.0, 0.5 / 255, 0.6 / 255, 0.5, 1.2])
-    expected = torch.tensor([0.0, 0.0, 0.0, 1.0, 128.0, 255.0]) / 255  # 0.5*255 = 127.5 rounds to even 128
+    expected = (
+        torch.tensor([0.0, 0.0, 0.0, 1.0, 128.0, 255.0]) / 255
+    )  # 0.5*255 = 127.5 rounds to even 128
     assert torch.equal(preprocess.quantize(images), expected)
 
 
@@ -79,7 +94,12 @@ def digit_contexts(digits):
     cond = digits.encode_prompts(prompts)
     teacher = digits.reference(noise, cond)
     repeat = lambda tensor: tensor.repeat_interleave(2, 0)
-    return [p for p in prompts for _ in range(2)], repeat(noise), {k: repeat(v) for k, v in cond.items()}, repeat(teacher)
+    return (
+        [p for p in prompts for _ in range(2)],
+        repeat(noise),
+        {k: repeat(v) for k, v in cond.items()},
+        repeat(teacher),
+    )
 
 
 def test_teacher_scores_and_cache(digits, digit_contexts):
@@ -113,7 +133,12 @@ def test_teacher_context_is_noise_and_prompt(digits, digit_contexts):
     scores = reward(teacher[pick], swapped, noise[pick], digits.encode_prompts(swapped))
     assert (scores < 0).all()
     # the original contexts are not in the cache yet: a fresh solve, which reproduces the teacher
-    scores = reward(teacher[pick], [prompts[i] for i in pick], noise[pick], {k: v[pick] for k, v in cond.items()})
+    scores = reward(
+        teacher[pick],
+        [prompts[i] for i in pick],
+        noise[pick],
+        {k: v[pick] for k, v in cond.items()},
+    )
     assert torch.equal(scores, torch.zeros(2))
     assert (counter.calls, reward.misses, reward.hits) == (2, 4, 0)
 
@@ -138,7 +163,9 @@ def test_teacher_cache_is_bounded_lru():
     cond = dict(label=torch.tensor([0, 1, 2]))
     prompts = ["a", "b", "c"]
     scores = reward(2 * noise.float() + cond["label"].view(-1, 1, 1, 1), prompts, noise, cond)
-    assert torch.equal(scores, torch.zeros(3)) and len(reward.cache) == 2  # oldest evicted after use
+    assert (
+        torch.equal(scores, torch.zeros(3)) and len(reward.cache) == 2
+    )  # oldest evicted after use
     reward(noise[1:].float(), prompts[1:], noise[1:], dict(label=cond["label"][1:]))
     assert backbone.solved == 3 and reward.hits == 2
     reward(noise[:1], prompts[:1], noise[:1], dict(label=cond["label"][:1]))
@@ -159,7 +186,11 @@ def test_context_key():
 
 def byte_level_vocab():
     """CLIP's byte-to-unicode alphabet, each char alone and as a word end, plus the two specials."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     codes = printable + [256 + n for n in range(256 - len(printable))]
     chars = [chr(code) for code in codes]
     vocab = {char: index for index, char in enumerate(chars)}
@@ -173,22 +204,46 @@ def tiny_clip(tmp_path_factory):
     from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
 
     path = tmp_path_factory.mktemp("tiny-clip")
-    text = dict(vocab_size=514, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                max_position_embeddings=77, bos_token_id=512, eos_token_id=513, pad_token_id=513)
-    vision = dict(image_size=64, patch_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    text = dict(
+        vocab_size=514,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=77,
+        bos_token_id=512,
+        eos_token_id=513,
+        pad_token_id=513,
+    )
+    vision = dict(
+        image_size=64,
+        patch_size=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+    )
     torch.manual_seed(0)
-    CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)).save_pretrained(path)
+    CLIPModel(
+        CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
+    ).save_pretrained(path)
     CLIPTokenizer(vocab=byte_level_vocab(), merges=[], model_max_length=77).save_pretrained(path)
     return str(path)
 
 
-@pytest.mark.parametrize("height,width", [(8, 8), (48, 80), (300, 260), (224, 224), (224, 500), (97, 31)])
+@pytest.mark.parametrize(
+    "height,width", [(8, 8), (48, 80), (300, 260), (224, 224), (224, 500), (97, 31)]
+)
 def test_clip_preprocess_matches_clip_image_processor(height, width):
     from transformers import CLIPImageProcessorPil
 
-    images = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(height * width))
+    images = torch.rand(
+        2, 3, height, width, generator=torch.Generator().manual_seed(height * width)
+    )
     ours = preprocess.clip_preprocess(images, 224)
-    reference = CLIPImageProcessorPil()(images=[to_pil(image) for image in images], return_tensors="pt")["pixel_values"]
+    reference = CLIPImageProcessorPil()(
+        images=[to_pil(image) for image in images], return_tensors="pt"
+    )["pixel_values"]
     assert ours.shape == reference.shape == (2, 3, 224, 224)
     # Pillow's fixed-point resize is reproduced exactly; what remains is float32 normalisation
     assert torch.allclose(ours, reference, rtol=0, atol=1e-6)
@@ -206,10 +261,18 @@ def test_clip_reward_matches_transformers(tiny_clip):
 
     model = CLIPModel.from_pretrained(tiny_clip).eval()
     tokens = AutoTokenizer.from_pretrained(tiny_clip)(prompts, padding=True, return_tensors="pt")
-    processor = CLIPImageProcessorPil(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
-    pixels = processor(images=[to_pil(image) for image in images], return_tensors="pt")["pixel_values"]
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
+    )
+    pixels = processor(images=[to_pil(image) for image in images], return_tensors="pt")[
+        "pixel_values"
+    ]
     with torch.no_grad():
-        out = model(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"], pixel_values=pixels)
+        out = model(
+            input_ids=tokens["input_ids"],
+            attention_mask=tokens["attention_mask"],
+            pixel_values=pixels,
+        )
     expected = 100 * out.logits_per_image.diagonal() / model.logit_scale.exp()
     assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-4)
 
@@ -220,13 +283,17 @@ def test_clip_prompts_follow_images(tiny_clip):
     prompts = ["a red cube", "a dog", "two cats", "a handwritten 3"]
     scores = reward(images, prompts, None, None)
     order = [2, 0, 3, 1]
-    assert torch.allclose(reward(images[order], [prompts[i] for i in order], None, None), scores[order], atol=1e-5)
+    assert torch.allclose(
+        reward(images[order], [prompts[i] for i in order], None, None), scores[order], atol=1e-5
+    )
     mismatched = reward(images, prompts[1:] + prompts[:1], None, None)
     assert (mismatched - scores).abs().min() > 1e-3
 
 
 def test_clip_missing_weights_is_one_clear_line(tmp_path):
-    with pytest.raises(ValueError, match=r"CLIP model .* not found .*--reward-checkpoint PATH") as error:
+    with pytest.raises(
+        ValueError, match=r"CLIP model .* not found .*--reward-checkpoint PATH"
+    ) as error:
         rewards.load_reward("clip", ImageBackbone(), checkpoint=str(tmp_path / "no-such-model"))
     assert "\n" not in str(error.value)
 
@@ -236,7 +303,10 @@ def test_clip_missing_weights_is_one_clear_line(tmp_path):
 
 
 def test_hps_missing_checkpoint_path(tmp_path):
-    with pytest.raises(ValueError, match=r"HPS v2.1 checkpoint not found: get HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2 .*--reward-checkpoint PATH") as error:
+    with pytest.raises(
+        ValueError,
+        match=r"HPS v2.1 checkpoint not found: get HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2 .*--reward-checkpoint PATH",
+    ) as error:
         rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=str(tmp_path / "missing.pt"))
     assert "\n" not in str(error.value)
 
@@ -245,7 +315,9 @@ def test_hps_missing_checkpoint_in_hub_cache(tmp_path, monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache
-    with pytest.raises(ValueError, match=r"HPS v2.0 checkpoint not found: get HPS_v2_compressed.pt .*xswu/HPSv2") as error:
+    with pytest.raises(
+        ValueError, match=r"HPS v2.0 checkpoint not found: get HPS_v2_compressed.pt .*xswu/HPSv2"
+    ) as error:
         rewards.load_reward("hpsv2", ImageBackbone(), version="v2.0")
     assert "\n" not in str(error.value)
     with pytest.raises(ValueError, match="unknown HPS version 'v3'"):
@@ -255,8 +327,13 @@ def test_hps_missing_checkpoint_in_hub_cache(tmp_path, monkeypatch):
 def test_hps_missing_package(tmp_path, monkeypatch):
     checkpoint = tmp_path / "HPS_v2.1_compressed.pt"
     checkpoint.write_bytes(b"")
-    monkeypatch.setitem(sys.modules, "hpsv2", None)  # makes `import hpsv2...` fail wherever it is installed
-    with pytest.raises(ImportError, match=r"pip install -r requirements-hps.txt && pip install --no-deps hpsv2x==1.2.0$") as error:
+    monkeypatch.setitem(
+        sys.modules, "hpsv2", None
+    )  # makes `import hpsv2...` fail wherever it is installed
+    with pytest.raises(
+        ImportError,
+        match=r"pip install -r requirements-hps.txt && pip install --no-deps hpsv2x==1.2.0$",
+    ) as error:
         rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=str(checkpoint))
     assert "\n" not in str(error.value)
 
@@ -272,12 +349,18 @@ def test_hps_preprocess_pads_the_short_side():
     assert not torch.allclose(pixels[0, :, 56:57], black.view(3, 1, 1).expand(3, 1, 224))
     # a square image at the model's size is only normalised (ResizeMaxSize leaves it alone)
     square = torch.rand(2, 3, 224, 224, generator=torch.Generator().manual_seed(5))
-    assert torch.allclose(rewards.hps_preprocess(square, 224), (preprocess.quantize(square) - torch.tensor(preprocess.CLIP_MEAN).view(1, 3, 1, 1)) / torch.tensor(preprocess.CLIP_STD).view(1, 3, 1, 1))
+    assert torch.allclose(
+        rewards.hps_preprocess(square, 224),
+        (preprocess.quantize(square) - torch.tensor(preprocess.CLIP_MEAN).view(1, 3, 1, 1))
+        / torch.tensor(preprocess.CLIP_STD).view(1, 3, 1, 1),
+    )
 
 
 def test_check_reward_fails_fast_in_one_line(tmp_path):
     rewards.check_reward("teacher")  # needs nothing
-    with pytest.raises(ValueError, match=r"CLIP model 'openai/clip-vit-large-patch14' not found: download it") as error:
+    with pytest.raises(
+        ValueError, match=r"CLIP model 'openai/clip-vit-large-patch14' not found: download it"
+    ) as error:
         rewards.check_reward("clip")  # offline, not cached
     assert "\n" not in str(error.value)
     rewards.check_reward("clip", checkpoint=str(tmp_path))  # a local folder is taken as is

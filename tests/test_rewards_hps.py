@@ -5,6 +5,7 @@ Needs the HPS environment (torchvision + hpsv2x): `bash tests/hps_env.sh` builds
 file there. In the core environment the file skips; under HPS_TESTS_REQUIRED=1 (set by
 hps_env.sh) a missing package fails instead.
 """
+
 import json
 import os
 
@@ -16,10 +17,12 @@ if os.environ.get("HPS_TESTS_REQUIRED"):
     from hpsv2.src import open_clip
 else:
     pytest.importorskip("torchvision", reason="needs the HPS environment: bash tests/hps_env.sh")
-    open_clip = pytest.importorskip("hpsv2.src.open_clip", reason="needs the HPS environment: bash tests/hps_env.sh")
+    open_clip = pytest.importorskip(
+        "hpsv2.src.open_clip", reason="needs the HPS environment: bash tests/hps_env.sh"
+    )
 
-import rewards
 import backbones
+import rewards
 
 TINY = "hps-test-tiny"  # an open_clip config registered under this name by the fixture below
 
@@ -34,9 +37,11 @@ def tiny_hps(tmp_path_factory):
     Same code as ViT-H-14 (open_clip CLIP, 224 px input, the real 49408-token vocabulary and
     77-token context, so hpsv2's own tokenizer applies), only narrow and shallow."""
     folder = tmp_path_factory.mktemp("hps")
-    config = dict(embed_dim=16,
-                  vision_cfg=dict(image_size=224, layers=2, width=32, head_width=16, patch_size=32),
-                  text_cfg=dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=2))
+    config = dict(
+        embed_dim=16,
+        vision_cfg=dict(image_size=224, layers=2, width=32, head_width=16, patch_size=32),
+        text_cfg=dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=2),
+    )
     (folder / f"{TINY}.json").write_text(json.dumps(config))
     open_clip.add_model_config(folder / f"{TINY}.json")
     torch.manual_seed(0)
@@ -54,37 +59,66 @@ def hps_reference(tiny_hps, tmp_path_factory):
     from hpsv2 import img_score
 
     model, _, preprocess_val = open_clip.create_model_and_transforms(
-        TINY, None, precision="amp", device=img_score.device, light_augmentation=True, output_dict=True)
+        TINY,
+        None,
+        precision="amp",
+        device=img_score.device,
+        light_augmentation=True,
+        output_dict=True,
+    )
     saved = dict(img_score.model_dict)
     img_score.model_dict.update(model=model, preprocess_val=preprocess_val)
     root = img_score.root_path
     img_score.root_path = str(tmp_path_factory.mktemp("hps-root"))  # score() creates this folder
-    yield lambda image, prompt: 100.0 * float(img_score.score(to_pil(image), prompt, cp=tiny_hps, hps_version="v2.1")[0])
+    yield (
+        lambda image, prompt: (
+            100.0
+            * float(img_score.score(to_pil(image), prompt, cp=tiny_hps, hps_version="v2.1")[0])
+        )
+    )
     img_score.model_dict.clear()
     img_score.model_dict.update(saved)
     img_score.root_path = root
 
 
-@pytest.mark.parametrize("height,width", [(8, 8), (48, 80), (300, 200), (1024, 1024), (224, 224), (224, 100)])
+@pytest.mark.parametrize(
+    "height,width", [(8, 8), (48, 80), (300, 200), (1024, 1024), (224, 224), (224, 100)]
+)
 def test_preprocess_matches_hps_transform(tiny_hps, height, width):
     # the transform hpsv2 scores with: create_model_and_transforms(..., light_augmentation=True)
-    _, _, preprocess_val = open_clip.create_model_and_transforms(TINY, None, light_augmentation=True)
-    images = torch.rand(2, 3, height, width, generator=torch.Generator().manual_seed(height + width))
+    _, _, preprocess_val = open_clip.create_model_and_transforms(
+        TINY, None, light_augmentation=True
+    )
+    images = torch.rand(
+        2, 3, height, width, generator=torch.Generator().manual_seed(height + width)
+    )
     ours = rewards.hps_preprocess(images, 224)
     reference = torch.stack([preprocess_val(to_pil(image)) for image in images])
     assert ours.shape == reference.shape
     assert torch.allclose(ours, reference, rtol=0, atol=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:`torch.cuda.amp.autocast:FutureWarning")  # inside hpsv2.img_score
+@pytest.mark.filterwarnings(
+    "ignore:`torch.cuda.amp.autocast:FutureWarning"
+)  # inside hpsv2.img_score
 def test_reward_matches_hpsv2_score(tiny_hps, hps_reference):
-    reward = rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=tiny_hps, model_name=TINY, batch_size=3)
+    reward = rewards.load_reward(
+        "hpsv2", ImageBackbone(), checkpoint=tiny_hps, model_name=TINY, batch_size=3
+    )
     assert reward.image_size == 224
     images = torch.rand(5, 3, 40, 56, generator=torch.Generator().manual_seed(1))
-    prompts = ["a red cube on a table", "a dog", "a red cube on a table", "two cats, oil painting", "a handwritten 3"]
+    prompts = [
+        "a red cube on a table",
+        "a dog",
+        "a red cube on a table",
+        "two cats, oil painting",
+        "a handwritten 3",
+    ]
     scores = reward(images, prompts, None, None)
     assert scores.dtype == torch.float32 and scores.shape == (5,)
-    expected = torch.tensor([hps_reference(image, prompt) for image, prompt in zip(images, prompts)])
+    expected = torch.tensor(
+        [hps_reference(image, prompt) for image, prompt in zip(images, prompts)]
+    )
     assert torch.allclose(scores, expected, rtol=0, atol=1e-4)
 
 
@@ -94,7 +128,9 @@ def test_prompts_follow_images(tiny_hps):
     prompts = ["a red cube", "a dog", "two cats", "a handwritten 3"]
     scores = reward(images, prompts, None, None)
     order = [3, 0, 2, 1]
-    assert torch.allclose(reward(images[order], [prompts[i] for i in order], None, None), scores[order], atol=1e-5)
+    assert torch.allclose(
+        reward(images[order], [prompts[i] for i in order], None, None), scores[order], atol=1e-5
+    )
     mismatched = reward(images, prompts[1:] + prompts[:1], None, None)
     assert (mismatched - scores).abs().min() > 1e-3
 
@@ -106,7 +142,12 @@ def test_digits_end_to_end(tiny_hps):
     cond = digits.encode_prompts(digits.prompts[:4])
     latents = digits.sample(noise, cond, digits.default_times(3).expand(4, -1))
     scores = reward(latents, digits.prompts[:4], noise, cond)
-    assert torch.isfinite(scores).all() and scores.shape == (4,) and scores.dtype == torch.float32 and scores.device == digits.device
+    assert (
+        torch.isfinite(scores).all()
+        and scores.shape == (4,)
+        and scores.dtype == torch.float32
+        and scores.device == digits.device
+    )
     assert scores.abs().max() <= 100.0  # x100 cosine similarity
 
 
@@ -124,7 +165,9 @@ def test_checkpoint_found_in_hub_cache(tiny_hps, tmp_path, monkeypatch):
     from_cache = rewards.load_reward("hpsv2", ImageBackbone(), model_name=TINY)
     from_path = rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=tiny_hps, model_name=TINY)
     images = torch.rand(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
-    assert torch.equal(from_cache(images, ["a", "b"], None, None), from_path(images, ["a", "b"], None, None))
+    assert torch.equal(
+        from_cache(images, ["a", "b"], None, None), from_path(images, ["a", "b"], None, None)
+    )
 
 
 def test_checkpoint_loads_strictly(tiny_hps, tmp_path):
@@ -132,4 +175,6 @@ def test_checkpoint_loads_strictly(tiny_hps, tmp_path):
     state.pop("text_projection")
     torch.save({"state_dict": state}, tmp_path / "incomplete.pt")
     with pytest.raises(RuntimeError, match="text_projection"):
-        rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=str(tmp_path / "incomplete.pt"), model_name=TINY)
+        rewards.load_reward(
+            "hpsv2", ImageBackbone(), checkpoint=str(tmp_path / "incomplete.pt"), model_name=TINY
+        )

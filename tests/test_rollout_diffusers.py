@@ -1,5 +1,6 @@
 """The real backbones' code on tiny random diffusers pipelines: with the default times the loop reproduces
 each pipeline's own latents; any other schedule runs exactly as given."""
+
 import math
 import time
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 from diffusers import EulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
 
-from bench import TINY_GUIDANCE, TINY_RESOLUTION as RESOLUTION, tiny_pipeline
 from backbones import load_backbone
+from bench import TINY_GUIDANCE, tiny_pipeline
+from bench import TINY_RESOLUTION as RESOLUTION
 from rollout import from_pipeline
 
 PROMPTS = ["a cat", "a red house on a hill"]
@@ -43,8 +45,15 @@ def test_default_times_reproduce_the_pipeline(tiny, steps):
     calls, handle = count_calls(backbone.model)
     ours = backbone.sample(noise, cond, backbone.default_times(steps).expand(len(PROMPTS), -1))
     assert len(calls) == steps  # CFG rides in the same forward
-    theirs = pipe(prompt=PROMPTS, num_inference_steps=steps, guidance_scale=backbone.guidance or 0.0,
-                  height=RESOLUTION, width=RESOLUTION, latents=noise.clone(), output_type="latent").images
+    theirs = pipe(
+        prompt=PROMPTS,
+        num_inference_steps=steps,
+        guidance_scale=backbone.guidance or 0.0,
+        height=RESOLUTION,
+        width=RESOLUTION,
+        latents=noise.clone(),
+        output_type="latent",
+    ).images
     handle.remove()
     assert ours.shape == theirs.shape
     # float32 on CPU: the loop does the same arithmetic; what remains is rounding
@@ -72,8 +81,11 @@ def test_a_learned_schedule_runs_exactly_as_given(tiny):
     times = torch.tensor([1.0, 0.7, 0.3, 0.02]).expand(2, -1)
     seen = []
     model = backbone.model
+
     def record_timestep(module, args, kwargs):
-        seen.append(kwargs["timestep"] if "timestep" in kwargs else args[1])  # the UNet takes it positionally
+        seen.append(
+            kwargs["timestep"] if "timestep" in kwargs else args[1]
+        )  # the UNet takes it positionally
 
     handle = model.register_forward_pre_hook(record_timestep, with_kwargs=True)
     custom = backbone.sample(noise, cond, times)
@@ -81,7 +93,9 @@ def test_a_learned_schedule_runs_exactly_as_given(tiny):
     assert len(seen) == 3
     assert relative_error(custom, default) > 1e-3
     # the model sees the given times, unshifted: t * 1000 (SD3), t (Flux), t * 999 (SD-XL)
-    scale = {"SD3Backbone": 1000.0, "FluxBackbone": 1.0, "SDXLBackbone": 999.0}[type(backbone).__name__]
+    scale = {"SD3Backbone": 1000.0, "FluxBackbone": 1.0, "SDXLBackbone": 999.0}[
+        type(backbone).__name__
+    ]
     assert torch.allclose(seen[1].float().unique(), torch.tensor([0.7 * scale]))
 
 
@@ -92,7 +106,9 @@ def test_per_sample_schedules_equal_one_by_one(tiny):
     times = torch.tensor([[1.0, 0.8, 0.4, 0.05], [1.0, 0.5, 0.2, 0.1]])
     batched = backbone.sample(noise, cond, times)
     for i in range(2):
-        single = backbone.sample(noise[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()}, times[i : i + 1])
+        single = backbone.sample(
+            noise[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()}, times[i : i + 1]
+        )
         assert relative_error(single, batched[i : i + 1]) < 1e-5
 
 
@@ -104,13 +120,21 @@ def test_contexts_repeat_and_policy_inputs(tiny):
     noise = backbone.sample_noise(6, torch.Generator().manual_seed(3))
     inputs = backbone.policy_inputs(noise, repeated)
     dims = backbone.policy_dims
-    assert inputs["latent"].shape == (6, dims["latent_channels"], 16, 16) and inputs["latent"].dtype == torch.float32
+    assert (
+        inputs["latent"].shape == (6, dims["latent_channels"], 16, 16)
+        and inputs["latent"].dtype == torch.float32
+    )
     assert inputs["text"].shape[0] == 6 and inputs["text"].shape[2] == dims["text_dim"]
-    assert inputs["text_mask"].shape == inputs["text"].shape[:2] and inputs["text_mask"].dtype == torch.bool
+    assert (
+        inputs["text_mask"].shape == inputs["text"].shape[:2]
+        and inputs["text_mask"].dtype == torch.bool
+    )
     assert inputs["pooled"].shape == (6, dims["pooled_dim"])
     # the mask marks the real tokens: the long prompt has more of them
     assert inputs["text_mask"][3].sum() > inputs["text_mask"][0].sum() > 0
-    assert torch.equal(inputs["text"][0], inputs["text"][2]) and not torch.equal(inputs["text"][0], inputs["text"][3])
+    assert torch.equal(inputs["text"][0], inputs["text"][2]) and not torch.equal(
+        inputs["text"][0], inputs["text"][3]
+    )
 
 
 def test_noise_is_reproducible_and_decode_matches_the_pipeline(tiny):
@@ -123,7 +147,9 @@ def test_noise_is_reproducible_and_decode_matches_the_pipeline(tiny):
     assert 0.0 <= images.min() and images.max() <= 1.0
     # chunked decode equals the pipeline's own decode
     decoded = pipe.image_processor.postprocess(
-        pipe.vae.decode(_pipeline_vae_input(pipe, backbone, a), return_dict=False)[0], output_type="pt")
+        pipe.vae.decode(_pipeline_vae_input(pipe, backbone, a), return_dict=False)[0],
+        output_type="pt",
+    )
     assert torch.allclose(images, decoded, atol=1e-5)
 
 
@@ -142,14 +168,23 @@ def _pipeline_vae_input(pipe, backbone, latents):
 
 def test_default_times_match_the_library_facts():
     sd3 = from_pipeline(tiny_pipeline("sd3"), resolution=RESOLUTION)
-    assert torch.allclose(sd3.default_times(2), torch.tensor([1.0, 0.0089, 0.0]), atol=1e-4)  # shift 3, no sigmas
+    assert torch.allclose(
+        sd3.default_times(2), torch.tensor([1.0, 0.0089, 0.0]), atol=1e-4
+    )  # shift 3, no sigmas
     # the tiny VAE downsamples 2x (the real one 8x): 256 px here has the 4096 image tokens of 1024 px, mu = 1.15
     flux = from_pipeline(tiny_pipeline("flux-dev"), resolution=256)
     assert torch.allclose(flux.default_times(2), torch.tensor([1.0, 0.7595, 0.0]), atol=1e-4)
-    mu = 0.5 + (1024 - 256) * (1.15 - 0.5) / (4096 - 256)  # 1024 tokens (512 px on the real model): 0.63
+    mu = 0.5 + (1024 - 256) * (1.15 - 0.5) / (
+        4096 - 256
+    )  # 1024 tokens (512 px on the real model): 0.63
     half = math.exp(mu) / (math.exp(mu) + 1.0)  # time_shift(mu, 1, 0.5)
-    assert torch.allclose(from_pipeline(tiny_pipeline("flux-dev"), resolution=128).default_times(2), torch.tensor([1.0, half, 0.0]))
-    schnell = from_pipeline(tiny_pipeline("flux-schnell"), resolution=256)  # no shift: linspace(1, 1/N, N), then 0
+    assert torch.allclose(
+        from_pipeline(tiny_pipeline("flux-dev"), resolution=128).default_times(2),
+        torch.tensor([1.0, half, 0.0]),
+    )
+    schnell = from_pipeline(
+        tiny_pipeline("flux-schnell"), resolution=256
+    )  # no shift: linspace(1, 1/N, N), then 0
     assert torch.allclose(schnell.default_times(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
     sdxl = from_pipeline(tiny_pipeline("sdxl"), resolution=RESOLUTION)
     assert torch.allclose(sdxl.default_times(2), torch.tensor([501 / 999, 1 / 999, 0.0]))
@@ -170,7 +205,9 @@ def test_reference_is_the_default_schedule_at_50_steps(tiny):
         backbone.reference(noise, cond)
     finally:
         del backbone.sample
-    assert len(schedules) == 1 and torch.equal(schedules[0], backbone.default_times(50).expand(2, -1))
+    assert len(schedules) == 1 and torch.equal(
+        schedules[0], backbone.default_times(50).expand(2, -1)
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,7 +217,9 @@ def test_reference_is_the_default_schedule_at_50_steps(tiny):
 def test_missing_weights_fail_fast_with_one_line(monkeypatch, tmp_path):
     import huggingface_hub.constants
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))  # an empty cache, offline
+    monkeypatch.setattr(
+        huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path)
+    )  # an empty cache, offline
     for name, repository in [("sd35m", "stable-diffusion-3.5-medium"), ("flux-dev", "FLUX.1-dev")]:
         started = time.perf_counter()
         with pytest.raises(ValueError) as error:
@@ -195,10 +234,14 @@ def test_load_from_a_local_folder(tmp_path):
     tiny_pipeline("sdxl").save_pretrained(tmp_path)
     backbone = load_backbone("sdxl", path=str(tmp_path), resolution=RESOLUTION)
     assert backbone.name == "sdxl" and backbone.guidance == 5.0 and backbone.dtype == torch.float32
-    assert not backbone.model.training and not any(p.requires_grad for p in backbone.pipe.text_encoder_2.parameters())
+    assert not backbone.model.training and not any(
+        p.requires_grad for p in backbone.pipe.text_encoder_2.parameters()
+    )
     assert backbone.default_times(50)[0].item() == pytest.approx(981 / 999)
     noise = backbone.sample_noise(1, torch.Generator().manual_seed(6))
-    latents = backbone.sample(noise, backbone.encode_prompts(PROMPTS[:1]), backbone.default_times(2)[None])
+    latents = backbone.sample(
+        noise, backbone.encode_prompts(PROMPTS[:1]), backbone.default_times(2)[None]
+    )
     assert latents.shape == noise.shape
 
 

@@ -1,4 +1,5 @@
 """The embedded digits backbone: its velocity is the exact flow of the mixture, and the loop runs schedules exactly."""
+
 import math
 
 import pytest
@@ -26,18 +27,30 @@ def rms(a, b):
 def log_density(backbone, x, t, label):
     """log p_t(x) of x_t = (1 - t) x_0 + t noise for one flattened sample x (64,), by brute force over
     the components of the class (each N(mu_m, s_m^2 I), all weighing the same)."""
-    centres, _, variances, log_weights = (part[0] for part in backbone.mixture(torch.tensor([label])))
+    centres, _, variances, log_weights = (
+        part[0] for part in backbone.mixture(torch.tensor([label]))
+    )
     real = log_weights == 0
     mu, total = centres[real], (1 - t) ** 2 * variances[real] + t**2  # (M, 64), (M,)
     squared = ((x[None, :] - (1 - t) * mu) ** 2).sum(1)
-    return torch.logsumexp(-squared / (2 * total) - 32 * torch.log(2 * math.pi * total), 0) - math.log(len(mu))
+    return torch.logsumexp(
+        -squared / (2 * total) - 32 * torch.log(2 * math.pi * total), 0
+    ) - math.log(len(mu))
 
 
 def finite_difference_velocity(backbone, x, t, label, step=1e-5):
     """E[noise - x_0 | x_t = x] from the score, by central differences in float64: E[noise | x_t] =
     -t * score(x_t) (Tweedie) and E[x_0 | x_t] = (x_t - t E[noise | x_t]) / (1 - t)."""
-    score = torch.stack([(log_density(backbone, x + step * e, t, label) - log_density(backbone, x - step * e, t, label)) / (2 * step)
-                         for e in torch.eye(64, dtype=torch.float64)])
+    score = torch.stack(
+        [
+            (
+                log_density(backbone, x + step * e, t, label)
+                - log_density(backbone, x - step * e, t, label)
+            )
+            / (2 * step)
+            for e in torch.eye(64, dtype=torch.float64)
+        ]
+    )
     expected_noise = -t * score
     return expected_noise - (x - t * expected_noise) / (1 - t)
 
@@ -48,16 +61,32 @@ def test_velocity_matches_finite_difference_score(name):
     # the -(d/2) log v_m term; points near a component of each kind
     backbone = load_backbone(name)
     generator = torch.Generator().manual_seed(1)
-    for label, t, component in [(3, 0.9, 0), (7, 0.5, -1), (0, 0.2, -1), (5, 0.05, 0), (1, 0.02, 0)]:
-        centres, _, variances, log_weights = (part[0] for part in backbone.mixture(torch.tensor([label])))
+    for label, t, component in [
+        (3, 0.9, 0),
+        (7, 0.5, -1),
+        (0, 0.2, -1),
+        (5, 0.05, 0),
+        (1, 0.02, 0),
+    ]:
+        centres, _, variances, log_weights = (
+            part[0] for part in backbone.mixture(torch.tensor([label]))
+        )
         real = (log_weights == 0).nonzero().flatten()
         index = real[component]
-        x = (1 - t) * (centres[index] + variances[index].sqrt() * torch.randn(64, generator=generator, dtype=torch.float64))
+        x = (1 - t) * (
+            centres[index]
+            + variances[index].sqrt() * torch.randn(64, generator=generator, dtype=torch.float64)
+        )
         x = x + t * torch.randn(64, generator=generator, dtype=torch.float64)
-        velocity = backbone.velocity(x[None], torch.tensor([t]), backbone.mixture(torch.tensor([label])))[0]
+        velocity = backbone.velocity(
+            x[None], torch.tensor([t]), backbone.mixture(torch.tensor([label]))
+        )[0]
         expected = finite_difference_velocity(backbone, x, t, label)
         # truncation ~ step^2 * third derivative ~ 1e-10 / variance^2, roundoff ~ 1e-16 / step
-        assert torch.allclose(velocity, expected, rtol=1e-6, atol=1e-6), (t, (velocity - expected).abs().max())
+        assert torch.allclose(velocity, expected, rtol=1e-6, atol=1e-6), (
+            t,
+            (velocity - expected).abs().max(),
+        )
 
 
 def test_velocity_at_the_ends(digits):
@@ -77,8 +106,10 @@ def test_velocity_at_the_ends(digits):
 def test_fidelity_error_goes_to_zero_as_steps_grow(digits):
     noise, cond = contexts(digits, 16)
     reference = digits.reference(noise, cond)
-    errors = [rms(digits.sample(noise, cond, digits.default_times(steps).expand(16, -1)), reference)
-              for steps in (4, 16, 64, 256)]
+    errors = [
+        rms(digits.sample(noise, cond, digits.default_times(steps).expand(16, -1)), reference)
+        for steps in (4, 16, 64, 256)
+    ]
     assert all(a > b for a, b in zip(errors, errors[1:])), errors
     assert errors[0] > 0.1 and errors[-1] < 0.01, errors
 
@@ -91,7 +122,9 @@ def test_reference_is_converged(digits):
         finer = digits.reference(noise, cond)
     finally:
         del digits.reference_steps
-    coarse_error = rms(digits.sample(noise, cond, digits.default_times(4).expand(16, -1)), reference)
+    coarse_error = rms(
+        digits.sample(noise, cond, digits.default_times(4).expand(16, -1)), reference
+    )
     assert rms(reference, finer) < 1e-5
     assert rms(reference, finer) < 1e-4 * coarse_error
 
@@ -128,11 +161,15 @@ def test_first_order_update_by_hand(digits):
 def test_per_sample_schedules_equal_one_by_one(digits):
     noise, cond = contexts(digits, 6)
     generator = torch.Generator().manual_seed(3)
-    inner = torch.sort(torch.rand(6, 4, generator=generator) * 0.98 + 0.01, dim=1, descending=True).values
+    inner = torch.sort(
+        torch.rand(6, 4, generator=generator) * 0.98 + 0.01, dim=1, descending=True
+    ).values
     times = torch.cat([torch.ones(6, 1), inner, torch.full((6, 1), 0.005)], dim=1)  # (6, 6), L = 5
     batched = digits.sample(noise, cond, times)
     for i in range(6):
-        single = digits.sample(noise[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()}, times[i : i + 1])
+        single = digits.sample(
+            noise[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()}, times[i : i + 1]
+        )
         assert torch.allclose(batched[i : i + 1], single, atol=1e-6)
 
 
@@ -152,14 +189,27 @@ def test_prompts_conditioning_and_policy_inputs(digits):
     noise = digits.sample_noise(6, torch.Generator().manual_seed(0))
     inputs = digits.policy_inputs(noise, repeated)
     dims = digits.policy_dims
-    assert inputs["latent"].shape == (6, dims["latent_channels"], 8, 8) and inputs["latent"].dtype == torch.float32
-    assert inputs["text"].shape == (6, 4, dims["text_dim"]) and inputs["pooled"].shape == (6, dims["pooled_dim"])
-    assert inputs["text_mask"].dtype == torch.bool and inputs["text_mask"][0].tolist() == [True, True, True, False]
+    assert (
+        inputs["latent"].shape == (6, dims["latent_channels"], 8, 8)
+        and inputs["latent"].dtype == torch.float32
+    )
+    assert inputs["text"].shape == (6, 4, dims["text_dim"]) and inputs["pooled"].shape == (
+        6,
+        dims["pooled_dim"],
+    )
+    assert inputs["text_mask"].dtype == torch.bool and inputs["text_mask"][0].tolist() == [
+        True,
+        True,
+        True,
+        False,
+    ]
     text = cond["prompt_embeds"]
     assert not torch.allclose(text[0], text[1])  # the digit token differs
     assert torch.equal(text[0, :2], text[1, :2])  # the shared words do not
     # fixed across constructions: the text encoder is seeded
-    assert torch.equal(load_backbone("digits").encode_prompts(["a handwritten 3"])["prompt_embeds"], text[:1])
+    assert torch.equal(
+        load_backbone("digits").encode_prompts(["a handwritten 3"])["prompt_embeds"], text[:1]
+    )
     with pytest.raises(ValueError, match="a handwritten 0"):
         digits.encode_prompts(["a photo of a cat"])
 
@@ -188,7 +238,11 @@ def test_the_sampler_is_differentiable_in_the_times_and_oracles_beat_the_default
     fit = noise, cond, backbone.reference(noise, cond)
     groups = (cond["label"] >= 5).long()  # sharp (0-4) and blurred (5-9) digits
     schedules = best_schedules(backbone, fit, groups, steps=4, iterations=60)
-    assert schedules.shape == (2, 5) and (schedules[:, 1:] < schedules[:, :-1]).all() and (schedules[:, -1] > 0).all()
+    assert (
+        schedules.shape == (2, 5)
+        and (schedules[:, 1:] < schedules[:, :-1]).all()
+        and (schedules[:, -1] > 0).all()
+    )
     with torch.no_grad():
         default = teacher_errors(backbone, fit, backbone.default_times(4).expand(20, -1))
         best = teacher_errors(backbone, fit, schedules[groups])

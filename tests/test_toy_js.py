@@ -18,8 +18,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("toy_js")
-    result = subprocess.run([sys.executable, "toy_js.py", "--quick", "--threads", "1", "--out-dir", str(out_dir)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "toy_js.py", "--quick", "--threads", "1", "--out-dir", str(out_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     with open(out_dir / "toy_js.json") as file:
         record = json.load(file)
@@ -38,7 +43,9 @@ def test_quick_run_estimation_table(quick_run):
     _, _, record = quick_run
     cells = record["estimation"]
     assert len(cells) == len(RATIOS) * len(ROLLOUTS) * len(CONTEXTS) == 72
-    assert {(cell["K"], cell["B"]) for cell in cells} == {(k, b) for k in (2, 4, 8) for b in (4, 16, 32)}
+    assert {(cell["K"], cell["B"]) for cell in cells} == {
+        (k, b) for k in (2, 4, 8) for b in (4, 16, 32)
+    }
     for cell in cells:
         assert set(cell["mse"]) == {"rloo", "xctx", "js", "js-unbiased", "oracle"}
         assert 0 <= cell["mean_weight"] <= 1
@@ -47,9 +54,13 @@ def test_quick_run_estimation_table(quick_run):
         # the floor sigma^2 delta^2 / (sigma^2 + (K-1) delta^2): nothing that leaves r[c, i] out beats it (noisy in --quick)
         floor = cell["ratio"] / (1 + (cell["K"] - 1) * cell["ratio"])
         assert floor <= cell["mse"]["oracle"] * 1.2 + 1e-12
-        if cell["ratio"] == 0:  # contexts identical: XCTX's MSE is sigma^2/(BK-1), RLOO's (BK-1)/(K-1) >= 4.4 times more
+        if (
+            cell["ratio"] == 0
+        ):  # contexts identical: XCTX's MSE is sigma^2/(BK-1), RLOO's (BK-1)/(K-1) >= 4.4 times more
             assert cell["mse"]["xctx"] == pytest.approx(1 / (cell["B"] * cell["K"] - 1), rel=0.3)
-        if cell["ratio"] == 100:  # contexts far apart: XCTX is off by about delta, 100 sigma^2 >> RLOO's 1/(K-1)
+        if (
+            cell["ratio"] == 100
+        ):  # contexts far apart: XCTX is off by about delta, 100 sigma^2 >> RLOO's 1/(K-1)
             assert cell["mse"]["xctx"] > 20 * cell["mse"]["rloo"]
     assert sum(cell["js_minus_rloo_z"] < -3.5 for cell in cells) >= 40
 
@@ -82,14 +93,21 @@ def test_oracle_is_a_floor_for_james_stein():
     generator = torch.Generator().manual_seed(1)
     means = math.sqrt(0.3) * torch.randn((20000, 4, 1), generator=generator, dtype=torch.float64)
     rewards = means + torch.randn((20000, 4, 2), generator=generator, dtype=torch.float64)
-    difference = (oracle_baseline(rewards, 1.0, 0.3) - means).square().mean(dim=(1, 2)) - (james_stein(rewards) - means).square().mean(dim=(1, 2))
+    difference = (oracle_baseline(rewards, 1.0, 0.3) - means).square().mean(dim=(1, 2)) - (
+        james_stein(rewards) - means
+    ).square().mean(dim=(1, 2))
     assert difference.mean() + 4 * difference.std() / math.sqrt(20000) < 0
 
 
 def test_expected_quality_matches_monte_carlo():
     # 200000 draws: the Monte Carlo mean is within 5 standard errors of the closed form
-    alpha = torch.tensor([[2.0, 0.5, 3.0, 1.0, 4.0], [0.3, 0.3, 0.3, 0.3, 0.3]], dtype=torch.float64)
-    target = torch.softmax(torch.tensor([[1.0, 0.0, -1.0, 0.5, 0.2], [0.0, 2.0, 0.0, 0.0, 0.0]], dtype=torch.float64), dim=-1)
+    alpha = torch.tensor(
+        [[2.0, 0.5, 3.0, 1.0, 4.0], [0.3, 0.3, 0.3, 0.3, 0.3]], dtype=torch.float64
+    )
+    target = torch.softmax(
+        torch.tensor([[1.0, 0.0, -1.0, 0.5, 0.2], [0.0, 2.0, 0.0, 0.0, 0.0]], dtype=torch.float64),
+        dim=-1,
+    )
     torch.manual_seed(2)
     samples = -(Dirichlet(alpha).sample((200000,)) - target).square().sum(-1)  # (200000, 2)
     error = samples.std(dim=0) / math.sqrt(200000)
@@ -105,18 +123,33 @@ def test_reinforce_gradient_is_unbiased_for_the_exact_gradient(name):
     torch.manual_seed(3)
     bandit = Bandit(generator, actions=5, features=4)
     weight, bias = bandit.initial_policy((batches,))
-    weight = (weight + 0.3 * torch.randn(weight.shape[1:], generator=generator, dtype=weight.dtype)).requires_grad_(True)
+    weight = (
+        weight + 0.3 * torch.randn(weight.shape[1:], generator=generator, dtype=weight.dtype)
+    ).requires_grad_(True)
     bias.requires_grad_(True)
     features, targets, offsets, scales = bandit.draw((batches, contexts), 3.0, generator)
     alpha = bandit.alpha(weight, bias, features)
-    objective = (offsets + scales * expected_quality(alpha, targets) / bandit.noise_unit).mean(dim=-1).sum()
-    exact = torch.cat([g.flatten(1) for g in torch.autograd.grad(objective, (weight, bias), retain_graph=True)], dim=1)
+    objective = (
+        (offsets + scales * expected_quality(alpha, targets) / bandit.noise_unit).mean(dim=-1).sum()
+    )
+    exact = torch.cat(
+        [g.flatten(1) for g in torch.autograd.grad(objective, (weight, bias), retain_graph=True)],
+        dim=1,
+    )
     tau = Dirichlet(alpha.detach()).sample((2,)).movedim(0, -2)
     rewards = bandit.rewards(tau, targets, offsets, scales)
     baseline = rloo(rewards) if name == "rloo" else james_stein_unbiased(rewards)
-    surrogate = ((rewards - baseline) * Dirichlet(alpha[..., None, :]).log_prob(tau)).mean(dim=(-2, -1)).sum()
-    estimate = torch.cat([g.flatten(1) for g in torch.autograd.grad(surrogate, (weight, bias))], dim=1)
+    surrogate = (
+        ((rewards - baseline) * Dirichlet(alpha[..., None, :]).log_prob(tau))
+        .mean(dim=(-2, -1))
+        .sum()
+    )
+    estimate = torch.cat(
+        [g.flatten(1) for g in torch.autograd.grad(surrogate, (weight, bias))], dim=1
+    )
     difference = estimate - exact  # (R, P)
     error = difference.std(dim=0) / math.sqrt(batches)
     assert (difference.mean(dim=0).abs() < 5 * error).all()
-    assert (exact.mean(dim=0).abs() > 5 * error).any()  # the gradient itself is resolved, so the test can fail
+    assert (
+        exact.mean(dim=0).abs() > 5 * error
+    ).any()  # the gradient itself is resolved, so the test can fail

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
+from conftest import ENV, ROOT, run_script
 
 import launch
 import train
-from conftest import ENV, ROOT, run_script
 
 
 def read_metrics(out_dir):
@@ -30,7 +30,12 @@ def test_a_run_writes_checkpoint_metrics_table_and_figure(digits_run):
     assert checkpoint["config"]["backbone"] == "digits" and checkpoint["config"]["steps"] == 4
     assert {"policy", "optimizer", "rng"} <= set(checkpoint)
     evaluation = json.loads((digits_run / "eval.json").read_text())
-    assert [row["method"] for row in evaluation["rows"]] == ["default", "learned (mean)", "learned (sampled)", "limit (teacher)"]
+    assert [row["method"] for row in evaluation["rows"]] == [
+        "default",
+        "learned (mean)",
+        "learned (sampled)",
+        "limit (teacher)",
+    ]
     assert evaluation["contexts"] == 128
     assert evaluation["rows"][-1]["mean"] == 0.0  # the teacher's own output has no error
     assert (digits_run / "train.png").stat().st_size > 0
@@ -38,7 +43,9 @@ def test_a_run_writes_checkpoint_metrics_table_and_figure(digits_run):
 
 
 def test_learned_schedule_beats_the_default_on_heldout_contexts(digits_run):
-    rows = {row["method"]: row for row in json.loads((digits_run / "eval.json").read_text())["rows"]}
+    rows = {
+        row["method"]: row for row in json.loads((digits_run / "eval.json").read_text())["rows"]
+    }
     learned = rows["learned (mean)"]
     # Paired over the same 128 held-out noises: the improvement must exceed 3.3 of its standard errors
     # (one-sided p < 0.0005). The half-width is a Student-t 95% one (127 degrees of freedom: 1.979 sem).
@@ -65,7 +72,9 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch)
         calls = {"n": 0}
 
         def dying(latents, prompts, *args):
-            calls["n"] += len(prompts) == 16  # a training batch (8 contexts x 2 rollouts), not the held-out curve
+            calls["n"] += (
+                len(prompts) == 16
+            )  # a training batch (8 contexts x 2 rollouts), not the held-out curve
             if calls["n"] == 6:
                 raise Killed
             return reward(latents, prompts, *args)
@@ -112,13 +121,27 @@ def test_two_process_torchrun_first_update_equals_single_process(tmp_path):
     train.main(train.parse_config([*args, "--out-dir", str(tmp_path / "single")]))
     torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
     double = subprocess.run(
-        [torchrun, "--standalone", "--nproc_per_node=2", os.path.join(ROOT, "train.py"), *args, "--out-dir", "double"],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300,
+        [
+            torchrun,
+            "--standalone",
+            "--nproc_per_node=2",
+            os.path.join(ROOT, "train.py"),
+            *args,
+            "--out-dir",
+            "double",
+        ],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert double.returncode == 0, double.stderr
     assert "2 rank(s), 4 contexts each" in double.stdout
     # The same global batch gives the same rewards and the same averaged gradient.
-    assert read_metrics(tmp_path / "double")[0]["reward"] == pytest.approx(read_metrics(tmp_path / "single")[0]["reward"], rel=1e-6)
+    assert read_metrics(tmp_path / "double")[0]["reward"] == pytest.approx(
+        read_metrics(tmp_path / "single")[0]["reward"], rel=1e-6
+    )
     one = torch.load(tmp_path / "single" / "ckpt.pt", weights_only=False)["policy"]
     two = torch.load(tmp_path / "double" / "ckpt.pt", weights_only=False)["policy"]
     for name in one:
@@ -128,35 +151,52 @@ def test_two_process_torchrun_first_update_equals_single_process(tmp_path):
     assert grad_norms[0] > 0 and grad_norms[1] == pytest.approx(grad_norms[0], rel=1e-5)
 
 
-@pytest.mark.parametrize("flag, value", [("--backbone", "sd4"), ("--reward", "beauty"), ("--baseline", "mean"),
-                                         ("--init", "zeros"), ("--dtype", "fp8"), ("--policy", "local")])
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--backbone", "sd4"),
+        ("--reward", "beauty"),
+        ("--baseline", "mean"),
+        ("--init", "zeros"),
+        ("--dtype", "fp8"),
+        ("--policy", "local"),
+    ],
+)
 def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value):
     with pytest.raises(SystemExit) as error:
         train.parse_config([flag, value])
     assert error.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert len(lines) == 1 and f"argument {flag}: invalid choice: '{value}' (choose from" in lines[0]
+    assert (
+        len(lines) == 1 and f"argument {flag}: invalid choice: '{value}' (choose from" in lines[0]
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "--steps must be at least 1"),
-    (["--rollouts", "1"], "--rollouts must be at least 2 for a leave-one-out baseline"),
-    (["--contexts", "2"], "--contexts must be at least 3 for --baseline js"),
-    (["--contexts", "3", "--baseline", "js-unbiased"], "--contexts must be at least 4 for --baseline js-unbiased"),
-    (["--iterations", "0"], "--iterations must be at least 1"),
-    (["--iterations", "-5"], "--iterations must be at least 1"),
-    (["--ckpt-interval", "0"], "--ckpt-interval must be at least 1"),
-    (["--log-interval", "0"], "--log-interval must be at least 1"),
-    (["--eval-contexts", "0"], "--eval-contexts must be at least 1"),
-    (["--threads", "0"], "--threads must be at least 1"),
-    (["--lr", "nan"], "--lr must be a finite number > 0"),
-    (["--lr", "0"], "--lr must be a finite number > 0"),
-    (["--grad-clip", "nan"], "--grad-clip must be a finite number > 0"),
-    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
-    (["--guidance", "nan"], "--guidance must be a finite number >= 0"),
-    (["--guidance", "inf"], "--guidance must be a finite number >= 0"),
-    (["--resume"], "--resume but .*ckpt.pt does not exist"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1"),
+        (["--rollouts", "1"], "--rollouts must be at least 2 for a leave-one-out baseline"),
+        (["--contexts", "2"], "--contexts must be at least 3 for --baseline js"),
+        (
+            ["--contexts", "3", "--baseline", "js-unbiased"],
+            "--contexts must be at least 4 for --baseline js-unbiased",
+        ),
+        (["--iterations", "0"], "--iterations must be at least 1"),
+        (["--iterations", "-5"], "--iterations must be at least 1"),
+        (["--ckpt-interval", "0"], "--ckpt-interval must be at least 1"),
+        (["--log-interval", "0"], "--log-interval must be at least 1"),
+        (["--eval-contexts", "0"], "--eval-contexts must be at least 1"),
+        (["--threads", "0"], "--threads must be at least 1"),
+        (["--lr", "nan"], "--lr must be a finite number > 0"),
+        (["--lr", "0"], "--lr must be a finite number > 0"),
+        (["--grad-clip", "nan"], "--grad-clip must be a finite number > 0"),
+        (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+        (["--guidance", "nan"], "--guidance must be a finite number >= 0"),
+        (["--guidance", "inf"], "--guidance must be a finite number >= 0"),
+        (["--resume"], "--resume but .*ckpt.pt does not exist"),
+    ],
+)
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
     config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match=message) as error:
@@ -185,29 +225,40 @@ def copy_of(run, tmp_path):
     return shutil.copytree(run, tmp_path / "out")
 
 
-def test_the_same_command_again_reports_the_finished_run_and_changes_nothing(short_run, tmp_path, capsys):
+def test_the_same_command_again_reports_the_finished_run_and_changes_nothing(
+    short_run, tmp_path, capsys
+):
     out = copy_of(short_run, tmp_path)
     before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
     train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
     printed = capsys.readouterr().out
-    assert f"{out} holds this run, finished at iteration 3" in printed and "| learned (mean) | 4 |" in printed
+    assert (
+        f"{out} holds this run, finished at iteration 3" in printed
+        and "| learned (mean) | 4 |" in printed
+    )
     assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
 
 
 def test_a_killed_run_continues_from_its_checkpoint_without_resume(short_run, tmp_path, capsys):
     out = copy_of(short_run, tmp_path)
     checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
-    torch.save({**checkpoint, "iteration": 2}, out / "ckpt.pt")  # as if killed after the checkpoint of iteration 2
+    torch.save(
+        {**checkpoint, "iteration": 2}, out / "ckpt.pt"
+    )  # as if killed after the checkpoint of iteration 2
     (out / "eval.json").unlink()
     train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
     assert f"continuing {out / 'ckpt.pt'} from iteration 2" in capsys.readouterr().out
-    assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3] and (out / "eval.json").is_file()
+    assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3] and (
+        out / "eval.json"
+    ).is_file()
 
 
 def test_a_torn_last_metrics_line_is_dropped_on_resume(short_run, tmp_path, capsys):
     out = copy_of(short_run, tmp_path)
     checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
-    torch.save({**checkpoint, "iteration": 2}, out / "ckpt.pt")  # killed while appending the row of iteration 3
+    torch.save(
+        {**checkpoint, "iteration": 2}, out / "ckpt.pt"
+    )  # killed while appending the row of iteration 3
     text = (out / "metrics.jsonl").read_text()
     (out / "metrics.jsonl").write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
     (out / "eval.json").unlink()
@@ -218,43 +269,78 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume(short_run, tmp_path, caps
 
 def test_a_second_writer_is_refused_naming_the_first_and_a_dead_one_blocks_nothing(tmp_path):
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", f"import sys, time; sys.path.insert(0, {ROOT!r}); import checkpoints; "
-                               f"lock = checkpoints.lock_run({str(out)!r}); print('locked', flush=True); time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True, env=ENV)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import sys, time; sys.path.insert(0, {ROOT!r}); import checkpoints; "
+            f"lock = checkpoints.lock_run({str(out)!r}); print('locked', flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        with pytest.raises(SystemExit, match=f"is in use by another run \\(PID {holder.pid}\\); wait for it to end") as error:
+        with pytest.raises(
+            SystemExit, match=f"is in use by another run \\(PID {holder.pid}\\); wait for it to end"
+        ) as error:
             train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
         assert "\n" not in str(error.value) and not (out / "metrics.jsonl").exists()
     finally:
         holder.kill()
         holder.wait()
-    train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))  # the killed holder's lock went with it
+    train.main(
+        train.parse_config([*SHORT, "--out-dir", str(out)])
+    )  # the killed holder's lock went with it
     assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3]
 
 
-def test_a_run_that_failed_before_its_first_checkpoint_is_never_mixed_with_the_next(tmp_path, capsys):
+def test_a_run_that_failed_before_its_first_checkpoint_is_never_mixed_with_the_next(
+    tmp_path, capsys
+):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "metrics.jsonl").write_text('{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "rew')  # a torn row too
+    (out / "metrics.jsonl").write_text(
+        '{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "rew'
+    )  # a torn row too
     train.main(train.parse_config([*SHORT, "--seed", "3", "--out-dir", str(out)]))
-    assert "held 1 row(s) of a run that stopped before its first checkpoint" in capsys.readouterr().out
+    assert (
+        "held 1 row(s) of a run that stopped before its first checkpoint" in capsys.readouterr().out
+    )
     assert [row["iteration"] for row in read_metrics(out)] == [1, 2, 3]
     assert (out / "metrics.jsonl.failed").read_text().startswith('{"iteration": 1, "reward": 0.5}')
 
 
-@pytest.mark.parametrize("make, args, message", [
-    (lambda tmp: (tmp / "file").write_text("x"), ["--out-dir", "{tmp}/file"], "--out-dir .*/file is a file, not a folder"),
-    (lambda tmp: (tmp / "file").write_text("x"), ["--out-dir", "{tmp}/file/run"], "is not writable here"),
-    (lambda tmp: None, ["--device", "cuda"], "--device cuda, but this machine has no CUDA device"),
-])
+@pytest.mark.parametrize(
+    "make, args, message",
+    [
+        (
+            lambda tmp: (tmp / "file").write_text("x"),
+            ["--out-dir", "{tmp}/file"],
+            "--out-dir .*/file is a file, not a folder",
+        ),
+        (
+            lambda tmp: (tmp / "file").write_text("x"),
+            ["--out-dir", "{tmp}/file/run"],
+            "is not writable here",
+        ),
+        (
+            lambda tmp: None,
+            ["--device", "cuda"],
+            "--device cuda, but this machine has no CUDA device",
+        ),
+    ],
+)
 def test_unusable_places_and_devices_fail_in_one_line_before_loading(tmp_path, make, args, message):
     if "cuda" in args and torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     make(tmp_path)
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out"), *args]), world_size=1)
+        launch.check_config(
+            train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out"), *args]), world_size=1
+        )
     assert "\n" not in str(error.value)
 
 
@@ -264,27 +350,49 @@ def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
     assert config.threads == os.cpu_count() and "is more than the" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("change, message", [
-    (["--baseline", "rloo"], "holds a run with baseline='js', not 'rloo'; pass --baseline js to continue it"),
-    (["--seed", "1"], "holds a run with seed=0, not 1"),
-    (["--steps", "8"], "holds a run with steps=4, not 8"),
-    (["--eval-contexts", "9"], "holds a run with eval_contexts=4, not 9"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            ["--baseline", "rloo"],
+            "holds a run with baseline='js', not 'rloo'; pass --baseline js to continue it",
+        ),
+        (["--seed", "1"], "holds a run with seed=0, not 1"),
+        (["--steps", "8"], "holds a run with steps=4, not 8"),
+        (["--eval-contexts", "9"], "holds a run with eval_contexts=4, not 9"),
+    ],
+)
 def test_a_run_folder_of_another_run_is_refused(short_run, tmp_path, change, message):
     out = copy_of(short_run, tmp_path)
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(train.parse_config([*SHORT, *change, "--out-dir", str(out), "--resume"]), world_size=1)
+        launch.check_config(
+            train.parse_config([*SHORT, *change, "--out-dir", str(out), "--resume"]), world_size=1
+        )
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("damage, message", [
-    (lambda out: (out / "ckpt.pt").write_bytes(b""), "is not a readable checkpoint"),
-    (lambda out: (out / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:3000]), "is not a readable checkpoint"),
-    (lambda out: (out / "ckpt.pt").write_bytes(b"garbage" * 100), "is not a readable checkpoint"),
-    (lambda out: torch.save({"weights": torch.zeros(2)}, out / "ckpt.pt"), "is not a checkpoint written by train.py"),
-    (lambda out: (out / "metrics.jsonl").unlink(), "has no metrics.jsonl beside it"),
-])
-def test_a_damaged_run_folder_fails_in_one_line_and_keeps_its_files(short_run, tmp_path, damage, message):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda out: (out / "ckpt.pt").write_bytes(b""), "is not a readable checkpoint"),
+        (
+            lambda out: (out / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:3000]),
+            "is not a readable checkpoint",
+        ),
+        (
+            lambda out: (out / "ckpt.pt").write_bytes(b"garbage" * 100),
+            "is not a readable checkpoint",
+        ),
+        (
+            lambda out: torch.save({"weights": torch.zeros(2)}, out / "ckpt.pt"),
+            "is not a checkpoint written by train.py",
+        ),
+        (lambda out: (out / "metrics.jsonl").unlink(), "has no metrics.jsonl beside it"),
+    ],
+)
+def test_a_damaged_run_folder_fails_in_one_line_and_keeps_its_files(
+    short_run, tmp_path, damage, message
+):
     out = copy_of(short_run, tmp_path)
     damage(out)
     before = {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()}
@@ -294,26 +402,51 @@ def test_a_damaged_run_folder_fails_in_one_line_and_keeps_its_files(short_run, t
     assert {path.name: path.read_bytes() for path in out.iterdir() if path.is_file()} == before
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("prompts.json", b'[{"text": "a handwritten 3"}]', "1 entries are neither a prompt nor a record"),
-    ("prompts.json", b'{"a handwritten 3": 1}', "holds a JSON dict, not a list"),
-    ("prompts.json", b'[{"prompt": "a handwritten 3"', "is not a prompt file \\(JSONDecodeError"),
-    ("prompts.txt", b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not a prompt file \\(UnicodeDecodeError"),
-    ("prompts.txt", b"\n\n", "holds no prompts"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        (
+            "prompts.json",
+            b'[{"text": "a handwritten 3"}]',
+            "1 entries are neither a prompt nor a record",
+        ),
+        ("prompts.json", b'{"a handwritten 3": 1}', "holds a JSON dict, not a list"),
+        (
+            "prompts.json",
+            b'[{"prompt": "a handwritten 3"',
+            "is not a prompt file \\(JSONDecodeError",
+        ),
+        (
+            "prompts.txt",
+            b"\x89PNG\r\n\x1a\n\x00\xff\xfe",
+            "is not a prompt file \\(UnicodeDecodeError",
+        ),
+        ("prompts.txt", b"\n\n", "holds no prompts"),
+    ],
+)
 def test_a_bad_prompt_file_fails_in_one_line_naming_it(tmp_path, name, content, message):
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(train.parse_config(["--prompts", str(path), "--out-dir", str(tmp_path / "out")]), world_size=1)
+        launch.check_config(
+            train.parse_config(["--prompts", str(path), "--out-dir", str(tmp_path / "out")]),
+            world_size=1,
+        )
     assert str(path) in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_prompt_the_backbone_cannot_take_fails_before_training(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a handwritten 3\na red fox\n")
-    with pytest.raises(SystemExit, match="digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got 'a red fox'"):
-        train.main(train.parse_config([*SHORT, "--prompts", str(prompts), "--out-dir", str(tmp_path / "out")]))
+    with pytest.raises(
+        SystemExit,
+        match="digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got 'a red fox'",
+    ):
+        train.main(
+            train.parse_config(
+                [*SHORT, "--prompts", str(prompts), "--out-dir", str(tmp_path / "out")]
+            )
+        )
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
@@ -327,10 +460,14 @@ def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path
             calls.append(len(prompts) == 16)  # training batches only
             scores = reward(latents, prompts, *rest)
             return torch.full_like(scores, float("nan")) if sum(calls) == 3 else scores
+
         return broken
 
     monkeypatch.setattr(launch, "load_reward", load_broken_reward)
-    with pytest.raises(SystemExit, match="iteration 3: 16 rewards are NaN or inf.*ckpt.pt holds the last good state") as error:
+    with pytest.raises(
+        SystemExit,
+        match="iteration 3: 16 rewards are NaN or inf.*ckpt.pt holds the last good state",
+    ) as error:
         train.main(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out")]))
     assert "\n" not in str(error.value)
     assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["iteration"] == 2
@@ -341,8 +478,14 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
         train.parse_config(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for field in train.dataclasses.fields(train.Config):
-        assert f"--{field.name.replace('_', '-')}" in text and " ".join(field.metadata["help"].split()) in text, field.name
-    assert "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,mini-sd3,mini-flux,mini-sdxl}" in text
+        assert (
+            f"--{field.name.replace('_', '-')}" in text
+            and " ".join(field.metadata["help"].split()) in text
+        ), field.name
+    assert (
+        "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,mini-sd3,mini-flux,mini-sdxl}"
+        in text
+    )
     assert "(default: 0.0001)" in text  # --weight-decay
 
 
@@ -352,46 +495,77 @@ def test_threads_one_for_the_embedded_backbones(tmp_path):
         launch.check_config(config, world_size=1)
         return config.threads
 
-    assert threads() == 1 and threads("--backbone", "digits-noise") == 1 and threads("--threads", "2") == 2
+    assert (
+        threads() == 1
+        and threads("--backbone", "digits-noise") == 1
+        and threads("--threads", "2") == 2
+    )
     assert threads("--backbone", "sd35m", "--device", "cpu") is None
 
 
 def test_the_names_train_offers_are_the_registries():
     """train.py names its choices without importing the registries (so that --help needs no torch)."""
+    import backbones
     import baselines
     import policy
     import rewards
-    import backbones
 
     choices = train.CHOICES
     assert choices["backbone"] == list(backbones.BACKBONES) == list(train.TRAINING)
-    assert choices["reward"] == list(rewards.REWARDS) and choices["baseline"] == list(baselines.BASELINES)
+    assert choices["reward"] == list(rewards.REWARDS) and choices["baseline"] == list(
+        baselines.BASELINES
+    )
     assert choices["policy"] == list(policy.POLICIES)
 
 
-@pytest.mark.parametrize("script", ["train.py", "evaluate.py", "sample.py", "toy_js.py", "ablation.py", "bench.py",
-                                    "miniature.py"])
+@pytest.mark.parametrize(
+    "script",
+    [
+        "train.py",
+        "evaluate.py",
+        "sample.py",
+        "toy_js.py",
+        "ablation.py",
+        "bench.py",
+        "miniature.py",
+    ],
+)
 def test_help_answers_before_torch_loads(script):
     """--help builds the parser before the heavy imports: torch is never imported."""
-    probe = (f"import runpy, sys; sys.argv = [{script!r}, '--help']\n"
-             f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-             "print('torch' in sys.modules)")
-    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    probe = (
+        f"import runpy, sys; sys.argv = [{script!r}, '--help']\n"
+        f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True
+    )
     assert result.stdout.strip().splitlines()[-1] == "False", result.stdout + result.stderr
 
 
 def test_no_arguments_is_the_digits_main_job():
     config = train.parse_config([])
-    assert (config.backbone, config.reward, config.steps, config.baseline) == ("digits", "teacher", 4, "js")
+    assert (config.backbone, config.reward, config.steps, config.baseline) == (
+        "digits",
+        "teacher",
+        4,
+        "js",
+    )
     assert (config.contexts, config.rollouts, config.policy) == (32, 2, "instance")
 
 
 def test_paper_batch_sizes_for_the_real_backbones(tmp_path):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox in snow\n")
-    sizes = {name: train.parse_config(["--backbone", name, "--prompts", str(prompts)]) for name in ("sd35m", "sdxl", "sd35l", "flux-dev")}
+    sizes = {
+        name: train.parse_config(["--backbone", name, "--prompts", str(prompts)])
+        for name in ("sd35m", "sdxl", "sd35l", "flux-dev")
+    }
     assert {name: (c.contexts, c.rollouts, c.reward) for name, c in sizes.items()} == {
-        "sd35m": (32, 2, "hpsv2"), "sdxl": (32, 2, "hpsv2"), "sd35l": (16, 2, "hpsv2"), "flux-dev": (16, 2, "hpsv2"),
+        "sd35m": (32, 2, "hpsv2"),
+        "sdxl": (32, 2, "hpsv2"),
+        "sd35l": (16, 2, "hpsv2"),
+        "flux-dev": (16, 2, "hpsv2"),
     }
     assert all(c.weight_decay == 1e-4 and c.grad_clip == 1.0 for c in sizes.values())
 
@@ -402,9 +576,13 @@ def test_trains_a_real_backbone_family_from_a_local_folder(tiny_runs, backbone):
     with CFG (or Flux's guidance embedding), the teacher reward, updates and the held-out table."""
     out = tiny_runs[0][backbone]
     rows = read_metrics(out)
-    assert [row["iteration"] for row in rows] == [1, 2] and all(row["grad_norm"] > 0 for row in rows)
+    assert [row["iteration"] for row in rows] == [1, 2] and all(
+        row["grad_norm"] > 0 for row in rows
+    )
     checkpoint = torch.load(out / "ckpt.pt", weights_only=False)
-    assert checkpoint["config"]["backbone"] == backbone and checkpoint["policy_config"]["steps"] == 2
+    assert (
+        checkpoint["config"]["backbone"] == backbone and checkpoint["policy_config"]["steps"] == 2
+    )
     methods = {row["method"]: row for row in json.loads((out / "eval.json").read_text())["rows"]}
     assert methods["limit (teacher)"]["mean"] == 0.0 and methods["default"]["mean"] < 0.0
 
@@ -414,66 +592,156 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
     one line naming the missing weights and how to get them, in seconds; on a CPU machine only with --device cpu."""
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as refused:
-            launch.check_config(train.parse_config(["--backbone", "sd35m", "--steps", "10", "--out-dir", str(tmp_path / "out")]), world_size=1)
-        assert str(refused.value) == ("error: sd35m on a CPU takes hours per update; run on a CUDA machine, or pass --device cpu "
-                                      "to insist (or try --backbone digits)")
+            launch.check_config(
+                train.parse_config(
+                    ["--backbone", "sd35m", "--steps", "10", "--out-dir", str(tmp_path / "out")]
+                ),
+                world_size=1,
+            )
+        assert str(refused.value) == (
+            "error: sd35m on a CPU takes hours per update; run on a CUDA machine, or pass --device cpu "
+            "to insist (or try --backbone digits)"
+        )
     started = time.perf_counter()
-    result = run_script("train.py", ["--backbone", "sd35m", "--steps", "10", "--device", "cpu"], tmp_path)
+    result = run_script(
+        "train.py", ["--backbone", "sd35m", "--steps", "10", "--device", "cpu"], tmp_path
+    )
     assert time.perf_counter() - started < 30
     assert result.returncode != 0
-    assert "one update: B x K x L = 32 x 2 x 10 = 640 model evaluations (each a CFG pair), 64 reward calls" in result.stdout
+    assert (
+        "one update: B x K x L = 32 x 2 x 10 = 640 model evaluations (each a CFG pair), 64 reward calls"
+        in result.stdout
+    )
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "sd35m: the weights of stabilityai/stable-diffusion-3.5-medium are not available" in lines[0]
+    assert (
+        len(lines) == 1
+        and "sd35m: the weights of stabilityai/stable-diffusion-3.5-medium are not available"
+        in lines[0]
+    )
     assert "hf auth login" in lines[0] and "licence" in lines[0] and "--model-path" in lines[0]
-    assert "HPS v2.1 checkpoint not found" in lines[0] or "hpsv2 reward needs" in lines[0]  # every missing piece, one message
+    assert (
+        "HPS v2.1 checkpoint not found" in lines[0] or "hpsv2 reward needs" in lines[0]
+    )  # every missing piece, one message
     assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("reward", ["ocr", "geneval"])
 def test_text_and_object_rewards_are_refused_on_the_embedded_backbones(tmp_path, reward):
-    with pytest.raises(SystemExit, match=f"the {reward} reward reads text or objects, which the 8x8 digits images do not have"):
-        launch.check_config(train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]), world_size=1)
+    with pytest.raises(
+        SystemExit,
+        match=f"the {reward} reward reads text or objects, which the 8x8 digits images do not have",
+    ):
+        launch.check_config(
+            train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]),
+            world_size=1,
+        )
 
 
-@pytest.mark.parametrize("reward, train_file, heldout_file", [
-    ("ocr", "prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
-    ("geneval", "prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl"),
-    ("hpsv2", "prompts/train.jsonl", "prompts/heldout.jsonl"),
-])
+@pytest.mark.parametrize(
+    "reward, train_file, heldout_file",
+    [
+        ("ocr", "prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
+        ("geneval", "prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl"),
+        ("hpsv2", "prompts/train.jsonl", "prompts/heldout.jsonl"),
+    ],
+)
 def test_each_reward_trains_on_its_shipped_prompts(tmp_path, reward, train_file, heldout_file):
-    config = train.parse_config(["--backbone", "sd35m", "--reward", reward, "--device", "cpu", "--out-dir", str(tmp_path / "out")])
-    prompts, _, _ = launch.check_config(config, world_size=1)  # every shipped prompt is one the reward can score
+    config = train.parse_config(
+        [
+            "--backbone",
+            "sd35m",
+            "--reward",
+            reward,
+            "--device",
+            "cpu",
+            "--out-dir",
+            str(tmp_path / "out"),
+        ]
+    )
+    prompts, _, _ = launch.check_config(
+        config, world_size=1
+    )  # every shipped prompt is one the reward can score
     assert (config.prompts, config.eval_prompts) == (train_file, heldout_file)
     assert len(prompts) >= 200
 
 
-@pytest.mark.parametrize("reward, message", [
-    ("ocr", 'OCR prompts need exactly one non-empty "quoted" target text: \'a red fox in snow\''),
-    ("geneval", "not a GenEval prompt .*'a red fox in snow'"),
-])
+@pytest.mark.parametrize(
+    "reward, message",
+    [
+        (
+            "ocr",
+            "OCR prompts need exactly one non-empty \"quoted\" target text: 'a red fox in snow'",
+        ),
+        ("geneval", "not a GenEval prompt .*'a red fox in snow'"),
+    ],
+)
 def test_a_prompt_the_reward_cannot_score_fails_in_one_line(tmp_path, reward, message):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("a red fox in snow\n")
-    config = train.parse_config(["--backbone", "sd35m", "--reward", reward, "--device", "cpu", "--prompts", str(prompts),
-                                 "--out-dir", str(tmp_path / "out")])
+    config = train.parse_config(
+        [
+            "--backbone",
+            "sd35m",
+            "--reward",
+            reward,
+            "--device",
+            "cpu",
+            "--prompts",
+            str(prompts),
+            "--out-dir",
+            str(tmp_path / "out"),
+        ]
+    )
     with pytest.raises(SystemExit, match=message) as error:
         launch.check_config(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("easyocr") is not None, reason="the optional environment has easyocr")
+@pytest.mark.skipif(
+    importlib.util.find_spec("easyocr") is not None, reason="the optional environment has easyocr"
+)
 def test_the_ocr_reward_without_its_environment_names_the_install_command(tmp_path, tiny_runs):
-    with pytest.raises(SystemExit, match=r"the ocr reward needs easyocr .*: pip install -r requirements-hps.txt") as error:
-        train.main(train.parse_config(["--backbone", "sd35m", "--model-path", str(tiny_runs[1] / "sd3"), "--reward", "ocr",
-                                       "--device", "cpu", "--out-dir", str(tmp_path / "out")]))
+    with pytest.raises(
+        SystemExit, match=r"the ocr reward needs easyocr .*: pip install -r requirements-hps.txt"
+    ) as error:
+        train.main(
+            train.parse_config(
+                [
+                    "--backbone",
+                    "sd35m",
+                    "--model-path",
+                    str(tiny_runs[1] / "sd3"),
+                    "--reward",
+                    "ocr",
+                    "--device",
+                    "cpu",
+                    "--out-dir",
+                    str(tmp_path / "out"),
+                ]
+            )
+        )
     assert "\n" not in str(error.value)
 
 
 @pytest.mark.parametrize("backbone", ["digits-prompt", "digits-noise"])
 def test_the_context_dependent_embedded_backbones_train_end_to_end(tmp_path, backbone):
     out = tmp_path / "out"
-    train.main(train.parse_config(["--backbone", backbone, "--iterations", "2", "--contexts", "4", "--eval-contexts", "8",
-                                   "--out-dir", str(out)]))
+    train.main(
+        train.parse_config(
+            [
+                "--backbone",
+                backbone,
+                "--iterations",
+                "2",
+                "--contexts",
+                "4",
+                "--eval-contexts",
+                "8",
+                "--out-dir",
+                str(out),
+            ]
+        )
+    )
     assert [row["iteration"] for row in read_metrics(out)] == [1, 2]
     checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
     assert checkpoint["config"]["rollouts"] == 8  # these backbones' own default K
@@ -481,9 +749,14 @@ def test_the_context_dependent_embedded_backbones_train_end_to_end(tmp_path, bac
 
 
 def test_hpdv2_prompts_offline_say_how_to_get_them(tmp_path):
-    config = train.parse_config(["--backbone", "sd35m", "--prompts", "hpdv2", "--device", "cpu", "--out-dir", str(tmp_path)])
+    config = train.parse_config(
+        ["--backbone", "sd35m", "--prompts", "hpdv2", "--device", "cpu", "--out-dir", str(tmp_path)]
+    )
     started = time.perf_counter()
-    with pytest.raises(SystemExit, match=r"HPDv2's train.json is not available: fetch it once online with "
-                                         r"`hf download zhwang/HPDv2 train.json --repo-type dataset`") as error:
+    with pytest.raises(
+        SystemExit,
+        match=r"HPDv2's train.json is not available: fetch it once online with "
+        r"`hf download zhwang/HPDv2 train.json --repo-type dataset`",
+    ) as error:
         launch.check_config(config, world_size=1)
     assert time.perf_counter() - started < 5 and "\n" not in str(error.value)
