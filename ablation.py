@@ -1,12 +1,12 @@
 """
 The evidence behind the README's "Learned schedules" tables, on the embedded backbones: on the same
-held-out contexts, the default schedule, the best time shift, the oracle schedules (best global, best
-per prompt class, best per sub-population, best per context with hindsight), a learned global
+held-out contexts, the default schedule, the best time shift, the oracle schedules (best global,
+best per prompt class, best per sub-population, best per context with hindsight), a learned global
 schedule and learned instance-level schedules with each baseline, over several training seeds.
 
-    python ablation.py --jobs 2                             # 3 backbones x 6 trainings x 3 seeds (about 75 minutes, 2 idle cores)
-    python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed of each training
-    python ablation.py --miniatures --jobs 2                # the trained miniatures: 3 x 3 L x 2 policies x 3 seeds
+    python ablation.py --jobs 2  # 3 backbones x 6 trainings x 3 seeds, about 75 min on 2 idle cores
+    python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed per training
+    python ablation.py --miniatures --jobs 2  # trained miniatures: 3 x 3 L x 2 policies x 3 seeds
 
 The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniature.py) have no exact
 oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out paraphrases,
@@ -15,17 +15,18 @@ global and instance-level schedules (JS, each miniature's defaults, three seeds)
 digit reward, the classifier's accuracy and the teacher error, and the number of default steps
 that matches each row's digit reward; and docs/miniatures.png.
 
-Each training is `python train.py --backbone B --seed S [--baseline ...] [--policy global]` with that
-backbone's defaults; runs already finished (their eval.json exists) and oracles already computed
-(oracles.json) are read, not repeated, so an interrupted ablation resumes.
+Each training is `python train.py --backbone B --seed S [--baseline ...] [--policy global]` with
+that backbone's defaults; runs already finished (their eval.json exists) and oracles already
+computed (oracles.json) are read, not repeated, so an interrupted ablation resumes.
 
-Oracles. The embedded backbones are exact and differentiable in the times, so the best schedule for a
-set of contexts is found by gradient descent through the L-step sampler itself: times from a softmax
-over L+1 increments, Adam on the mean teacher error. Global, per-class and per-sub-population
-schedules are fitted on 1,000 training contexts (seeds apart from the held-out ones) and scored on the
-held-out contexts; the per-context optimum is fitted on each held-out context itself (hindsight, no
-policy can reach it). The sub-population of a context is the sign of its noise mean, which the
-digits-noise sub-population a trajectory reaches follows for 97% of contexts.
+Oracles. The embedded backbones are exact and differentiable in the times, so the best schedule for
+a set of contexts is found by gradient descent through the L-step sampler itself: times from a
+softmax over L+1 increments, Adam on the mean teacher error. Global, per-class and
+per-sub-population schedules are fitted on 1,000 training contexts (seeds apart from the held-out
+ones) and scored on the held-out contexts; the per-context optimum is fitted on each held-out
+context itself (hindsight, no policy can reach it). The sub-population of a context is the sign of
+its noise mean, which the digits-noise sub-population a trajectory reaches follows for 97% of
+contexts.
 """
 
 import argparse
@@ -41,20 +42,13 @@ from prompts import HELDOUT_SEED, context_noise, heldout_contexts
 parser = argparse.ArgumentParser(
     description="embedded backbones: oracles, baselines, global vs instance-level"
 )
-parser.add_argument(
-    "--out-dir", default="out/ablation", help="one folder per backbone and training below this"
-)
-parser.add_argument("--backbones", nargs="+", default=["digits", "digits-prompt", "digits-noise"])
-parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
-parser.add_argument("--steps", type=int, default=4, help="L")
-parser.add_argument(
-    "--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each"
-)
-parser.add_argument(
-    "--miniatures",
-    action="store_true",
-    help="the trained miniatures' evidence instead (L = 2, 3, 4)",
-)
+add = parser.add_argument
+add("--out-dir", default="out/ablation", help="one folder per backbone and training below this")
+add("--backbones", nargs="+", default=["digits", "digits-prompt", "digits-noise"])
+add("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
+add("--steps", type=int, default=4, help="L")
+add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
+add("--miniatures", action="store_true", help="the miniatures' evidence instead (L = 2, 3, 4)")
 
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch and the models load
@@ -74,11 +68,8 @@ TRAININGS = {  # name -> train.py arguments
     "instance, xctx": ["--baseline", "xctx"],
 }
 SHIFTS = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0]
-FIT_SEED, FIT_CONTEXTS, HELDOUT_CONTEXTS = (
-    2 * 10**6,
-    1000,
-    256,
-)  # oracles are fitted on these, reported on train.py's held-out set
+# oracles are fitted on these, reported on train.py's held-out set
+FIT_SEED, FIT_CONTEXTS, HELDOUT_CONTEXTS = 2 * 10**6, 1000, 256
 
 
 def shifted(times, shift):
@@ -98,9 +89,8 @@ def best_schedules(backbone, contexts, groups, steps, iterations, lr=0.05):
     holds each context's group in 0..G-1. Starts at the default schedule with a 5e-3 stop margin."""
     start = increments_from_times(backbone.default_times(steps).double())
     start[-1] = 5e-3
-    logits = (
-        (start / start.sum()).log().repeat(int(groups.max()) + 1, 1).requires_grad_(True)
-    )  # (G, L+1)
+    logits = (start / start.sum()).log().repeat(int(groups.max()) + 1, 1)  # (G, L+1)
+    logits.requires_grad_(True)
     optimizer = torch.optim.Adam([logits], lr=lr)
     for _ in range(iterations):
         loss = teacher_errors(
@@ -119,7 +109,7 @@ def contexts(backbone, count, seed):
     return noise, cond, backbone.reference(noise, cond)
 
 
-# the groups of contexts the oracles fit a schedule per: the prompt's class, the sign of the noise mean
+# the groups the oracles fit a schedule per: the prompt's class, the sign of the noise mean
 GROUPINGS = {
     "class": lambda context: context[1]["label"],
     "sub-population": lambda context: (context[0].flatten(1).mean(1) > 0).long(),
@@ -127,8 +117,8 @@ GROUPINGS = {
 
 
 def oracles(backbone, steps):
-    """Teacher error on the held-out contexts of the default, the best shift and the oracle schedules,
-    with the oracles' schedules."""
+    """Teacher error on the held-out contexts of the default, the best shift and the oracle
+    schedules, with the oracles' schedules."""
     fit, heldout = (
         contexts(backbone, FIT_CONTEXTS, FIT_SEED),
         contexts(backbone, HELDOUT_CONTEXTS, HELDOUT_SEED),
@@ -172,8 +162,8 @@ def oracles(backbone, steps):
 
 @torch.no_grad()
 def without_stop_margin(backbone, oracle, grouping):
-    """The teacher error of the best per-group schedules with their stop margin t_L set to 0: how much
-    the learnable margin is worth."""
+    """The teacher error of the best per-group schedules with their stop margin t_L set to 0: how
+    much the learnable margin is worth."""
     heldout = contexts(backbone, HELDOUT_CONTEXTS, HELDOUT_SEED)
     times = torch.tensor(oracle["schedules"][grouping])
     times[:, -1] = 0.0
@@ -204,9 +194,8 @@ def train_run(backbone, name, seed, args, steps=None, trainings=TRAININGS):
         if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
             command.append("--resume")
         os.makedirs(out_dir, exist_ok=True)
-        with open(
-            os.path.join(out_dir, "train.log"), "w"
-        ) as log:  # train.py's output, progress bars included
+        # train.py's output, progress bars included
+        with open(os.path.join(out_dir, "train.log"), "w") as log:
             subprocess.run(
                 command,
                 check=True,
@@ -220,8 +209,8 @@ def train_run(backbone, name, seed, args, steps=None, trainings=TRAININGS):
 
 
 def plot(path, backbone, oracle, checkpoints):
-    """The learned mean schedules per prompt class and per sub-population (instance-level, first seed)
-    against the learned global schedule and the oracles."""
+    """The learned mean schedules per prompt class and per sub-population (instance-level, first
+    seed) against the learned global schedule and the oracles."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -278,20 +267,10 @@ def plot(path, backbone, oracle, checkpoints):
 
 MINIATURES = ["mini-sd3", "mini-flux", "mini-sdxl"]
 MINI_STEPS = [2, 3, 4]
-EQUIVALENT_STEPS = [
-    *range(1, 13),
-    14,
-    16,
-    20,
-    25,
-    30,
-    40,
-    50,
-]  # default step counts to match a learned schedule
-MINI_TRAININGS = {
-    "global": ["--policy", "global"],
-    "instance": [],
-}  # with each miniature's defaults (JS baseline)
+# default step counts to match a learned schedule
+EQUIVALENT_STEPS = [*range(1, 13), 14, 16, 20, 25, 30, 40, 50]
+# with each miniature's defaults (JS baseline)
+MINI_TRAININGS = {"global": ["--policy", "global"], "instance": []}
 
 
 def equivalent_steps(default_means, value):
@@ -309,11 +288,11 @@ def equivalent_steps(default_means, value):
 
 
 def miniature_evidence(args):
-    """For each miniature and L in MINI_STEPS, on the same held-out contexts: the default schedule, the
-    best time shift (chosen on other contexts), the learned global and instance-level schedules of
-    each seed; scored by the digit reward, the classifier's accuracy and the teacher error (minus the
-    50-step default solution's squared distance); the default step count that matches each; and the
-    digit reward on the training paraphrases with the same held-out noise seeds."""
+    """For each miniature and L in MINI_STEPS, on the same held-out contexts: the default schedule,
+    the best time shift (chosen on other contexts), the learned global and instance-level schedules
+    of each seed; scored by the digit reward, the classifier's accuracy and the teacher error (minus
+    the 50-step default solution's squared distance); the default step count that matches each; and
+    the digit reward on the training paraphrases with the same held-out noise seeds."""
     from checkpoints import load_checkpoint
     from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
     from miniature import prompt_lists
@@ -326,18 +305,17 @@ def miniature_evidence(args):
         for training in MINI_TRAININGS
         for seed in args.seeds
     ]
+
+    def train(run):
+        return train_run(*run[:3], args, steps=run[3], trainings=MINI_TRAININGS)
+
     with ThreadPoolExecutor(args.jobs) as pool:
-        list(
-            pool.map(
-                lambda run: train_run(*run[:3], args, steps=run[3], trainings=MINI_TRAININGS), runs
-            )
-        )
+        list(pool.map(train, runs))
     train_prompts, heldout_prompts = prompt_lists()
     prompts, seeds = heldout_contexts(heldout_prompts, HELDOUT_CONTEXTS)
     fit_prompts, fit_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS, FIT_SEED)
-    seen_prompts, seen_seeds = heldout_contexts(
-        train_prompts, HELDOUT_CONTEXTS
-    )  # held-out noise, seen wording
+    # held-out noise, seen wording
+    seen_prompts, seen_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS)
     lines, figure_policies = [], {}
     for name in args.backbones:
         backbone = backbones.load_backbone(name)
@@ -354,9 +332,10 @@ def miniature_evidence(args):
             ).items()
         }
         lines += [
-            f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), seeds {args.seeds}",
-            "| L | schedule | digit log-prob (spread) | accuracy | teacher error | equivalent default steps "
-            "| digit log-prob, training paraphrases |",
+            f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), "
+            f"seeds {args.seeds}",
+            "| L | schedule | digit log-prob (spread) | accuracy | teacher error "
+            "| equivalent default steps | digit log-prob, training paraphrases |",
             "|---|---|---|---|---|---|---|",
         ]
         for steps in MINI_STEPS:
@@ -376,9 +355,9 @@ def miniature_evidence(args):
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
             scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)
-            seen = score_table(
+            seen = score_table(  # training paraphrases
                 backbone, digit_only, seen_prompts, seen_seeds, methods, batch_size=128
-            )  # training paraphrases
+            )
             rows = {
                 "default": ["default"],
                 f"best time shift (x{best})": [f"best time shift (x{best})"],
@@ -397,11 +376,12 @@ def miniature_evidence(args):
                 seen_digit = statistics.mean(seen[m]["digit"].mean().item() for m in members)
                 digit = per_seed["digit"]
                 spread = f" ({min(digit):.4f} to {max(digit):.4f})" if len(digit) > 1 else ""
+                mean_digit = statistics.mean(digit)
                 lines.append(
-                    f"| {steps} | {row} | {statistics.mean(digit):.4f}{spread} | "
+                    f"| {steps} | {row} | {mean_digit:.4f}{spread} | "
                     f"{statistics.mean(per_seed['digit accuracy']):.3f} | "
                     f"{-statistics.mean(per_seed['teacher']):.4f} | "
-                    f"{equivalent_steps(default_means, statistics.mean(digit))} | {seen_digit:.4f} |"
+                    f"{equivalent_steps(default_means, mean_digit)} | {seen_digit:.4f} |"
                 )
         curve = ", ".join(f"{n}: {m:.4f}" for n, m in default_means.items())
         lines.append(f"default schedule's digit log-prob by step count: {curve}")
@@ -466,9 +446,8 @@ def main(args):
         for training in TRAININGS
         for seed in args.seeds
     ]
-    with ThreadPoolExecutor(
-        args.jobs
-    ) as pool:  # each training is its own process; the oracles are fitted meanwhile
+    # each training is its own process; the oracles are fitted meanwhile
+    with ThreadPoolExecutor(args.jobs) as pool:
         trainings = pool.map(lambda run: -train_run(*run, args), runs)
         oracle = {}
         for name in args.backbones:
@@ -492,8 +471,10 @@ def main(args):
         grouping = "sub-population" if name == "digits-noise" else "class"
         group = oracle[name]["errors"][f"oracle: best schedule per {grouping}"]
         lines += [
-            f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, seeds {args.seeds}",
-            "| schedule | error (mean over seeds) | spread (min-max) | vs default | gap captured (spread) |",
+            f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, "
+            f"seeds {args.seeds}",
+            "| schedule | error (mean over seeds) | spread (min-max) | vs default "
+            "| gap captured (spread) |",
             "|---|---|---|---|---|",
         ]
         backbone = backbones.load_backbone(name)
@@ -511,15 +492,16 @@ def main(args):
                 if row.startswith("learned")
                 else "-"
             )
-            lines.append(
-                f"| {row} | {mean:.5f} | {spread} | {100 * (mean / default - 1):+.1f}% | {captured} |"
-            )
+            vs_default = 100 * (mean / default - 1)
+            lines.append(f"| {row} | {mean:.5f} | {spread} | {vs_default:+.1f}% | {captured} |")
         lines.append(
-            f"gap captured = (best global - learned) / (best global - best per {grouping}) on the same contexts"
+            f"gap captured = (best global - learned) / (best global - best per {grouping}) "
+            "on the same contexts"
         )
         for seed, instance, glob in zip(args.seeds, learned["instance, js"], learned["global, js"]):
+            below = 100 * (1 - instance / glob)
             lines.append(
-                f"seed {seed}: learned instance-level (js) {100 * (1 - instance / glob):.1f}% below learned global"
+                f"seed {seed}: learned instance-level (js) {below:.1f}% below learned global"
             )
         plot(
             os.path.join(args.out_dir, name, "schedules.png"),

@@ -17,12 +17,12 @@ from policy import POLICIES, json_times
 from rollout import PIPELINES, from_pipeline
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
-# Every per-backbone model fact (train.py's TRAINING holds the training defaults). family: the class
-# that runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG
-# scale (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input):
-# the values recommended by the SD3.5 model cards (Medium 4.5, Large 3.5) and the SD-XL and Flux-Dev
-# pipelines' defaults (5.0, 3.5). policy: the size in policy.PRESETS. threads: CPU threads (None:
-# torch's default; the small backbones' tensors are tiny, so a second thread only adds contention).
+# Model facts per backbone (train.py's TRAINING holds the training defaults). family: the class that
+# runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG scale
+# (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input): the
+# values recommended by the SD3.5 model cards (Medium 4.5, Large 3.5) and the SD-XL and Flux-Dev
+# pipelines' defaults (5.0, 3.5). policy: the size in PRESETS. threads: CPU threads (None: torch's
+# default; the small backbones' tensors are tiny, so a second thread only adds contention).
 REAL = dict(resolution=1024, policy="real", threads=None)
 EMBEDDED = dict(
     family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", threads=1
@@ -48,13 +48,14 @@ BACKBONES = {
     "flux-schnell": dict(
         REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None
     ),
-    # The embedded backbones: (spread, std, shift) of each sub-population of a digit class, see MixtureBackbone.
-    # digits: one population per class; the best schedule is nearly the same for every context.
+    # The embedded backbones (MixtureBackbone): (spread, std, shift) per sub-population of a digit
+    # class. digits: one population per class; the best schedule is about the same for all contexts.
     "digits": dict(EMBEDDED, populations=[[(1.0, 0.1, 0.0)]] * 10),
-    # digits-prompt: sharp, spread-out digits 0-4 and blurred ones 5-9 want opposite schedules: the prompt says which.
+    # digits-prompt: sharp, spread-out digits 0-4 and blurred ones 5-9 want opposite schedules: the
+    # prompt says which.
     "digits-prompt": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.0)]] * 5 + [[(1.0, 0.5, 0.0)]] * 5),
-    # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise says which
-    # (a weaker signal than the prompt).
+    # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise
+    # says which (a weaker signal than the prompt).
     "digits-noise": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
     # The trained miniatures (miniature.py): the real families' classes with shipped 16x16 digit
     # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
@@ -69,18 +70,17 @@ def update_cost(name, contexts, rollouts, steps, guidance=None):
     """One REINFORCE update in model evaluations and reward calls, as a line to print."""
     spec, samples = BACKBONES[name], contexts * rollouts
     guidance = spec["guidance"] if guidance is None else guidance
-    cfg = (
-        spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1
-    )  # true CFG doubles each batch
+    # true CFG doubles each batch
+    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1
     return (
-        f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} model evaluations"
-        f"{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
+        f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} "
+        f"model evaluations{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
     )
 
 
 def hub_file(repo, filename, missing, repo_type=None):
-    """A file of a hub repository from the local cache, else downloaded. When it is neither cached nor
-    reachable: ValueError(`missing` + why) at once, not after the hub client's retries."""
+    """A file of a hub repository from the local cache, else downloaded. When it is neither cached
+    nor reachable: ValueError(`missing` + why) at once, not after the hub client's retries."""
     from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
 
     try:
@@ -105,8 +105,8 @@ def hub_file(repo, filename, missing, repo_type=None):
 
 
 def locate_weights(name, path=None):
-    """Where from_pretrained loads backbone `name` from: the local diffusers folder `path`, or its hub
-    id once its files are cached or reachable. ValueError in one line saying how to get them."""
+    """Where from_pretrained loads backbone `name` from: the local diffusers folder `path`, or its
+    hub id once its files are cached or reachable. ValueError in one line saying how to get them."""
     hub_id, folder = BACKBONES[name]["hub_id"], BACKBONES[name].get("folder")
     if path is None and folder is not None:  # a miniature shipped in this repository
         path = os.path.join(REPOSITORY, folder)
@@ -128,7 +128,8 @@ def locate_weights(name, path=None):
             hub_id,
             "model_index.json",
             f"{name}: the weights of {hub_id} are not available; run `hf auth login` and "
-            f"accept the licence on https://huggingface.co/{hub_id}, or pass a local diffusers folder with --model-path",
+            f"accept the licence on https://huggingface.co/{hub_id}, or pass a local diffusers "
+            "folder with --model-path",
         )
     return hub_id
 
@@ -149,9 +150,9 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
         pipe = pipeline_class.from_pretrained(location, dtype=dtype)
     except OSError as error:  # a partial download or a file the hub refuses
         raise ValueError(
-            f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run `hf auth login`, "
-            f"accept the licence on https://huggingface.co/{spec['hub_id']} and download again, or pass "
-            "--model-path"
+            f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run "
+            f"`hf auth login`, accept the licence on https://huggingface.co/{spec['hub_id']} and "
+            "download again, or pass --model-path"
         ) from None
     return from_pipeline(
         pipe.to(device),

@@ -42,8 +42,8 @@ d2 0.819, 0.670, 0.539. The MSE of the resulting estimate of mu_c differs by at 
 "as used" and "textbook d2" and both are far below RLOO's (0.21-0.57 against 1.0); the literal s2
 over-shrinks once contexts differ (0.65 against 0.57 at delta^2 = 1).
 
-Arithmetic runs in float64: rewards such as HPSv2 x100 sit near 30 with differences of 0.1, and the
-variance estimates subtract nearly equal numbers. Results come back in the rewards' dtype.
+Arithmetic runs in float64: rewards such as HPSv2 x100 sit near 30 with differences of 0.1, and
+the variance estimates subtract nearly equal numbers. Results come back in the rewards' dtype.
 """
 
 import torch
@@ -55,14 +55,13 @@ MIN_CONTEXTS = {"js": 3, "js-unbiased": 4, "rloo": 1, "xctx": 1}
 
 def _checked(rewards: torch.Tensor, min_contexts: int) -> torch.Tensor:
     """rewards (..., B, K) detached in float64, after the shape checks a caller can get wrong."""
-    if rewards.dim() < 2 or rewards.shape[-1] < 2:
-        raise ValueError(
-            f"rewards must have shape (..., contexts, rollouts >= 2), got {tuple(rewards.shape)}"
-        )
-    if rewards.shape[-2] < min_contexts:
+    shape = tuple(rewards.shape)
+    if len(shape) < 2 or shape[-1] < 2:
+        raise ValueError(f"rewards must have shape (..., contexts, rollouts >= 2), got {shape}")
+    if shape[-2] < min_contexts:
         raise ValueError(
             f"this baseline needs at least {min_contexts} contexts per batch, got "
-            f"B={rewards.shape[-2]}; use more contexts or the rloo baseline"
+            f"B={shape[-2]}; use more contexts or the rloo baseline"
         )
     return rewards.detach().to(torch.float64)
 
@@ -76,8 +75,7 @@ def _rloo(values: torch.Tensor) -> torch.Tensor:
 
 
 def _cross_context(values: torch.Tensor) -> torch.Tensor:
-    contexts, rollouts = values.shape[-2:]
-    return (values.sum((-2, -1), keepdim=True) - values) / (contexts * rollouts - 1)
+    return (values.sum((-2, -1), keepdim=True) - values) / (values.shape[-2:].numel() - 1)  # B*K-1
 
 
 def rloo(rewards: torch.Tensor) -> torch.Tensor:
@@ -101,11 +99,9 @@ def js_weight(s2: torch.Tensor, spread: torch.Tensor, rollouts: int) -> torch.Te
 
 
 def _statistics(values: torch.Tensor):
-    """Per context: the within-context variances (..., B) and the squared deviations of the context
-    means from the batch mean (..., B)."""
-    rollouts = values.shape[-1]
+    """(..., B) each: within-context variances, squared deviations of rbar_c from the batch mean."""
     means = values.mean(-1)  # (..., B) rbar_c
-    variances = (values - means[..., None]).square().sum(-1) / (rollouts - 1)
+    variances = (values - means[..., None]).square().sum(-1) / (values.shape[-1] - 1)
     deviations = (means - means.mean(-1, keepdim=True)).square()
     return variances, deviations
 
@@ -150,20 +146,17 @@ def james_stein(rewards: torch.Tensor) -> torch.Tensor:
 
 
 def james_stein_unbiased(rewards: torch.Tensor) -> torch.Tensor:
-    """(..., B, K) -> (..., B, K): JS with each context's weight a_c fitted without it (this
-    project's addition; JSPO, arXiv 2511.03710, computes its James-Stein baseline leave one prompt
-    out). Needs B >= 4.
-
-    Unbiasedness needs exactly one thing: b[c, i] must not depend on r[c, i], the one reward that
-    is a function of tau[c, i]. b_rloo and b_xctx already leave r[c, i] out; the plug-in JS breaks
-    the rule only through a. With a_c from the batch without context c,
+    """(..., B, K) -> (..., B, K): JS with each context's weight a_c fitted without it, which makes
+    it exactly unbiased (this project's addition; JSPO, arXiv 2511.03710, computes its James-Stein
+    baseline leave one prompt out). The plug-in JS sees r[c, i], the one reward that is a function
+    of tau[c, i], only through a; with a_c from the batch without context c,
         b[c, i] = (1 - a_c) * b_rloo[c, i] + a_c * b_xctx[c, i]
-    is a function of the rewards other than r[c, i]. A weight shared by the whole of b[c, :] cannot
-    use any reward of context c (for K = 2, r[c, 1] is excluded from b[c, 0] and r[c, 0] from
-    b[c, 1]), hence one context out rather than one rollout out. The price of exactness is a weight
-    fitted on B-1 contexts that knows nothing of how far context c lies from them: when contexts
-    differ a lot it now and then over-shrinks (a_c is a ratio with few degrees of freedom below, so
-    its tail is heavy), which costs at small B; prefer it at B >= 16."""
+    is a function of the other rewards. A weight shared by the whole of b[c, :] cannot use any
+    reward of context c (for K = 2, r[c, 1] is excluded from b[c, 0] and r[c, 0] from b[c, 1]),
+    hence one context out rather than one rollout out. The price of exactness is a weight fitted on
+    B-1 contexts that knows nothing of how far context c lies from them: when contexts differ a lot
+    it now and then over-shrinks (a_c is a ratio with few degrees of freedom below, so its tail is
+    heavy), which costs at small B; prefer it at B >= 16. Needs B >= 4."""
     values = _checked(rewards, MIN_CONTEXTS["js-unbiased"])
     weight = shrinkage_leave_one_out(values)[..., None]  # (..., B, 1)
     return _like((1 - weight) * _rloo(values) + weight * _cross_context(values), rewards)

@@ -2,22 +2,22 @@
 Benchmarks that print numbers: what the policy costs against the sampler, the sampling loop against
 the diffusers pipelines it replaces, and the embedded backbone's throughput.
 
-    python bench.py                                    # CPU: all three, tiny random pipelines (about a minute)
-    python bench.py --only policy                      # FLOPs and parameter counts (meta device, no weights)
-    python bench.py --only loop --device cuda          # one GPU, bfloat16
+    python bench.py  # CPU: all three, tiny random pipelines (about a minute)
+    python bench.py --only policy  # FLOPs and parameter counts (meta device, no weights)
+    python bench.py --only loop --device cuda  # one GPU, bfloat16
     python bench.py --only loop --backbones sd35m --model-path /models/sd35m --steps 10 --batch 8
-    python bench.py --only threads                     # the main job at 1 thread and at torch's default (minutes)
-    .venv-hps/bin/python bench.py --only ocr           # the OCR reward's time per image (the optional environment)
+    python bench.py --only threads  # the main job at 1 thread and at torch's default (minutes)
+    .venv-hps/bin/python bench.py --only ocr  # OCR reward's time per image (optional environment)
 
-policy: FLOPs of one SD3.5-Medium transformer step at 1024^2 with CFG against one policy call, counted
-on the meta device (shapes only), and the parameters of each policy size. loop: for each diffusers
-backbone, `Backbone.sample` and the pipeline's own call timed on the same default schedule, prompt
-embeddings, initial latents and batch (output_type="latent", no decode on either side), and the
-largest relative difference of their outputs. embedded: rollouts per second and the teacher's cost.
-threads: `python train.py` (the main job) at 1 CPU thread and at torch's default, one after the other
-in this run, with the difference of their held-out results; then both again for a few iterations
-while another process keeps every core busy. ocr: the OCR reward's time per image on
-rendered text at 512^2 and 1024^2, after a warm-up call.
+policy: FLOPs of one SD3.5-Medium transformer step at 1024^2 with CFG against one policy call,
+counted on the meta device (shapes only), and the parameters of each policy size. loop: for each
+diffusers backbone, `Backbone.sample` and the pipeline's own call timed on the same default
+schedule, prompt embeddings, initial latents and batch (output_type="latent", no decode on either
+side), and the largest relative difference of their outputs. embedded: rollouts per second and the
+teacher's cost. threads: `python train.py` (the main job) at 1 CPU thread and at torch's default,
+one after the other in this run, with the difference of their held-out results; then both again for
+a few iterations while another process keeps every core busy. ocr: the OCR reward's time per image
+on rendered text at 512^2 and 1024^2, after a warm-up call.
 Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
 """
 
@@ -29,24 +29,19 @@ import time
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
 )
-parser.add_argument(
+add = parser.add_argument
+add(
     "--only",
     choices=["policy", "loop", "embedded", "threads", "ocr"],
     default=None,
     help="one benchmark; default: all but threads and ocr",
 )
-parser.add_argument(
-    "--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names"
-)
-parser.add_argument(
-    "--model-path", default=None, help="loop: local diffusers folder of a real backbone"
-)
-parser.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-parser.add_argument("--steps", type=int, default=4, help="L, model calls per rollout")
-parser.add_argument("--batch", type=int, default=4, help="loop: rollouts per call")
-parser.add_argument(
-    "--repeats", type=int, default=10, help="timed calls after one warm-up; the best is shown"
-)
+add("--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names")
+add("--model-path", default=None, help="loop: local diffusers folder of a real backbone")
+add("--device", default=None, help="default: cuda when available, else cpu")
+add("--steps", type=int, default=4, help="L, model calls per rollout")
+add("--batch", type=int, default=4, help="loop: rollouts per call")
+add("--repeats", type=int, default=10, help="timed calls after one warm-up; the best is shown")
 
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch and the models load
@@ -57,8 +52,8 @@ import backbones  # noqa: E402
 import rollout  # noqa: E402
 from backbones import make_policy  # noqa: E402
 
-# The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux unpacked),
-# text tokens (text_len, text_dim), pooled embedding.
+# The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux
+# unpacked), text tokens (text_len, text_dim), pooled embedding.
 POLICY_DIMS = {
     "sd35m": dict(
         latent_channels=16, text_dim=4096, pooled_dim=2048, latent_size=128, text_len=333
@@ -70,12 +65,8 @@ POLICY_DIMS = {
     "digits": dict(latent_channels=1, text_dim=32, pooled_dim=32, latent_size=8, text_len=4),
 }
 TINY_RESOLUTION = 32  # pixels; the tiny VAEs downsample 2x, so latents are 16x16
-TINY_GUIDANCE = {
-    "sd3": 4.5,
-    "flux-dev": 3.5,
-    "flux-schnell": None,
-    "sdxl": 5.0,
-}  # the real models' values
+# the real models' values
+TINY_GUIDANCE = {"sd3": 4.5, "flux-dev": 3.5, "flux-schnell": None, "sdxl": 5.0}
 
 # ----------------------------------------------------------------------------------------------
 # tiny random diffusers pipelines, built offline (no hub ids)
@@ -84,8 +75,9 @@ TINY_GUIDANCE = {
 def tiny_pipeline(family):
     """A randomly initialised pipeline of the real layout, small enough for a CPU test: "sd3" (two
     CLIP encoders + T5, MMDiT, SD3.5's scheduler with static shift 3), "flux-dev" (dynamic shift,
-    guidance embedding), "flux-schnell" (no shift, no guidance), "sdxl" (two CLIP encoders, text-time
-    UNet, SD-XL's Euler scheduler with leading spacing). Seeded: the same weights every time."""
+    guidance embedding), "flux-schnell" (no shift, no guidance), "sdxl" (two CLIP encoders,
+    text-time UNet, SD-XL's Euler scheduler with leading spacing). Seeded: the same weights every
+    time."""
     from diffusers import (
         AutoencoderKL,
         EulerDiscreteScheduler,
@@ -109,16 +101,18 @@ def tiny_pipeline(family):
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     torch.manual_seed(0)
-    characters = list(
-        bytes_to_unicode().values()
-    )  # byte-level CLIP BPE without merges: a token per character
+    # byte-level CLIP BPE without merges: a token per character
+    characters = list(bytes_to_unicode().values())
     vocab = {
         **{c: i for i, c in enumerate(characters)},
         **{c + "</w>": i + 256 for i, c in enumerate(characters)},
         "<|startoftext|>": 512,
         "<|endoftext|>": 513,
     }
-    clip_tokenizer = lambda: CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
+    def clip_tokenizer():
+        return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
+
     clip_config = CLIPTextConfig(
         vocab_size=514,
         hidden_size=16,
@@ -134,33 +128,38 @@ def tiny_pipeline(family):
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [
         (c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?"
     ]
-    t5 = lambda: T5EncoderModel(
-        T5Config(
-            vocab_size=44,
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=2,
-            relative_attention_num_buckets=8,
-            pad_token_id=0,
-            eos_token_id=1,
-            decoder_start_token_id=0,
+
+    def t5():
+        return T5EncoderModel(
+            T5Config(
+                vocab_size=44,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=2,
+                relative_attention_num_buckets=8,
+                pad_token_id=0,
+                eos_token_id=1,
+                decoder_start_token_id=0,
+            )
         )
-    )
-    vae = lambda channels: AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=channels,
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        layers_per_block=1,
-        norm_num_groups=4,
-        sample_size=TINY_RESOLUTION,
-        shift_factor=0.0609,
-        scaling_factor=1.5035,
-    )
+
+    def vae(channels):
+        return AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            latent_channels=channels,
+            block_out_channels=(8, 16),
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            layers_per_block=1,
+            norm_num_groups=4,
+            sample_size=TINY_RESOLUTION,
+            shift_factor=0.0609,
+            scaling_factor=1.5035,
+        )
+
     if family == "sd3":
         transformer = SD3Transformer2DModel(
             sample_size=16,
@@ -187,9 +186,8 @@ def tiny_pipeline(family):
             tokenizer_3=T5Tokenizer(vocab=pieces, extra_ids=0),
         )
     if family in ("flux-dev", "flux-schnell"):
-        dev = (
-            family == "flux-dev"
-        )  # latent_channels=1 packs 2x2 to in_channels=4; sum(axes_dims_rope) = attention_head_dim
+        # latent_channels=1 packs 2x2 to in_channels=4; sum(axes_dims_rope) = attention_head_dim
+        dev = family == "flux-dev"
         transformer = FluxTransformer2DModel(
             patch_size=1,
             in_channels=4,
@@ -280,7 +278,7 @@ def timed(functions, repeats, device):
 
 
 def count_flops(module, *args, **kwargs):
-    """FLOPs (matmul, conv, attention; norms and activations are not counted) of one forward call."""
+    """FLOPs of one forward call (matmul, conv, attention; norms and activations not counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     counter = FlopCounterMode(display=False)
@@ -320,18 +318,16 @@ def bench_policy():
         )
     backbone_params = sum(p.numel() for p in transformer.parameters())
     print(
-        f"SD3.5-Medium transformer: {backbone_params / 1e9:.3f}B parameters, {step_flops / 1e12:.2f} TFLOP per step (1024^2, CFG)"
+        f"SD3.5-Medium transformer: {backbone_params / 1e9:.3f}B parameters, "
+        f"{step_flops / 1e12:.2f} TFLOP per step (1024^2, CFG)"
     )
     for name, dims in POLICY_DIMS.items():
         with torch.device("meta"):
-            params = sum(
-                p.numel()
-                for p in make_policy(
-                    "instance", dims, 20, preset=backbones.BACKBONES[name]["policy"]
-                ).parameters()
-            )
+            policy = make_policy("instance", dims, 20, preset=backbones.BACKBONES[name]["policy"])
+            params = sum(p.numel() for p in policy.parameters())
         print(
-            f"  policy for {name:9s} at L=20: {params / 1e6:7.3f}M parameters ({params / backbone_params:.2%} of SD3.5-Medium)"
+            f"  policy for {name:9s} at L=20: {params / 1e6:7.3f}M parameters "
+            f"({params / backbone_params:.2%} of SD3.5-Medium)"
         )
     dims = POLICY_DIMS["sd35m"]
     for steps in (5, 10, 20):
@@ -345,7 +341,8 @@ def bench_policy():
                 torch.empty(1, 2048),
             )
         print(
-            f"L={steps:2d}: sd35m policy {flops / 1e9:.2f} GFLOP once per image; policy / (L x step) = {flops / (steps * step_flops):.4%}"
+            f"L={steps:2d}: sd35m policy {flops / 1e9:.2f} GFLOP once per image; "
+            f"policy / (L x step) = {flops / (steps * step_flops):.4%}"
         )
 
 
@@ -364,9 +361,8 @@ def bench_loop(name, args, device):
     (encode_ms,), (cond,) = timed([lambda: backbone.encode_prompts(prompts)], 1, device)
     noise = backbone.sample_noise(count, torch.Generator().manual_seed(0))
     times = backbone.default_times(steps).expand(count, -1)
-    embeddings = {
-        key: value for key, value in cond.items() if key.endswith("prompt_embeds")
-    }  # both sides time the loop alone
+    # both sides time the loop alone
+    embeddings = {key: value for key, value in cond.items() if key.endswith("prompt_embeds")}
 
     def pipeline():
         return pipe(
@@ -384,8 +380,9 @@ def bench_loop(name, args, device):
     )
     difference = ((ours.float() - theirs.float()).abs().max() / theirs.float().abs().max()).item()
     print(
-        f"{name:<10s} L={steps} batch={count} {backbone.resolution}px {str(backbone.dtype):>14s}: loop {loop_ms:8.1f} ms, "
-        f"pipeline {pipe_ms:8.1f} ms (loop/pipeline {loop_ms / pipe_ms:.2f}), encode {encode_ms:.1f} ms, "
+        f"{name:<10s} L={steps} batch={count} {backbone.resolution}px "
+        f"{str(backbone.dtype):>14s}: loop {loop_ms:8.1f} ms, pipeline {pipe_ms:8.1f} ms "
+        f"(loop/pipeline {loop_ms / pipe_ms:.2f}), encode {encode_ms:.1f} ms, "
         f"max relative difference {difference:.1e}"
     )
 
@@ -399,19 +396,22 @@ def bench_embedded(args, device, count=64):
         (milliseconds,), _ = timed(
             [lambda: backbone.sample(noise, cond, times)], args.repeats, device
         )
+        per_second = 1e3 * count / milliseconds
         print(
-            f"digits L={steps:<3d} {count} rollouts: {milliseconds:8.2f} ms ({1e3 * count / milliseconds:,.0f} rollouts/s)"
+            f"digits L={steps:<3d} {count} rollouts: {milliseconds:8.2f} ms "
+            f"({per_second:,.0f} rollouts/s)"
         )
     (milliseconds,), _ = timed([lambda: backbone.reference(noise, cond)], 1, device)
     print(
-        f"digits teacher (RK4, {backbone.reference_steps} steps) for {count} contexts: {milliseconds:8.1f} ms"
+        f"digits teacher (RK4, {backbone.reference_steps} steps) for {count} contexts: "
+        f"{milliseconds:8.1f} ms"
     )
 
 
 def bench_threads(busy_iterations=20):
     """The main job at 1 thread and at torch's default, on this machine as it is, then the first
-    `busy_iterations` of it with another process keeping every core busy (a machine shared with other
-    jobs): seconds per iteration from metrics.jsonl."""
+    `busy_iterations` of it with another process keeping every core busy (a machine shared with
+    other jobs): seconds per iteration from metrics.jsonl."""
     import json
     import subprocess
     import sys
@@ -440,13 +440,13 @@ def bench_threads(busy_iterations=20):
             with open(os.path.join(folder, "eval.json")) as file:
                 results[threads] = {row["method"]: row["mean"] for row in json.load(file)["rows"]}
         print(
-            f"python train.py --threads {threads}: {seconds:.1f} s ({per_iteration:.3f} s per iteration), "
+            f"python train.py --threads {threads}: {seconds:.1f} s "
+            f"({per_iteration:.3f} s per iteration), "
             f"held-out learned (mean) {results[threads]['learned (mean)']:.6f}"
         )
     one, default = results.values()
-    print(
-        f"largest difference of a held-out mean between the two: {max(abs(one[name] - default[name]) for name in one):.2e}"
-    )
+    largest = max(abs(one[name] - default[name]) for name in one)
+    print(f"largest difference of a held-out mean between the two: {largest:.2e}")
     hog = subprocess.Popen(
         [
             sys.executable,
@@ -461,8 +461,8 @@ def bench_threads(busy_iterations=20):
                     threads, folder, "--iterations", str(busy_iterations), "--eval-contexts", "8"
                 )
             print(
-                f"every core busy with another process: --threads {threads}: {per_iteration:.3f} s per iteration "
-                f"(first {busy_iterations} iterations)"
+                f"every core busy with another process: --threads {threads}: "
+                f"{per_iteration:.3f} s per iteration (first {busy_iterations} iterations)"
             )
     finally:
         hog.kill()
@@ -501,8 +501,8 @@ def bench_ocr(batch=4):
             [lambda: reward(images, prompts, None, None)], 1, torch.device("cpu")
         )
         print(
-            f"ocr {size}x{size}, {batch} per call, {torch.get_num_threads()} threads: {milliseconds / batch / 1e3:.2f} s per image, "
-            f"recall {scores.tolist()}"
+            f"ocr {size}x{size}, {batch} per call, {torch.get_num_threads()} threads: "
+            f"{milliseconds / batch / 1e3:.2f} s per image, recall {scores.tolist()}"
         )
 
 

@@ -7,7 +7,8 @@ policy in the Hugging Face Hub format (config.json + model.safetensors, no pickl
 and the training configuration in config.json), to share with `policy.push_to_hub(repo_id)` and load
 with load_policy. evaluate.py, sample.py and pipeline.py take either ckpt.pt or such a folder / hub
 id and rebuild the policy and its frozen backbone from it alone. Every way a file can be missing,
-truncated or of another run ends in one line that says what to do.
+truncated or of another run ends in one line that says what to do; check_evaluation checks
+evaluate.py's command line against the checkpoints it names.
 """
 
 import contextlib
@@ -45,31 +46,25 @@ def read_checkpoint(path):
         raise ValueError(f"no checkpoint at {path} (train one with `python train.py`)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # EOFError, UnpicklingError, RuntimeError of the zip reader, OSError: all mean "unreadable"
+    # EOFError, UnpicklingError, RuntimeError of the zip reader, OSError: all mean "unreadable"
+    except Exception as error:
         raise ValueError(
-            f"{path} is not a readable checkpoint ({type(error).__name__}: the file is empty, truncated or "
-            "of another program); train again or point to another file"
+            f"{path} is not a readable checkpoint ({type(error).__name__}: the file is empty, "
+            "truncated or of another program); train again or point to another file"
         ) from None
-    if not isinstance(state, dict) or not {"policy", "policy_config", "config", "iteration"} <= set(
-        state
-    ):
-        raise ValueError(
-            f"{path} is not a checkpoint written by train.py (its keys: {sorted(state)[:6]})"
-        )
+    required = {"policy", "policy_config", "config", "iteration"}
+    if not isinstance(state, dict) or not required <= set(state):
+        keys = sorted(state)[:6]
+        raise ValueError(f"{path} is not a checkpoint written by train.py (its keys: {keys})")
     return state
 
 
 def save_policy(folder, policy, config, iteration):
     """The policy in the Hub format: config.json holds its constructor arguments, among them the
     backbone and the training configuration (with the iteration); model.safetensors its weights."""
-    policy.save_pretrained(
-        folder,
-        config=dict(
-            policy.config,
-            backbone=config["backbone"],
-            training_config=dict(config, iteration=iteration),
-        ),
-    )
+    training = dict(config, iteration=iteration)
+    arguments = dict(policy.config, backbone=config["backbone"], training_config=training)
+    policy.save_pretrained(folder, config=arguments)
 
 
 def load_checkpoint(source, backbone=None, steps=None):
@@ -79,57 +74,45 @@ def load_checkpoint(source, backbone=None, steps=None):
     otherwise, before anything heavy."""
     if os.path.isfile(source):
         checkpoint = read_checkpoint(source)
-        policy = build_policy(
-            dict(
-                checkpoint["policy_config"],
-                backbone=checkpoint["config"]["backbone"],
-                training_config=dict(checkpoint["config"], iteration=checkpoint["iteration"]),
-            )
-        )
+        training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
+        arguments = dict(backbone=training["backbone"], training_config=training)
+        policy = build_policy(dict(checkpoint["policy_config"], **arguments))
         policy.load_state_dict(checkpoint["policy"])
-    elif os.path.isdir(source) or (
-        source.count("/") == 1 and not source.endswith(".pt")
-    ):  # a folder, or a hub id user/name
+    # a folder, or a hub id user/name
+    elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
+        names = ("config.json", "model.safetensors")
         missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
-        if os.path.isdir(source) and not all(
-            os.path.isfile(os.path.join(source, f)) for f in ("config.json", "model.safetensors")
-        ):
+        in_folder = os.path.isdir(source)
+        if in_folder and not all(os.path.isfile(os.path.join(source, name)) for name in names):
             raise ValueError(missing)
-        files = {
-            name: os.path.join(source, name)
-            if os.path.isdir(source)
-            else backbones.hub_file(source, name, missing)
-            for name in ("config.json", "model.safetensors")
-        }
+        if in_folder:
+            files = {name: os.path.join(source, name) for name in names}
+        else:
+            files = {name: backbones.hub_file(source, name, missing) for name in names}
         with open(files["config.json"]) as handle:
             saved = json.load(handle)
         if "steps" not in saved:
             raise ValueError(missing)
-        # whatever save_pretrained / push_to_hub wrote: the training configuration when there is one,
-        # else what the folder itself says (backbone, L)
-        training = saved.get("training_config") or saved.get(
-            "training"
-        )  # "training": older folders
+        # whatever save_pretrained / push_to_hub wrote: the training configuration when there is
+        # one ("training" in older folders), else what the folder itself says (backbone, L)
+        training = saved.get("training_config") or saved.get("training")
         if training is None:
             training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
         training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
         checkpoint = dict(config=training, iteration=training["iteration"])
         kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
-        with contextlib.redirect_stdout(
-            io.StringIO()
-        ):  # the mixin prints "Loading weights from local directory"
+        folder = os.path.dirname(files["config.json"])
+        # the mixin prints "Loading weights from local directory"
+        with contextlib.redirect_stdout(io.StringIO()):
             policy = POLICIES[kind].from_pretrained(
-                os.path.dirname(files["config.json"]),
-                backbone=training["backbone"],
-                training_config=training,
+                folder, backbone=training["backbone"], training_config=training
             )
     else:
         raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
     config = checkpoint["config"]
     if backbone is not None and config["backbone"] is not None and backbone != config["backbone"]:
-        raise ValueError(
-            f"{source} was trained on backbone {config['backbone']!r}, not {backbone!r}"
-        )
+        trained_on = config["backbone"]
+        raise ValueError(f"{source} was trained on backbone {trained_on!r}, not {backbone!r}")
     if steps is not None and steps != config["steps"]:
         raise ValueError(f"{source} was trained for L={config['steps']} steps, not L={steps}")
     return checkpoint, policy.eval()
@@ -152,8 +135,8 @@ def trained_backbone(config, device):
     )
 
 
-# What a run folder is continued with. The rest of the configuration defines the experiment: changing
-# it would mix two runs in one metrics.jsonl and one eval.json.
+# What a run folder is continued with. The rest of the configuration defines the experiment:
+# changing it would mix two runs in one metrics.jsonl and one eval.json.
 CONTINUABLE = (
     "out_dir",
     "resume",
@@ -178,20 +161,22 @@ def existing_run(config):
     for key, value in config.items():
         saved = checkpoint["config"].get(key)
         if key not in CONTINUABLE and saved != value:
+            flag = "--" + key.replace("_", "-")
             raise ValueError(
                 f"{config['out_dir']} holds a run with {key}={saved!r}, not {value!r}; pass "
-                f"--{key.replace('_', '-')} {saved} to continue it, or another --out-dir for a new run"
+                f"{flag} {saved} to continue it, or another --out-dir for a new run"
             )
     if not os.path.isfile(os.path.join(config["out_dir"], "metrics.jsonl")):
         raise ValueError(
-            f"{path} has no metrics.jsonl beside it; restore that file, or start afresh in another --out-dir"
+            f"{path} has no metrics.jsonl beside it; restore that file, or start afresh in another "
+            "--out-dir"
         )
     return checkpoint
 
 
 def score_store(path, rows):
-    """evaluate.py's resumable scores (scores.json: rows, contexts, scores, times), empty when absent.
-    ValueError in one line if the file is damaged or defines one of `rows` otherwise."""
+    """evaluate.py's resumable scores (scores.json: rows, contexts, scores, times), empty when
+    absent. ValueError in one line if the file is damaged or defines one of `rows` otherwise."""
     store = dict(rows={}, contexts={}, scores={}, times={})
     if os.path.isfile(path):
         try:
@@ -218,11 +203,8 @@ def check_writable(folder):
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        what = (
-            "a file, not a folder"
-            if parent == os.path.abspath(folder)
-            else f"not writable here ({parent})"
-        )
+        is_file = parent == os.path.abspath(folder)
+        what = "a file, not a folder" if is_file else f"not writable here ({parent})"
         raise ValueError(f"--out-dir {folder} is {what}; pass a folder this user can write")
 
 
@@ -242,8 +224,8 @@ def lock_run(out_dir):
         holder = handle.read().strip() or "unknown"
         handle.close()
         raise ValueError(
-            f"{out_dir} is in use by another run (PID {holder}); wait for it to end, or pass another "
-            "--out-dir"
+            f"{out_dir} is in use by another run (PID {holder}); wait for it to end, or pass "
+            "another --out-dir"
         ) from None
     handle.seek(0)
     handle.truncate()
@@ -253,8 +235,8 @@ def lock_run(out_dir):
 
 
 def metric_rows(path):
-    """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at most
-    the last one unfinished): those are skipped, not fatal."""
+    """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at
+    most the last one unfinished): those are skipped, not fatal."""
     rows, torn = [], 0
     with open(path) as file:
         for line in file:
@@ -266,9 +248,9 @@ def metric_rows(path):
 
 
 def restore(checkpoint, policy, optimizer, metrics_path=None):
-    """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl (on
-    the rank that writes it) cut back to its iteration, whose later rows will be logged again; a
-    torn line is dropped with a note. Returns that iteration."""
+    """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl
+    (on the rank that writes it) cut back to its iteration, whose later rows will be logged again;
+    a torn line is dropped with a note. Returns that iteration."""
     policy.load_state_dict(checkpoint["policy"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     torch.set_rng_state(checkpoint["rng"]["torch"])
@@ -279,16 +261,15 @@ def restore(checkpoint, policy, optimizer, metrics_path=None):
         print(
             f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)"
         )
-    write_lines_atomic(
-        metrics_path,
-        [json.dumps(row) + "\n" for row in rows if row["iteration"] <= checkpoint["iteration"]],
-    )
-    return checkpoint["iteration"]
+    iteration = checkpoint["iteration"]
+    kept = [json.dumps(row) + "\n" for row in rows if row["iteration"] <= iteration]
+    write_lines_atomic(metrics_path, kept)
+    return iteration
 
 
 def claim_run(out_dir, fresh):
-    """Take out_dir for this run (lock_run; ValueError in one line if another run holds it). A fresh
-    run (no checkpoint) finding a metrics.jsonl finds what a run that failed before its first
+    """Take out_dir for this run (lock_run; ValueError in one line if another run holds it). A
+    fresh run (no checkpoint) finding a metrics.jsonl finds what a run that failed before its first
     checkpoint left: it is kept as metrics.jsonl.failed (replacing an older one), with a note, so
     that the two runs' rows are never mixed. Returns the lock: keep it referenced."""
     lock = lock_run(out_dir)
@@ -297,7 +278,36 @@ def claim_run(out_dir, fresh):
         rows, _ = metric_rows(metrics_path)
         os.replace(metrics_path, metrics_path + ".failed")
         print(
-            f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first checkpoint; "
-            f"moved to {metrics_path}.failed, this run starts afresh"
+            f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first "
+            f"checkpoint; moved to {metrics_path}.failed, this run starts afresh"
         )
     return lock
+
+
+def check_evaluation(args):
+    """evaluate.py's command line against its checkpoints, before anything heavy is loaded (bad
+    input raises ValueError): returns the policies to evaluate (name -> (path, checkpoint,
+    policy)), the reward names, reward -> local weights and the output folder."""
+    checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
+    config = checkpoint["config"]
+    trained_on, trained_reward = config["backbone"], config["reward"]
+    policies = {"learned": (args.ckpt, checkpoint, learned)}
+    if args.global_ckpt:  # the same backbone and L
+        global_run = load_checkpoint(args.global_ckpt, trained_on, config["steps"])
+        policies["global"] = (args.global_ckpt, *global_run)
+    beside = ["clip"] if trained_reward == "hpsv2" else []
+    for item in args.reward_checkpoint:
+        if "=" not in item or not item.split("=", 1)[0]:
+            example = "e.g. hpsv2=/path/HPS_v2.1_compressed.pt"
+            raise ValueError(f"--reward-checkpoint takes NAME=PATH ({example}), got {item!r}")
+    local = {trained_reward: config["reward_checkpoint"]}  # reward -> its local weights
+    local.update(item.split("=", 1) for item in args.reward_checkpoint)
+    if args.schnell and trained_on != "flux-dev":
+        raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
+    sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}
+    for flag, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1 (got {value})")
+    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
+    check_writable(out_dir)
+    return policies, args.rewards or [trained_reward, *beside], local, out_dir

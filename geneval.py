@@ -2,10 +2,10 @@
 GenEval (Ghosh et al. 2023, github.com/djghosh13/geneval) as a reward: a prompt names COCO objects
 with counts, colours and relative positions; an instance segmenter and CLIP check the image.
 
-    python geneval.py [--write]             # per-tag counts of the prompt sets below; --write writes them
-    reward = load_geneval(backbone)         # reward(latents, prompts, noise, cond) -> (N,) in [0, 1]
-    rows = reward.details(latents, prompts) # per image: tag, GenEval's binary "correct", requirements
-    summary(rows)                           # GenEval's per-task accuracy and overall (mean over tasks)
+    python geneval.py [--write]  # per-tag counts of the prompt sets below; --write writes them
+    reward = load_geneval(backbone)  # reward(latents, prompts, noise, cond) -> (N,) in [0, 1]
+    rows = reward.details(latents, prompts)  # per image: tag, GenEval's 0/1 "correct", requirements
+    summary(rows)  # GenEval's per-task accuracy and overall (mean over tasks)
 
 Prompts (prompts/create_prompts.py): six tags over GenEval's 80 classes (object_names.txt: COCO's,
 with mouse, remote, keyboard renamed computer mouse, tv remote, computer keyboard) and ten colours;
@@ -19,11 +19,12 @@ back into its record: a reward sees only prompt strings.
 Rules (evaluation/evaluate_images.py with its defaults): detections scoring above 0.3 (0.9 in a
 counting prompt), the 16 best per class, greedy NMS at IoU `max_overlap` 1.0, i.e. none (overlapping
 duplicates all count), `relative_position` with margin 0.1, `evaluate`. Requirements, each met or
-not: every include clause's class found `count` times (its `count` best detections are its objects);
-every colour: all those objects classified as it; every relation: each of them so placed to each
-object of the target clause (unmet if either clause failed); every exclude clause: fewer than `count`
-found. The reward is the fraction met (partial credit for RL); "correct", all met, is exactly
-GenEval's; overall is the mean over tags of the share of correct images (evaluation/summary_scores.py).
+not: every include clause's class found `count` times (its `count` best detections are its
+objects); every colour: all those objects classified as it; every relation: each of them so placed
+to each object of the target clause (unmet if either clause failed); every exclude clause: fewer
+than `count` found. The reward is the fraction met (partial credit for RL); "correct", all met, is
+exactly GenEval's; overall is the mean over tags of the share of correct images
+(evaluation/summary_scores.py).
 
 Detector and colours, and how they differ from GenEval's: transformers' Mask2Former (default the
 Swin-S COCO instance model of the Mask2Former release, where GenEval runs mmdetection's own Swin-S),
@@ -31,9 +32,10 @@ fed as mmdetection's test pipeline (bilinear, short side 800, long side at most 
 mean/std) except that the size is rounded up to a multiple of 32 by resizing, as transformers'
 processor does, not by padding; its post_process_instance_segmentation binarises masks at 384x384
 (mmdetection at full size) before they are upsampled; boxes from masks as mmdetection's mask2bbox.
-Colours: CLIP ViT-L/14 zero-shot over GenEval's three templates on the object's mask over grey #999,
-cropped to its box; the same OpenAI weights, in transformers, float32, preprocessed by
-preprocess.clip_preprocess (CLIPImageProcessor: centre crop at floor((H-224)/2), torchvision rounds).
+Colours: CLIP ViT-L/14 zero-shot over GenEval's three templates on the object's mask over grey
+#999, cropped to its box; the same OpenAI weights, in transformers, float32, preprocessed by
+preprocess.clip_preprocess (CLIPImageProcessor: centre crop at floor((H-224)/2), torchvision
+rounds).
 Images are scored as tensors quantised to 8 bits, as GenEval reads PNGs.
 """
 
@@ -226,10 +228,12 @@ def color_attr(first, first_color, second, second_color):
         {"class": first, "count": 1, "color": first_color},
         {"class": second, "count": 1, "color": second_color},
     ]
+    first_phrase = article(f"{first_color} {first}")
+    second_phrase = article(f"{second_color} {second}")
     return {
         "tag": "color_attr",
         "include": include,
-        "prompt": f"{PREFIX}{article(f'{first_color} {first}')} and {article(f'{second_color} {second}')}",
+        "prompt": f"{PREFIX}{first_phrase} and {second_phrase}",
     }
 
 
@@ -255,8 +259,8 @@ def sample(tag, rng):
 
 
 def benchmark(seed=43, per_tag=100):
-    """GenEval's evaluation_metadata.jsonl as generate_suite makes it: every single object once, then
-    `per_tag` draws of each other tag, de-duplicated."""
+    """GenEval's evaluation_metadata.jsonl as generate_suite makes it: every single object once,
+    then `per_tag` draws of each other tag, de-duplicated."""
     rng = np.random.default_rng(seed)
     records = [
         single_object(CLASSES[index])
@@ -280,16 +284,16 @@ def draw(rng, quotas, taken):
 
 
 def splits(seed=0):
-    """(train, heldout): held-out drawn first, no prompt twice, none of the benchmark's but single objects."""
+    """(train, heldout): held-out drawn first; no prompt twice, none from the benchmark but single
+    objects."""
     rng = np.random.default_rng(seed)
     taken = {record["prompt"] for record in benchmark() if record["tag"] != "single_object"}
     heldout = draw(rng, dict.fromkeys(TAGS, HELDOUT_PER_TAG), taken)
     return draw(rng, TRAIN_PER_TAG, taken), heldout
 
 
-PHRASES = {
-    article(name): (name, None) for name in CLASSES
-}  # "a dog", "an orange", "a red car", "an orange orange"
+# "a dog", "an orange", "a red car", "an orange orange"
+PHRASES = {article(name): (name, None) for name in CLASSES}
 PHRASES.update({article(f"{color} {name}"): (name, color) for color in COLORS for name in CLASSES})
 COUNTS = {
     f"{NUMBERS[count]} {plural(name)}": (name, count) for count in (2, 3, 4) for name in CLASSES
@@ -297,7 +301,7 @@ COUNTS = {
 
 
 def parse(prompt):
-    """A GenEval prompt -> its record (the builders above, inverted); ValueError if it is not one."""
+    """A GenEval prompt -> its record (the builders above, inverted); ValueError if not one."""
     body = prompt[len(PREFIX) :] if prompt.startswith(PREFIX) else ""
     if body in PHRASES:
         name, color = PHRASES[body]
@@ -332,7 +336,10 @@ class Detection:
 
 def box_iou(first, second):
     """evaluate_images.py's compute_iou, with its +1 pixel convention."""
-    area = lambda box: max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
+
+    def area(box):
+        return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
+
     inter = area(
         [
             max(first[0], second[0]),
@@ -346,8 +353,8 @@ def box_iou(first, second):
 
 
 def relative_position(box, target):
-    """Relations of `box` to `target` (evaluate_images.py): the centres' offset, shrunk on each axis by
-    POSITION_THRESHOLD times the two objects' sizes, over the offset's length, beyond +-0.5."""
+    """Relations of `box` to `target` (evaluate_images.py): the centres' offset, shrunk on each axis
+    by POSITION_THRESHOLD times the two objects' sizes, over the offset's length, beyond +-0.5."""
     offset = [(box[axis] + box[axis + 2] - target[axis] - target[axis + 2]) / 2 for axis in (0, 1)]
     sizes = [
         abs(box[axis + 2] - box[axis]) + abs(target[axis + 2] - target[axis]) for axis in (0, 1)
@@ -424,7 +431,7 @@ def score(record, detections, nms_threshold=NMS_THRESHOLD):
 
 
 def summary(rows):
-    """GenEval's summary_scores: per tag the share of correct images; overall, their mean over tags."""
+    """GenEval's summary_scores: per tag the share of correct images; overall, the tags' mean."""
     tasks = {}
     for row in rows:
         tasks.setdefault(row["tag"], []).append(row["correct"])
@@ -476,9 +483,8 @@ class GenEvalReward:
             raise ValueError(
                 f"{checkpoint} has {labels} classes; GenEval needs a COCO instance model (80)"
             )
-        self.processor = (
-            Mask2FormerImageProcessorPil()
-        )  # for post-processing only: it reads no configuration
+        # for post-processing only: it reads no configuration
+        self.processor = Mask2FormerImageProcessorPil()
         self.clip = (
             CLIPModel.from_pretrained(clip_checkpoint).to(self.device).eval().requires_grad_(False)
         )
@@ -487,18 +493,16 @@ class GenEvalReward:
         self.color_classifiers = {}  # class name -> (10, D), GenEval's COLOR_CLASSIFIERS
 
     def detect(self, images):
-        """(N, 3, H, W) 8-bit images in [0, 1] -> per image its Detections scoring at least THRESHOLD."""
+        """(N, 3, H, W) 8-bit images in [0, 1] -> per image its Detections scoring >= THRESHOLD."""
         height, width = images.shape[-2:]
         shortest, longest = self.detector_size
         scale = min(shortest / min(height, width), longest / max(height, width))
         size = [math.ceil(int(side * scale + 0.5) / 32) * 32 for side in (height, width)]
-        mean = torch.tensor([0.485, 0.456, 0.406], device=self.device).view(
-            1, 3, 1, 1
-        )  # mmdetection's img_norm_cfg / 255
+        # mmdetection's img_norm_cfg / 255
+        mean = torch.tensor([0.485, 0.456, 0.406], device=self.device).view(1, 3, 1, 1)
         std = torch.tensor([0.229, 0.224, 0.225], device=self.device).view(1, 3, 1, 1)
-        pixels = F.interpolate(
-            images.to(self.device), size, mode="bilinear", align_corners=False
-        )  # mmcv's cv2 resize
+        # mmcv's cv2 resize
+        pixels = F.interpolate(images.to(self.device), size, mode="bilinear", align_corners=False)
         outputs = self.detector(pixel_values=(pixels - mean) / std)
         # on the CPU: post-processing builds its (384, 384) maps there whatever the outputs' device
         outputs = SimpleNamespace(
@@ -522,8 +526,8 @@ class GenEvalReward:
         return detections
 
     def color_classifier(self, name):
-        """clip_benchmark's zero_shot_classifier over GenEval's templates: per colour the mean of its
-        normalised text embeddings, renormalised. (10, D)"""
+        """clip_benchmark's zero_shot_classifier over GenEval's templates: per colour the mean of
+        its normalised text embeddings, renormalised. (10, D)"""
         if name not in self.color_classifiers:
             texts = [
                 template.format(color=color, name=name)
@@ -541,8 +545,8 @@ class GenEvalReward:
         return self.color_classifiers[name]
 
     def classify_colors(self, images, wanted):
-        """Set `.color` of each (image index, Detection) in `wanted`, as GenEval's color_classification:
-        CLIP on the object over grey, cropped to its box."""
+        """Set `.color` of each (image index, Detection) in `wanted`, as GenEval's
+        color_classification: CLIP on the object over grey, cropped to its box."""
         crops = []
         for index, detection in wanted:
             x0, y0, x1, y1 = (int(value) for value in detection.box)
@@ -560,8 +564,8 @@ class GenEvalReward:
 
     @torch.no_grad()
     def score_images(self, images, prompts):
-        """(N, 3, H, W) in [0, 1] and N GenEval prompts -> per image {"prompt", "tag", "reward", "correct",
-        "requirements"}; a prompt that does not parse fails first."""
+        """(N, 3, H, W) in [0, 1] and N GenEval prompts -> per image {"prompt", "tag", "reward",
+        "correct", "requirements"}; a prompt that does not parse fails first."""
         records = [parse(prompt) for prompt in prompts]
         images = quantize(images)
         per_image = [
@@ -604,8 +608,8 @@ class GenEvalReward:
 
 
 def check_weights(model, what, also=None):
-    """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when online);
-    `also`: a second (model, what), reported in the same message."""
+    """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when
+    online); `also`: a second (model, what), reported in the same message."""
     from backbones import hub_file
 
     missing = []
@@ -631,9 +635,9 @@ def load_geneval(
     detector_size=(800, 1333),
     batch_size=8,
 ):
-    """`checkpoint`: a transformers Mask2Former COCO instance model, hub id or folder (default Swin-S;
-    e.g. facebook/mask2former-swin-large-coco-instance); `clip_checkpoint`: a CLIPModel. Both are
-    checked before either loads."""
+    """`checkpoint`: a transformers Mask2Former COCO instance model, hub id or folder (default
+    Swin-S; e.g. facebook/mask2former-swin-large-coco-instance); `clip_checkpoint`: a CLIPModel.
+    Both are checked before either loads."""
     checkpoint, clip_checkpoint = checkpoint or DETECTOR_DEFAULT, clip_checkpoint or CLIP_DEFAULT
     check_weights(checkpoint, "GenEval detector", also=(clip_checkpoint, "CLIP model"))
     return GenEvalReward(

@@ -28,9 +28,9 @@ from checkpoints import (
     write_json_atomic,
 )
 from evaluate import default_schedule, evaluate, format_table, policy_schedule, summarize
-from prompts import DEFAULT, SHIPPED, heldout_contexts, load_prompt_file
+from figures import plot_training
+from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
-from sample import plot_training
 
 LEAST = dict(
     steps=1,
@@ -72,20 +72,14 @@ def check_config(config, world_size):
                 "contexts": f" for --baseline {config.baseline}",
             }.get(key, "")
             _fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
-    for key, positive in (
-        ("lr", True),
-        ("grad_clip", True),
-        ("weight_decay", False),
-        ("guidance", False),
-    ):
+    strict = dict(lr=True, grad_clip=True, weight_decay=False, guidance=False)  # > 0, else >= 0
+    for key, positive in strict.items():
         value = getattr(config, key)
         if value is not None and not (
             math.isfinite(value) and (value > 0 if positive else value >= 0)
         ):
-            _fail(
-                f"--{key.replace('_', '-')} must be a finite number {'> 0' if positive else '>= 0'} "
-                f"(got {value})"
-            )
+            bound = "> 0" if positive else ">= 0"
+            _fail(f"--{key.replace('_', '-')} must be a finite number {bound} (got {value})")
     if config.device == "cuda" and not torch.cuda.is_available():
         _fail(
             f"--device cuda, but this machine has no CUDA device (torch {torch.__version__}); drop "
@@ -153,7 +147,8 @@ def ranks(config):
 
 
 def report_finished(config, checkpoint, eval_path):
-    """The same command again on a finished run: say what is there instead of failing or overwriting."""
+    """The same command again on a finished run: say what is there, neither failing nor
+    overwriting."""
     with open(eval_path) as file:
         table = format_table(json.load(file)["rows"])
     print(
@@ -165,10 +160,10 @@ def report_finished(config, checkpoint, eval_path):
 
 def setup(config):
     """Check, load and (when the folder holds a checkpoint) restore everything the loop needs: a
-    namespace with rank, world_size, master, distributed, device, backbone, reward, prompts, heldout
-    (prompts, seeds), curve (the held-out gain logged at checkpoints), raw_policy, policy (DDP-wrapped
-    when distributed), optimizer, start (the first iteration), the paths and the folder's lock; None
-    when the run is already finished."""
+    namespace with rank, world_size, master, distributed, device, backbone, reward, prompts,
+    heldout (prompts, seeds), curve (the held-out gain logged at checkpoints), raw_policy, policy
+    (DDP-wrapped when distributed), optimizer, start (the first iteration), the paths and the
+    folder's lock; None when the run is already finished."""
     rank, world_size, device, distributed = ranks(config)
     run = types.SimpleNamespace(
         rank=rank, world_size=world_size, master=rank == 0, device=device, distributed=distributed
@@ -265,8 +260,8 @@ def setup(config):
         size = sum(p.numel() for p in run.raw_policy.parameters())
         print(
             f"backbone {config.backbone} | L = {config.steps} steps | {config.policy} policy, "
-            f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts = "
-            f"{config.contexts * config.rollouts} samples per update | {world_size} rank(s), "
+            f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts "
+            f"= {config.contexts * config.rollouts} samples per update | {world_size} rank(s), "
             f"{config.contexts // world_size} contexts each | baseline {config.baseline} | reward "
             f"{config.reward}"
         )
@@ -274,41 +269,36 @@ def setup(config):
 
 
 def heldout_curve(backbone, reward, prompts, seeds, steps):
-    """policy -> the mean paired gain of its mean schedule over the default on these contexts, the curve
-    of train.py's figure (at each checkpoint, unlike the batch reward, on the same contexts every time)."""
-    default = evaluate(
-        backbone, reward, prompts, seeds, {"default": default_schedule(backbone, steps)}
-    )["default"]
-    return lambda policy: (
-        (
-            evaluate(
-                backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)}
-            )["learned"]
-            - default
-        )
-        .mean()
-        .item()
-    )
+    """policy -> the mean paired gain of its mean schedule over the default on these contexts, the
+    curve of train.py's figure (at each checkpoint, unlike the batch reward, on the same contexts
+    every time)."""
+    methods = {"default": default_schedule(backbone, steps)}
+    default = evaluate(backbone, reward, prompts, seeds, methods)["default"]
+
+    def gain(policy):
+        methods = {"learned": policy_schedule(policy, backbone)}
+        learned = evaluate(backbone, reward, prompts, seeds, methods)["learned"]
+        return (learned - default).mean().item()
+
+    return gain
 
 
 def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
-    """train.py's final table on its held-out contexts, the same noises for every method: printed and
-    written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
+    """train.py's final table on its held-out contexts, the same noises for every method: printed
+    and written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
+    draws = torch.Generator().manual_seed(seed)
     methods = {
         "default": default_schedule(backbone, policy.steps),
         "learned (mean)": policy_schedule(policy, backbone),
-        "learned (sampled)": policy_schedule(
-            policy, backbone, "sample", torch.Generator().manual_seed(seed)
-        ),
+        "learned (sampled)": policy_schedule(policy, backbone, "sample", draws),
     }
-    teacher = (
-        "limit (teacher)" if reward_name == "teacher" else None
-    )  # the reward's own target: error 0
-    rows = summarize(
-        evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True)
-    )
+    # the teacher row: the reward's own target, error 0
+    teacher = "limit (teacher)" if reward_name == "teacher" else None
+    scores = evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True)
+    rows = summarize(scores)
     print(
-        f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n{format_table(rows)}"
+        f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n"
+        f"{format_table(rows)}"
     )
     write_json_atomic(
         os.path.join(out_dir, "eval.json"),
@@ -329,8 +319,8 @@ def check_finite(config, run, iteration, rewards):
     bad = int((~torch.isfinite(rewards)).sum())
     _fail(
         f"iteration {iteration + 1}: {bad} rewards are NaN or inf: the policy diverged (learning "
-        f"rate too high? --lr {config.lr:g}) or the backbone ({config.dtype or 'default'} dtype) or "
-        f"the reward model overflowed; {last}"
+        f"rate too high? --lr {config.lr:g}) or the backbone ({config.dtype or 'default'} dtype) "
+        f"or the reward model overflowed; {last}"
     )
 
 
@@ -347,7 +337,12 @@ def finish(config, run):
             config.reward,
             config.seed,
         )
-        plot_training(config.out_dir, run.backbone, run.raw_policy, *run.heldout, config.reward)
+        prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
+        noise, cond = context_noise(run.backbone, seeds), run.backbone.encode_prompts(prompts)
+        learned = policy_schedule(run.raw_policy, run.backbone)(noise, cond).cpu()
+        default = run.backbone.default_times(run.raw_policy.steps).cpu()
+        labels = [f"{prompt[:24]}, seed {seed}" for prompt, seed in zip(prompts, seeds)]
+        plot_training(config.out_dir, learned, default, labels, config.reward)
         save_policy(
             os.path.join(config.out_dir, "policy"),
             run.raw_policy,

@@ -55,12 +55,11 @@ FAMILIES = ("sd3", "flux", "sdxl")
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
 )
-parser.add_argument(
-    "--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)"
-)
-parser.add_argument("--check", action="store_true", help="score the shipped folders")
-parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
+add = parser.add_argument
+add("--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)")
+add("--check", action="store_true", help="score the shipped folders")
+add("--seed", type=int, default=0)
+add("--threads", type=int, default=None, help="CPU threads (default: torch's)")
 
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch loads
@@ -76,22 +75,22 @@ SIDE = 16  # image side in pixels; the VAEs downsample 2x, so latents are 8x8
 TEXT_LENGTH = 12  # tokens per prompt (CLIP and T5 alike): the longest paraphrase has 8
 LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sdxl": 4}
 DROP = 0.1  # fraction of training prompts replaced by the empty one (CFG)
-TRAIN_SHIFT = 3.0  # flow times are drawn logit-normal, then shifted by this (SD3's high-resolution sampling): the
+# flow times are drawn logit-normal, then shifted by this (SD3's high-resolution sampling): the
 # default schedules spend many steps near t = 1, where an unshifted logit-normal barely trains
-DISTIL_FROM = (
-    0.5  # mini-flux: the share of training after which half of each batch distils guidance
-)
-# mini-flux reads its prompt through T5 alone, whose random word vectors say nothing of meaning: trained
-# on the 16 paraphrases only, it draws the wrong digit for a fifth of unseen wordings (a word it never
-# saw derails it). It also trains on this many noisy variants of them (words dropped, filler words and
-# stray letters inserted), so that it learns to read the digit's token whatever surrounds it.
+TRAIN_SHIFT = 3.0
+DISTIL_FROM = 0.5  # mini-flux: share of training after which half of each batch distils guidance
+# mini-flux reads its prompt through T5 alone, whose random word vectors say nothing of meaning:
+# trained on the 16 paraphrases only, it draws the wrong digit for a fifth of unseen wordings (a
+# word it never saw derails it). It also trains on this many noisy variants of them (words dropped,
+# filler words and stray letters inserted), so that it learns to read the digit's token whatever
+# surrounds it.
 NOISY_PARAPHRASES = dict(flux=2000)
-FILLERS = tuple(
+FILLERS = tuple(  # in no paraphrase, training or held-out
     "small large black white simple clear bold thin neat messy quick careful ink pencil pen "
     "paper sketch style old new".split()
-)  # in no paraphrase, training or held-out
+)
 
-# training budget per family: denoiser updates, batch, peak learning rate (AdamW, one-cycle schedule)
+# training budget per family: denoiser updates, batch, peak learning rate (AdamW, one-cycle)
 DENOISER = dict(sd3=(6000, 64, 1e-3), flux=(6000, 64, 1e-3), sdxl=(5000, 64, 1e-3))
 VAE_UPDATES, VAE_BATCH, VAE_LR, VAE_KL = 800, 64, 2e-3, 1e-7
 
@@ -133,12 +132,15 @@ def prompt_lists():
 
 
 def noisy_paraphrases(prompts, count, tokenizers, seed=0):
-    """`count` variants of the training prompts: each word but the digit dropped with probability 0.2,
-    and one or two FILLERS or strings of 1-4 random letters inserted (never a word of WORDS, so no
-    held-out word is seen); only variants that every tokenizer fits in TEXT_LENGTH tokens."""
+    """`count` variants of the training prompts: each word but the digit dropped with probability
+    0.2, and one or two FILLERS or strings of 1-4 random letters inserted (never a word of WORDS, so
+    no held-out word is seen); only variants that every tokenizer fits in TEXT_LENGTH tokens."""
     generator = torch.Generator().manual_seed(seed)
     letters, variants = "abcdefghijklmnopqrstuvwxyz", []
-    draw = lambda n: torch.randint(n, (1,), generator=generator).item()
+
+    def draw(n):
+        return torch.randint(n, (1,), generator=generator).item()
+
     while len(variants) < count:
         words = prompts[draw(len(prompts))].split()
         words = [
@@ -213,14 +215,14 @@ def train_classifier(epochs=60, seed=0):
 
 
 WORDS = tuple(
-    "a an the of by digit number numeral handwritten written hand drawn drawing scribbled image picture "
-    "photo zero one two three four five six seven eight nine".split()
+    "a an the of by digit number numeral handwritten written hand drawn drawing scribbled image "
+    "picture photo zero one two three four five six seven eight nine".split()
 )
 
 
 def clip_vocabulary(words=WORDS):
-    """A byte-level CLIP BPE vocabulary (every byte, alone and word-final) with merges that make each
-    word of `words` one token; any other word falls apart into characters, as in a real BPE."""
+    """A byte-level CLIP BPE vocabulary (every byte, alone and word-final) with merges that make
+    each word of `words` one token; any other word falls apart into characters, as in a real BPE."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     characters = list(bytes_to_unicode().values())
@@ -254,9 +256,7 @@ def tokenizers_and_encoders(family):
     )
 
     torch.manual_seed({"sd3": 1, "flux": 2, "sdxl": 3}[family])
-    words = WORDS + (
-        FILLERS if family in NOISY_PARAPHRASES else ()
-    )  # the fillers: see NOISY_PARAPHRASES
+    words = WORDS + (FILLERS if family in NOISY_PARAPHRASES else ())  # see NOISY_PARAPHRASES
     vocab, merges = clip_vocabulary(words)
     start, end = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
     clip_config = CLIPTextConfig(
@@ -272,7 +272,10 @@ def tokenizers_and_encoders(family):
         pad_token_id=end,
         hidden_act="gelu",
     )
-    clip_tokenizer = lambda: CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=TEXT_LENGTH)
+
+    def clip_tokenizer():
+        return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=TEXT_LENGTH)
+
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [(c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?-'"]
     pieces += [("\u2581" + word, -1.0) for word in dict.fromkeys(words + tuple("0123456789"))]
@@ -296,11 +299,13 @@ def tokenizers_and_encoders(family):
             model.get_input_embeddings().weight.mul_(word_scale)
         return model
 
-    t5_tokenizer = lambda: T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TEXT_LENGTH)
+    def t5_tokenizer():
+        return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=TEXT_LENGTH)
 
     def clip(model_class):
-        # word vectors at std 1 (T5's scale): at CLIP's 0.02 the random layers' mixing buries which word
-        # a token is, and a digit's token state no longer tells the digit apart in an unseen paraphrase
+        # word vectors at std 1 (T5's scale): at CLIP's 0.02 the random layers' mixing buries which
+        # word a token is, and a digit's token state no longer tells the digit apart in an unseen
+        # paraphrase
         model = model_class(clip_config)
         torch.nn.init.normal_(model.get_input_embeddings().weight, std=1.0)
         return model
@@ -315,8 +320,9 @@ def tokenizers_and_encoders(family):
             tokenizer_3=t5_tokenizer(),
         )
     if family == "flux":
-        # Flux's only token sequence is T5's: its word vectors at std 5 keep a digit's token state apart
-        # from the other digits' in any paraphrase (between/within-digit spread 2.2 against 1.1 at std 1)
+        # Flux's only token sequence is T5's: its word vectors at std 5 keep a digit's token state
+        # apart from the other digits' in any paraphrase (between/within-digit spread 2.2 against
+        # 1.1 at std 1)
         return dict(
             text_encoder=clip(CLIPTextModel),
             tokenizer=clip_tokenizer(),
@@ -346,9 +352,8 @@ def build_pipeline(family, vae):
 
     text = tokenizers_and_encoders(family)
     torch.manual_seed(10)
-    if (
-        family == "sd3"
-    ):  # joint_attention_dim = T5 width >= both CLIP widths; pooled = both projections
+    # joint_attention_dim = T5 width >= both CLIP widths; pooled = both projections
+    if family == "sd3":
         transformer = SD3Transformer2DModel(
             sample_size=SIDE // 2,
             patch_size=2,
@@ -417,9 +422,9 @@ def build_pipeline(family, vae):
 
 
 def train_vae(channels, images, seed=0):
-    """An AutoencoderKL 16x16x3 <-> 8x8 x channels: reconstruction error plus a small KL term (1e-7:
-    larger weights leave most of 16 channels at the prior, i.e. pure noise to the denoiser); its
-    scaling factor (and, for the flow families, shift factor) from the latent statistics, as the
+    """An AutoencoderKL 16x16x3 <-> 8x8 x channels: reconstruction error plus a small KL term
+    (1e-7: larger weights leave most of 16 channels at the prior, i.e. pure noise to the denoiser);
+    its scaling factor (and, for the flow families, shift factor) from the latent statistics, as the
     real VAEs' are set. Returns the VAE and its reconstruction RMSE on its own images."""
     from diffusers import AutoencoderKL
 
@@ -490,7 +495,8 @@ def encode_texts(pipe, family, prompts):
 
 
 def flow_prediction(pipe, family, state, sigma, text, guidance=None, transformer=None):
-    """The velocity the transformer (pipe's, or `transformer`) predicts, called as the pipeline calls it."""
+    """The velocity the transformer (pipe's, or `transformer`) predicts, called as the pipeline
+    calls it."""
     transformer = transformer or pipe.transformer
     if family == "sd3":
         return transformer(
@@ -571,12 +577,9 @@ def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
             )[0]
             loss = F.mse_loss(prediction, noise)
         else:
-            sigma = torch.sigmoid(
-                torch.randn(batch_size, generator=generator)
-            )  # logit-normal, as SD3, and
-            sigma = (
-                TRAIN_SHIFT * sigma / (1 + (TRAIN_SHIFT - 1) * sigma)
-            )  # shifted as the schedulers shift
+            # logit-normal, as SD3, and shifted as the schedulers shift
+            sigma = torch.sigmoid(torch.randn(batch_size, generator=generator))
+            sigma = TRAIN_SHIFT * sigma / (1 + (TRAIN_SHIFT - 1) * sigma)
             if family == "flux":
                 x0, noise = (
                     pipe._pack_latents(x0, batch_size, 16, 8, 8),
@@ -588,12 +591,10 @@ def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
             guidance = None
             if family == "flux":
                 guidance = torch.ones(batch_size)
-                if (
-                    update >= DISTIL_FROM * updates
-                ):  # distil the teacher's guided velocity into the guidance input
-                    if (
-                        teacher is None
-                    ):  # a frozen snapshot: distilling from the network itself collapses its prompt use
+                # distil the teacher's guided velocity into the guidance input
+                if update >= DISTIL_FROM * updates:
+                    # a frozen snapshot: distilling from the network itself collapses its prompt use
+                    if teacher is None:
                         teacher = copy.deepcopy(model).eval().requires_grad_(False)
                     distil = torch.rand(batch_size, generator=generator) < 0.5
                     distil &= ~dropped
@@ -631,7 +632,8 @@ def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
         scheduler.step()
         if (update + 1) % 500 == 0:
             log(
-                f"  {family} update {update + 1}/{updates} | loss {loss.item():.4f} | {time.time() - started:.0f} s"
+                f"  {family} update {update + 1}/{updates} | loss {loss.item():.4f} | "
+                f"{time.time() - started:.0f} s"
             )
     model.eval().requires_grad_(False)
 
@@ -705,8 +707,8 @@ def folder_size(folder):
 def check(contexts=200):
     """What the shipped folders reach: the classifier's held-out accuracy; per miniature, the share
     of contexts of unseen noise recognised at 50 default steps (training and held-out paraphrases)
-    and at 4, 3 and 2 (held-out paraphrases); the digit reward of bfloat16 against float32 (the dtype
-    a GPU run takes) on the held-out contexts at 3 steps; the sizes."""
+    and at 4, 3 and 2 (held-out paraphrases); the digit reward of bfloat16 against float32 (the
+    dtype a GPU run takes) on the held-out contexts at 3 steps; the sizes."""
     import backbones
     from evaluate import default_schedule
     from prompts import heldout_contexts
@@ -752,8 +754,9 @@ def check(contexts=200):
                     )
         gap = (rewards[torch.bfloat16, 3] - rewards[torch.float32, 3]).abs()
         print(
-            f"{name}: recognised {', '.join(line)}, {contexts} contexts of unseen noise each; digit reward at 3 steps "
-            f"{rewards[torch.float32, 3].mean():.4f} in float32, {rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
+            f"{name}: recognised {', '.join(line)}, {contexts} contexts of unseen noise each; "
+            f"digit reward at 3 steps {rewards[torch.float32, 3].mean():.4f} in float32, "
+            f"{rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
             f"(per context |difference| median {gap.median():.4f}, max {gap.max():.4f}); "
             f"{folder_size(os.path.join(FOLDER, name)) / 1e6:.2f} MB"
         )

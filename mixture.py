@@ -16,7 +16,7 @@ DIGIT_VOCAB = ["<pad>", "a", "handwritten"] + [str(d) for d in range(10)]
 
 
 class MixtureBackbone(Backbone):
-    """An embedded backbone: a class-conditional Gaussian mixture whose flow is known in closed form.
+    """An embedded backbone: a class-conditional Gaussian mixture whose flow is closed-form.
 
     Why it exists: it runs the same code path as the real models (prompts -> token embeddings,
     noise -> `run_schedule` -> latents -> decode -> reward), its optimum is known (the exact ODE
@@ -49,23 +49,10 @@ class MixtureBackbone(Backbone):
         classes = []  # per class: centres (M_d, 64) and stds (M_d,)
         for digit in range(10):
             members = pixels[labels == digit]
-            mean = members.mean(0)
-            classes.append(
-                (
-                    torch.cat(
-                        [
-                            mean + spread * (members - mean) + shift
-                            for spread, _, shift in populations[digit]
-                        ]
-                    ),
-                    torch.cat(
-                        [
-                            torch.full((len(members),), float(std))
-                            for _, std, _ in populations[digit]
-                        ]
-                    ),
-                )
-            )
+            mean, groups = members.mean(0), populations[digit]
+            centres = [mean + spread * (members - mean) + shift for spread, _, shift in groups]
+            stds = [torch.full((len(members),), float(std)) for _, std, _ in groups]
+            classes.append((torch.cat(centres), torch.cat(stds)))
         # Grouped by class and padded to the largest, so one batched matmul gives every sample the
         # logits of its own class only; padding has log-weight -1e30 (and a harmless std of 1).
         size = max(len(centres) for centres, _ in classes)
@@ -86,14 +73,14 @@ class MixtureBackbone(Backbone):
         unknown = [prompt for prompt in prompts if prompt not in self.prompts]
         if unknown:
             raise ValueError(
-                f"{self.name} knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got {unknown[0]!r}"
+                f"{self.name} knows only the prompts 'a handwritten 0' .. 'a handwritten 9', "
+                f"got {unknown[0]!r}"
             )
 
     def encode_prompts(self, prompts):
         self.check_prompts(prompts)
-        ids = torch.tensor(
-            [[DIGIT_VOCAB.index(word) for word in prompt.split()] + [0] for prompt in prompts]
-        )  # (N, S)
+        tokens = [[DIGIT_VOCAB.index(word) for word in prompt.split()] + [0] for prompt in prompts]
+        ids = torch.tensor(tokens)  # (N, S), ending in the padding token 0
         text_mask = ids != 0  # (N, S) True = token
         text = self.word_embeddings[ids] + self.position_embeddings  # (N, S, D)
         pooled = (text * text_mask[..., None]).sum(1) / text_mask.sum(1, keepdim=True)
@@ -132,29 +119,31 @@ class MixtureBackbone(Backbone):
             - 2 * scale * torch.bmm(centres, x[:, :, None]).squeeze(2)
             + scale**2 * norms
         )
-        weights = torch.softmax(
-            log_weights - distance / (2 * total) - 32 * total.log(), dim=1
-        )  # (N, M) posterior
+        logits = log_weights - distance / (2 * total) - 32 * total.log()  # (d/2) log v_m, d = 64
+        weights = torch.softmax(logits, dim=1)  # (N, M) posterior
         coefficient = weights * (t - scale * variances) / total  # (N, M) w_m c_m
         mixed = torch.bmm(torch.stack([coefficient, weights], 1), centres)  # (N, 2, 64)
         velocity = coefficient.sum(1, keepdim=True) * x - scale * mixed[:, 0] - mixed[:, 1]
         return velocity.reshape(state.shape)
 
     def sample(self, noise, cond, times):
-        """Differentiable in the times when they require grad (the oracle schedules of ablation.py)."""
+        """Differentiable in the times when they require grad (ablation.py's oracle schedules)."""
         _check_times(times, noise.shape[0])
         mixture = self.mixture(cond["label"])
         return run_schedule(lambda x, t: self.velocity(x, t, mixture), noise.float(), times)
 
     @torch.no_grad()
     def reference(self, noise, cond):
-        """Classical RK4 in float64 from t = 1 to 0 on a uniform grid. On digits its RMS error against
-        a solve with 4096 steps is about 1e-6, far below any L-step sampler's; grids denser near t = 0
-        did worse at equal cost."""
+        """Classical RK4 in float64 from t = 1 to 0 on a uniform grid. On digits its RMS error
+        against a solve with 4096 steps is about 1e-6, far below any L-step sampler's; grids denser
+        near t = 0 did worse at equal cost."""
         steps = self.reference_steps
         grid = torch.linspace(1.0, 0.0, steps + 1, dtype=torch.float64, device=self.device)
         state, mixture = noise.double(), self.mixture(cond["label"])
-        field = lambda x, t: self.velocity(x, t.expand(x.shape[0]), mixture)
+
+        def field(x, t):
+            return self.velocity(x, t.expand(x.shape[0]), mixture)
+
         for step in range(steps):
             t, h = grid[step], grid[step + 1] - grid[step]
             k1 = field(state, t)

@@ -2,9 +2,9 @@
 OCR reward: how much of a prompt's quoted text an OCR engine reads in the image (the paper's
 text-rendering experiment, scored by OCR recall).
 
-    reward = load_ocr(backbone)                        # checkpoint=: a folder of EasyOCR weights
-    scores = reward(latents, prompts, noise, cond)     # (N,) float32 word recall, higher is better
-    rows = reward.details(latents, prompts)            # per image: {"text", "recall", "edit"}
+    reward = load_ocr(backbone)  # checkpoint=: a folder of EasyOCR weights
+    scores = reward(latents, prompts, noise, cond)  # (N,) float32 word recall, higher is better
+    rows = reward.details(latents, prompts)  # per image: {"text", "recall", "edit"}
 
 The target is the prompt's one double-quoted span: `a neon sign that says "OPEN LATE"`. Texts are
 compared as words: Unicode-normalised (NFKC), lower case, punctuation deleted ("DON'T" -> "dont"),
@@ -49,17 +49,16 @@ def target_text(prompt):
 
 
 def words(text):
-    """Unicode-normalised (NFKC: "É" written as one code point or as E + combining accent is the same
-    word), lower case, punctuation (anything but letters, digits, whitespace) deleted, split."""
+    """Unicode-normalised (NFKC: "É" written as one code point or as E + combining accent is the
+    same word), lower case, punctuation (all but letters, digits, whitespace) deleted, split."""
     return re.sub(r"[^\w\s]|_", "", unicodedata.normalize("NFKC", text).lower()).split()
 
 
 def word_recall(read, target):
     """Fraction of the target's words found among the read words, as multisets."""
     target_words = words(target)
-    found = Counter(words(read)) & Counter(
-        target_words
-    )  # per word: min(count read, count in target)
+    # per word: min(count read, count in target)
+    found = Counter(words(read)) & Counter(target_words)
     return sum(found.values()) / len(target_words)
 
 
@@ -118,7 +117,8 @@ def weights_folder(checkpoint=None):
         if all(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
             return folder
     raise ValueError(
-        f"EasyOCR English weights ({', '.join(WEIGHT_FILES)}) not found in {', '.join(candidates)}: "
+        f"EasyOCR English weights ({', '.join(WEIGHT_FILES)}) not found in "
+        f"{', '.join(candidates)}: "
         f"{WEIGHTS_INSTALL}, or pass --reward-checkpoint DIR holding both files"
     )
 
@@ -142,8 +142,9 @@ class OCRReward:
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
-        # gpu=False keeps EasyOCR's CPU path (its default int8 dynamic quantisation of the recogniser);
-        # user_network_directory is only read for custom networks (the default creates ~/.EasyOCR)
+        # gpu=False keeps EasyOCR's CPU path (its default int8 dynamic quantisation of the
+        # recogniser); user_network_directory is only read for custom networks (the default creates
+        # ~/.EasyOCR)
         gpu = False if self.device.type == "cpu" else str(self.device)
         self.reader = easyocr.Reader(
             ["en"],
@@ -165,28 +166,24 @@ class OCRReward:
 
     @torch.no_grad()
     def read(self, images):
-        """(N, 3, H, W) floats in [0, 1] -> the text read in each image (its boxes joined by spaces)."""
+        """(N, 3, H, W) floats in [0, 1] -> the text read in each image (boxes joined by spaces)."""
         import cv2
 
         from preprocess import quantize
 
-        pixels = (
-            (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-        )  # (N, H, W, 3) RGB
+        pixels = (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
+        pixels = pixels.cpu().numpy()  # (N, H, W, 3) RGB
         # readtext would take a 3-channel array as BGR when making the recogniser's grey image (the
-        # detector wants RGB), so its two steps are called here as it calls them, each with the image
-        # it expects: the same reading as readtext on the image saved to a file.
+        # detector wants RGB), so its two steps are called here as it calls them, each with the
+        # image it expects: the same reading as readtext on the image saved to a file.
         texts = []
         for start in range(0, len(pixels), self.batch_size):
             chunk = pixels[start : start + self.batch_size]
             boxes, free_boxes = self.reader.detect(chunk, reformat=False)
             for image, horizontal, free in zip(chunk, boxes, free_boxes):
                 grey = cv2.cvtColor(image, cv2.COLOR_RGB2GRAY)
-                texts.append(
-                    " ".join(
-                        self.reader.recognize(grey, horizontal, free, detail=0, reformat=False)
-                    )
-                )
+                read = self.reader.recognize(grey, horizontal, free, detail=0, reformat=False)
+                texts.append(" ".join(read))
         return texts
 
     def details(self, latents, prompts):

@@ -1,9 +1,11 @@
 """
 A trained schedule inside a stock diffusers pipeline.
 
-    pipe = StableDiffusion3Pipeline.from_pretrained("stabilityai/stable-diffusion-3.5-medium", torch_dtype=torch.bfloat16).to("cuda")
+    model = "stabilityai/stable-diffusion-3.5-medium"
+    pipe = StableDiffusion3Pipeline.from_pretrained(model, torch_dtype=torch.bfloat16).to("cuda")
     policy = checkpoints.load_policy("out/policy").to("cuda")   # what train.py saved, or a hub id
-    images = generate(pipe, policy, "a red fox in fresh snow", generator=torch.Generator("cuda").manual_seed(0)).images
+    generator = torch.Generator("cuda").manual_seed(0)
+    images = generate(pipe, policy, "a red fox in fresh snow", generator=generator).images
 
 generate() draws the initial noise the way the pipeline draws it, asks the policy for that noise and
 prompt's schedule (its Dirichlet mean), installs a scheduler that runs exactly those times and calls
@@ -15,8 +17,8 @@ The schedulers run the times as given: LearnedFlowMatchScheduler (SD3.5, Flux: s
 LearnedEulerScheduler (SD-XL: sigma interpolated from the model's noise table at timestep t * 999)
 apply no shift and append no final 0, so sampling ends at the learned stop margin t_L, as in
 rollout.py's loop (tests/test_pipeline.py checks they give the same latents). A global policy's
-schedule is one list of times for every context: schedule_json() writes it, with the sigmas, for other
-tools.
+schedule is one list of times for every context: schedule_json() writes it, with the sigmas, for
+other tools.
 """
 
 import inspect
@@ -32,7 +34,7 @@ from policy import mean_increments, times_from_increments
 
 class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
     """Flow matching with given times (L+1,): the model runs at t_0..t_{L-1}, Euler steps go to
-    t_1..t_L; whatever the pipeline asks set_timesteps for (steps, sigmas, a shift mu) is ignored."""
+    t_1..t_L; what the pipeline asks set_timesteps for (steps, sigmas, a shift mu) is ignored."""
 
     def install(self, times):
         self.learned = torch.as_tensor(times, dtype=torch.float32).cpu()
@@ -48,8 +50,8 @@ class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
 
 
 class LearnedEulerScheduler(EulerDiscreteScheduler):
-    """SD-XL's Euler sampler with given times (L+1,): timesteps t * 999 (continuous), sigmas from the
-    noise table (rollout.SDXLBackbone.sigma), the last one sigma(t_L) instead of 0."""
+    """SD-XL's Euler sampler with given times (L+1,): timesteps t * 999 (continuous), sigmas from
+    the noise table (rollout.SDXLBackbone.sigma), the last one sigma(t_L) instead of 0."""
 
     def install(self, times, sigmas):
         self.learned = (
@@ -66,9 +68,9 @@ class LearnedEulerScheduler(EulerDiscreteScheduler):
         self._step_index, self._begin_index = None, None
 
 
-# Scheduler options that would change the update rule or the times: always off in a learned scheduler
-# (set_timesteps is replaced, so the sigma-spacing ones matter only for a later set_timesteps call;
-# stochastic_sampling would re-noise at every step instead of an Euler step)
+# Scheduler options that would change the update rule or the times: always off in a learned
+# scheduler (set_timesteps is replaced, so the sigma-spacing ones matter only for a later
+# set_timesteps call; stochastic_sampling would re-noise at every step instead of an Euler step)
 EXACT = {
     "stochastic_sampling": False,
     "use_karras_sigmas": False,
@@ -81,36 +83,29 @@ EXACT = {
 
 
 def learned_scheduler(backbone, times):
-    """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly, from its own config with
-    every option of EXACT off."""
+    """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly, from its own config
+    with every option of EXACT off."""
     config = backbone.pipe.scheduler.config
     overrides = {key: value for key, value in EXACT.items() if key in config}
     if isinstance(backbone, rollout.SDXLBackbone):  # whose config SDXLBackbone has checked
-        return LearnedEulerScheduler.from_config(config, **overrides).install(
-            times, backbone.sigma(times)
-        )
+        scheduler = LearnedEulerScheduler.from_config(config, **overrides)
+        return scheduler.install(times, backbone.sigma(times))
     return LearnedFlowMatchScheduler.from_config(config, **overrides).install(times)
 
 
 def pipeline_noise(backbone, count, generator=None):
-    """(count, ...) initial noise drawn as the pipeline's prepare_latents draws it (randn_tensor, its
-    shape and dtype), in the layout rollout.py and the pipeline's latents= take."""
-    pipe = backbone.pipe
-    channels, size = (
-        backbone.latent_shape[0],
-        2 * (backbone.resolution // (pipe.vae_scale_factor * 2)),
-    )
-    shape = (
-        (count, channels, size, size)
-        if isinstance(backbone, rollout.FluxBackbone)
-        else (count, *backbone.latent_shape)
-    )
+    """(count, ...) initial noise drawn as the pipeline's prepare_latents draws it (randn_tensor,
+    its shape and dtype), in the layout rollout.py and the pipeline's latents= take."""
+    flux = isinstance(backbone, rollout.FluxBackbone)
+    size = 2 * (backbone.resolution // (backbone.pipe.vae_scale_factor * 2))
+    channels = backbone.latent_shape[0]
+    shape = (count, channels, size, size) if flux else (count, *backbone.latent_shape)
     noise = randn_tensor(shape, generator=generator, device=backbone.device, dtype=backbone.dtype)
-    return backbone.pack(noise) if isinstance(backbone, rollout.FluxBackbone) else noise
+    return backbone.pack(noise) if flux else noise
 
 
-# The pipeline's text arguments: given to the pipeline as they are, and to its encode_prompt for the
-# policy's input. A list holds one entry per prompt.
+# The pipeline's text arguments: given to the pipeline as they are, and to its encode_prompt for
+# the policy's input. A list holds one entry per prompt.
 TEXT = (
     "prompt_2",
     "prompt_3",
@@ -143,7 +138,7 @@ def _restore(state, pipe, progress):
 
 
 def _pick(value, index):
-    """The entry of a per-prompt argument for prompt `index`: list items, tensor rows, else the value."""
+    """A per-prompt argument's entry for prompt `index`: list item, tensor row, else the value."""
     if isinstance(value, (list, tuple)):
         return value[index]
     if torch.is_tensor(value):
@@ -155,13 +150,13 @@ def _pick(value, index):
 def generate(
     pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs
 ):
-    """What pipe(prompt, ...) returns, every image sampled with the schedule the policy proposes for
-    its noise and prompt (the Dirichlet mean). pipe_kwargs are the pipeline's own call arguments:
-    the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip, precomputed
-    prompt_embeds, ...) reach the pipeline as given and the policy through the pipeline's
-    encode_prompt; height, width, guidance_scale, output_type, return_dict behave as in the pipeline.
-    num_inference_steps is the policy's L; timesteps and sigmas are refused. The pipeline is left as
-    it was found (its scheduler, modules' modes and grad flags, progress bar)."""
+    """What pipe(prompt, ...) returns, every image sampled with the schedule the policy proposes
+    for its noise and prompt (the Dirichlet mean). pipe_kwargs are the pipeline's own call
+    arguments: the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip,
+    precomputed prompt_embeds, ...) reach the pipeline as given and the policy through the
+    pipeline's encode_prompt; height, width, guidance_scale, output_type, return_dict behave as in
+    the pipeline. num_inference_steps is the policy's L; timesteps and sigmas are refused. The
+    pipeline is left as it was found (its scheduler, modules' modes, grad flags, progress bar)."""
     for key in REFUSED:
         if key in pipe_kwargs:
             raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
@@ -173,10 +168,8 @@ def generate(
     height = pipe_kwargs.pop("height", None) or pipe.default_sample_size * pipe.vae_scale_factor
     if pipe_kwargs.pop("width", height) != height:
         raise ValueError("the learned schedules are trained on square images: pass height == width")
-    output_type, return_dict = (
-        pipe_kwargs.pop("output_type", "pil"),
-        pipe_kwargs.pop("return_dict", True),
-    )
+    output_type = pipe_kwargs.pop("output_type", "pil")
+    return_dict = pipe_kwargs.pop("return_dict", True)
     state, progress = _module_state(pipe), dict(getattr(pipe, "_progress_bar_config", {}))
     original, outputs = pipe.scheduler, []
     try:
@@ -186,7 +179,8 @@ def generate(
         family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
         if family and not isinstance(backbone, rollout.FAMILIES[family]):
             raise ValueError(
-                f"this policy was trained on {policy.backbone} ({family}), not for a {type(pipe).__name__}"
+                f"this policy was trained on {policy.backbone} ({family}), "
+                f"not for a {type(pipe).__name__}"
             )
         dims = {key: policy.config.get(key) for key in backbone.policy_dims}
         if policy.config["kind"] == "instance" and dims != backbone.policy_dims:
@@ -195,9 +189,8 @@ def generate(
                 "train one for this model"
             )
         text = {key: pipe_kwargs.pop(key) for key in TEXT + EMBEDS if key in pipe_kwargs}
-        if hasattr(
-            backbone, "text_length"
-        ):  # the pipeline's default, or a shorter T5 tokenizer's own length
+        # the pipeline's default, or a shorter T5 tokenizer's own length
+        if hasattr(backbone, "text_length"):
             text.setdefault("max_sequence_length", backbone.text_length)
         if "prompt_embeds" in text:
             count = len(text["prompt_embeds"])
@@ -215,14 +208,12 @@ def generate(
             cond = backbone.encode_prompts(
                 prompts, **{k: v for k, v in text.items() if k in accepted}
             )
-        index = [
-            i for i in range(len(prompts)) for _ in range(num_images_per_prompt)
-        ]  # the prompt of each image
+        # the prompt of each image
+        index = [i for i in range(len(prompts)) for _ in range(num_images_per_prompt)]
         cond = {key: value[index] for key, value in cond.items() if value is not None}
         noise = pipeline_noise(backbone, len(index), generator) if latents is None else latents
-        times = times_from_increments(
-            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
-        )  # (N, L+1)
+        alpha = policy(**backbone.policy_inputs(noise, cond))  # (N, L+1)
+        times = times_from_increments(mean_increments(alpha))  # (N, L+1)
         for image, source in enumerate(index):
             pipe.scheduler = learned_scheduler(backbone, times[image].cpu())
             arguments = {key: _pick(value, source) for key, value in text.items()}
@@ -260,7 +251,8 @@ def schedule_json(policy, backbone):
     the timesteps the model sees (its Dirichlet mean)."""
     if policy.config["kind"] != "global":
         raise ValueError(
-            "an instance-level policy has a schedule per noise and prompt: use generate(); only a global one exports"
+            "an instance-level policy has a schedule per noise and prompt: use generate(); "
+            "only a global one exports"
         )
     times = times_from_increments(mean_increments(policy(torch.zeros(1))))[0].double()
     sigmas = backbone.sigma(times) if isinstance(backbone, rollout.SDXLBackbone) else times

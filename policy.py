@@ -1,27 +1,25 @@
 """
-The schedule policy pi(tau | x_T, c) of the paper: one forward pass from the initial noise
-x_T and the prompt c to the concentrations alpha of a Dirichlet over the L+1 time increments.
+The schedule policy pi(tau | x_T, c) of the paper: one forward pass from the initial noise x_T and
+the prompt c to the concentrations alpha of a Dirichlet over the L+1 time increments.
 
-A schedule the policy draws for L steps is `times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0
-(the last increment is at least TAU_FLOOR; rollout.py runs any schedule with t_L >= 0, and a
-default one ends at 0). The action is the increment vector tau ~ Dirichlet(alpha) on the simplex
-of dimension L+1, t_l = 1 - (tau_1 + ... + tau_l), so the last increment tau_{L+1} = t_L is the
-learnable stop margin: sampling ends at t_L.
+The action is tau ~ Dirichlet(alpha) on the simplex of dimension L+1; its schedule for L steps is
+`times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0, t_l = 1 - (tau_1 + ... + tau_l), so the last
+increment tau_{L+1} = t_L (at least TAU_FLOOR) is the learnable stop margin: sampling ends at t_L
+(rollout.py runs any schedule with t_L >= 0; a default one ends at 0).
 
 Two policies share one forward signature, forward(latent, text, text_mask, pooled) -> alpha:
-- SchedulePolicy: instance-level. Multi-scale conv blocks over x_T, pooled to a fixed token grid;
-  the tokens cross-attend to the prompt's token embeddings (masked); the pooled prompt embedding is
-  added through a projection; an MLP maps the mean token to L+1 numbers; softplus(.) + 1e-3 gives
-  alpha (N, L+1).
+- SchedulePolicy, instance-level: multi-scale conv blocks over x_T, pooled to a fixed token grid;
+  the tokens cross-attend to the prompt's token embeddings (masked) and get the pooled prompt
+  embedding through a projection; an MLP maps the mean token to alpha = softplus(.) + ALPHA_MIN.
 - GlobalPolicy: one learnable concentration vector, the same for every context (the ablation).
 
-Initialisation. The paper trains from scratch. Here the head's last layer starts at zero and its
-bias is set so that alpha = concentration * (initial increments), for every input:
-- init="default": the increments of a backbone's default schedule (`init_times`, e.g. what
-  Backbone.default_times(L) returns), so the policy starts exactly at the baseline schedule and
-  REINFORCE only has to improve on it. backbones.make_policy does this when given `init_times`.
-- init="uniform": equal increments, the neutral start closest to "from scratch".
-The concentration sum(alpha) = 100 by default: every time t_l then has standard deviation
+Initialisation (the paper trains from scratch): the head's last layer starts at zero and its bias
+is set so that alpha = concentration * (initial increments) for every input, the increments being
+- init="default": those of a backbone's default schedule `init_times` (e.g. what
+  Backbone.default_times(L) returns; backbones.make_policy passes it), so the policy starts exactly
+  at the baseline schedule and REINFORCE only has to improve on it;
+- init="uniform": equal, the neutral start closest to "from scratch".
+concentration = sum(alpha) = 100 by default: every time t_l then has standard deviation
 sqrt(t_l (1 - t_l) / 101) <= 0.05 whatever L is, enough to explore and small enough that the
 schedules stay near the starting one.
 """
@@ -40,17 +38,13 @@ ALPHA_MIN = 1e-3
 # float32 spacing near 1 (1.2e-7) would be equal; 1e-6 keeps every schedule strictly decreasing.
 TAU_FLOOR = 1e-6
 
+
 # -----------------------------------------------------------------------------
 # schedules <-> increments
-
-
 def times_from_increments(tau):
-    """tau (..., L+1) on the simplex -> times (..., L+1): t_0 = 1, t_l = 1 - (tau_1 + ... + tau_l).
-
-    Computed as t_l = tau_{l+1} + ... + tau_{L+1} in float64, so that t_L equals the stop margin
-    tau_{L+1} exactly (1 - cumsum would round a 1e-7 margin to 0 in float32) and
-    t_l - t_{l+1} = tau_{l+1}.
-    """
+    """tau (..., L+1) on the simplex -> times (..., L+1): t_0 = 1, t_l = 1 - (tau_1 + ... + tau_l),
+    computed as tau_{l+1} + ... + tau_{L+1} in float64 so that t_L equals the stop margin tau_{L+1}
+    exactly (1 - cumsum would round a 1e-7 margin to 0 in float32) and t_l - t_{l+1} = tau_{l+1}."""
     remaining = tau.double().flip(-1).cumsum(-1).flip(-1)  # (..., L+1), remaining[l] = sum(tau[l:])
     times = torch.cat([torch.ones_like(remaining[..., :1]), remaining[..., 1:]], dim=-1)
     return times.to(tau.dtype)
@@ -63,8 +57,6 @@ def increments_from_times(times):
 
 # -----------------------------------------------------------------------------
 # the Dirichlet action distribution
-
-
 @torch.no_grad()
 def sample_increments(alpha, rollouts, generator=None):
     """alpha (N, L+1) -> tau (N, rollouts, L+1) float32: K = rollouts Dirichlet draws per row.
@@ -72,12 +64,12 @@ def sample_increments(alpha, rollouts, generator=None):
     Drawn in float64 on the generator's device (then moved to alpha's), so a CPU generator gives the
     same schedules on any device. Gamma draws are taken in log space,
     log G(a) = log G(a+1) + log(U)/a (Marsaglia & Tsang), and normalised with a softmax: a plain
-    Gamma(1e-3) draw underflows to 0 even in float64, and a row of zeros would give NaN. Increments
-    are then floored at TAU_FLOOR and renormalised so that every schedule is strictly decreasing in
-    float32. That changes only draws below 1e-6 (and rescales the rest by at most 1 + L * 1e-6), so
-    the gradient is biased only where such draws are common. tau_i is Beta(a, A - a) with
-    a = alpha_i, A = sum(alpha), so P(tau_i < 1e-6) ~ 1e-6 ** a / (a B(a, A - a)): 1.1e-2 at
-    a = 0.5 and 1e-4 at a = 1 for the default concentration A = 100, 0.42 at a = 0.1.
+    Gamma(1e-3) draw underflows to 0 even in float64, and a row of zeros would give NaN. Flooring
+    at TAU_FLOOR and renormalising changes only draws below 1e-6 (and rescales the rest by at most
+    1 + L * 1e-6), so the gradient is biased only where such draws are common. tau_i is
+    Beta(a, A - a) with a = alpha_i, A = sum(alpha), so P(tau_i < 1e-6) ~ 1e-6 ** a /
+    (a B(a, A - a)): 1.1e-2 at a = 0.5 and 1e-4 at a = 1 for the default concentration A = 100,
+    0.42 at a = 0.1.
     """
     device = generator.device if generator is not None else alpha.device
     concentration = alpha.detach().to(device=device, dtype=torch.float64)
@@ -85,8 +77,7 @@ def sample_increments(alpha, rollouts, generator=None):
     uniform = 1.0 - torch.rand(
         concentration.shape, generator=generator, device=device, dtype=torch.float64
     )
-    # torch._standard_gamma is what torch.distributions.Gamma samples with; called directly because
-    # Gamma.sample takes no generator
+    # torch._standard_gamma is what Gamma.sample uses; called directly as that takes no generator
     gamma = torch._standard_gamma(concentration + 1.0, generator=generator)
     log_gamma = torch.log(gamma) + uniform.log() / concentration
     tau = torch.softmax(log_gamma, dim=-1).clamp_min(TAU_FLOOR)
@@ -95,11 +86,9 @@ def sample_increments(alpha, rollouts, generator=None):
 
 
 def mean_increments(alpha):
-    """alpha (N, L+1) -> the Dirichlet mean alpha / sum(alpha) (N, L+1), the deterministic schedule.
-
-    Floored at TAU_FLOOR and renormalised like the samples, so the mean schedule is strictly
-    decreasing in float32 even where one concentration is 1e7 times smaller than the sum.
-    """
+    """alpha (N, L+1) -> the Dirichlet mean alpha / sum(alpha) (N, L+1), the deterministic schedule,
+    floored at TAU_FLOOR and renormalised like the samples: strictly decreasing in float32 even
+    where one concentration is 1e7 times smaller than the sum."""
     mean = (alpha / alpha.sum(-1, keepdim=True)).clamp_min(TAU_FLOOR)
     return mean / mean.sum(-1, keepdim=True)
 
@@ -121,16 +110,13 @@ def log_prob(alpha, tau):
 
 # -----------------------------------------------------------------------------
 # initialisation
-
-
 def initial_logits(steps, init, init_times, concentration, stop_margin):
     """The head's output bias (L+1,) float64 on CPU: softplus(bias) + ALPHA_MIN = alpha_init.
 
-    alpha_init = concentration * increments, the increments being equal ("uniform") or those of the
-    default schedule `init_times` ("default") with the last one, t_L, raised to at least stop_margin
-    and all renormalised: default schedules end at t_L = 0, an increment the Dirichlet cannot have.
-    With t_L = 0 this maps every default time t to (t + stop_margin) / (1 + stop_margin), so the
-    initial mean schedule is within stop_margin of the default one. Only the last increment is
+    alpha_init = concentration * increments (module docstring). For "default" the last increment,
+    t_L, is raised to at least stop_margin and all renormalised: default schedules end at t_L = 0,
+    an increment the Dirichlet cannot have; with t_L = 0 every default time t maps to
+    (t + stop_margin) / (1 + stop_margin), within stop_margin of the default. Only the last one is
     raised: the first increments of a shifted 80-step schedule are below 0.005 and must stay.
     """
     if init == "uniform":
@@ -170,8 +156,6 @@ def json_times(init_times):
 
 # -----------------------------------------------------------------------------
 # the network
-
-
 class ResBlock(nn.Module):
     """Pre-norm residual block of two 3x3 convolutions at fixed resolution and width."""
 
@@ -218,9 +202,7 @@ class CrossAttentionBlock(nn.Module):
 
 class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
     """Instance-level policy: (x_T, prompt) -> Dirichlet concentrations alpha (N, L+1), float32.
-
-    Keep it in float32; inputs may come in any float dtype (bf16 from the backbone) and are cast.
-    """
+    Keep it in float32; inputs may come in any float dtype (bf16 from the backbone) and are cast."""
 
     def __init__(
         self,
@@ -245,36 +227,20 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
         # what it was trained for: the backbone's name and train.py's configuration (None when
         # unknown); the Hub format records them with the weights (checkpoints.load_policy)
         self.backbone, self.training_config = backbone, training_config
-        self.config = dict(
-            kind="instance",
-            steps=steps,
-            latent_channels=latent_channels,
-            text_dim=text_dim,
-            pooled_dim=pooled_dim,
-            widths=list(widths),
-            dim=dim,
-            heads=heads,
-            depth=depth,
-            grid=grid,
-            head_hidden=head_hidden,
-            init=init,
-            init_times=json_times(init_times),
-            concentration=concentration,
-            stop_margin=stop_margin,
-        )
-        self.steps = steps
-        self.grid = grid
+        self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels)
+        self.config.update(text_dim=text_dim, pooled_dim=pooled_dim, widths=list(widths), dim=dim)
+        self.config.update(heads=heads, depth=depth, grid=grid, head_hidden=head_hidden)
+        self.config.update(init=init, init_times=json_times(init_times))
+        self.config.update(concentration=concentration, stop_margin=stop_margin)
+        self.steps, self.grid = steps, grid
         assert dim % heads == 0, f"dim {dim} must be a multiple of heads {heads}"
 
         # noise: a stem at full resolution, then one stage per width, each halving the resolution
         self.stem = nn.Conv2d(latent_channels, widths[0], 3, padding=1)
-        self.downsample = nn.ModuleList()
-        self.stages = nn.ModuleList()
-        previous = widths[0]
-        for width in widths:
+        self.downsample, self.stages = nn.ModuleList(), nn.ModuleList()
+        for previous, width in zip([widths[0], *widths], widths):
             self.downsample.append(nn.Conv2d(previous, width, 3, stride=2, padding=1))
             self.stages.append(ResBlock(width))
-            previous = width
         # every scale contributes to every token: pooled to the grid, projected to dim, summed
         self.to_tokens = nn.ModuleList(nn.Conv2d(width, dim, 1) for width in widths)
         self.position = nn.Parameter(0.02 * torch.randn(grid * grid, dim))
@@ -289,12 +255,8 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
             self.pooled_proj = nn.Sequential(nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, dim))
         self.blocks = nn.ModuleList(CrossAttentionBlock(dim, heads) for _ in range(depth))
 
-        self.head = nn.Sequential(
-            nn.LayerNorm(dim),
-            nn.Linear(dim, head_hidden),
-            nn.SiLU(),
-            nn.Linear(head_hidden, steps + 1),
-        )
+        hidden = (nn.LayerNorm(dim), nn.Linear(dim, head_hidden), nn.SiLU())
+        self.head = nn.Sequential(*hidden, nn.Linear(head_hidden, steps + 1))
         # zero last layer: alpha starts at the same value for every input (the module docstring)
         bias = initial_logits(steps, init, init_times, concentration, stop_margin)
         with torch.no_grad():
@@ -313,11 +275,10 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
         latent, text = latent.float(), text.float()
 
         features = self.stem(latent)
-        tokens = 0
+        tokens = 0  # (N, dim, grid, grid), summed over the scales
         for downsample, stage, to_tokens in zip(self.downsample, self.stages, self.to_tokens):
             features = stage(downsample(features))
-            pooled_features = F.adaptive_avg_pool2d(features, self.grid)
-            tokens = tokens + to_tokens(pooled_features)  # (N, dim, grid, grid)
+            tokens = tokens + to_tokens(F.adaptive_avg_pool2d(features, self.grid))
         tokens = tokens.flatten(2).transpose(1, 2) + self.position  # (N, grid*grid, dim)
 
         if pooled is not None:
@@ -349,18 +310,11 @@ class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
     ):
         super().__init__()
         self.backbone, self.training_config = backbone, training_config  # as SchedulePolicy's
-        self.config = dict(
-            kind="global",
-            steps=steps,
-            init=init,
-            init_times=json_times(init_times),
-            concentration=concentration,
-            stop_margin=stop_margin,
-        )
+        self.config = dict(kind="global", steps=steps, init=init, init_times=json_times(init_times))
+        self.config.update(concentration=concentration, stop_margin=stop_margin)
         self.steps = steps
-        self.logits = nn.Parameter(torch.empty(steps + 1))  # (L+1,): softplus(logits) + ALPHA_MIN
-        with torch.no_grad():
-            self.logits.copy_(initial_logits(steps, init, init_times, concentration, stop_margin))
+        logits = initial_logits(steps, init, init_times, concentration, stop_margin)
+        self.logits = nn.Parameter(logits.float())  # (L+1,): alpha = softplus(logits) + ALPHA_MIN
 
     def forward(self, latent, text=None, text_mask=None, pooled=None):
         alpha = F.softplus(self.logits) + ALPHA_MIN  # (L+1,)

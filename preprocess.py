@@ -14,7 +14,7 @@ CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 
 def quantize(images):
-    """(N, 3, H, W) floats -> the same images at 8 bits, as saving them would (round, like diffusers)."""
+    """(N, 3, H, W) floats -> the same images at 8 bits, as saved (rounded, like diffusers)."""
     return (images.float().clamp(0.0, 1.0) * 255.0).round() / 255.0
 
 
@@ -29,15 +29,13 @@ def clip_preprocess(images, size=224):
 
     As transformers' CLIPImageProcessor (PIL backend, the preprocessing CLIP was trained with) does
     to an 8-bit image: shortest side to `size` (long side int(size * long / short)) with Pillow's
-    bicubic resize, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std. The resize runs
-    per image on the CPU; next to a CLIP forward pass it costs little.
+    bicubic resize, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std. The resize
+    runs per image on the CPU; next to a CLIP forward pass it costs little.
     """
     import numpy as np
     from PIL import Image
 
-    pixels = (
-        (quantize(images) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
-    )  # (N, H, W, 3)
+    pixels = (quantize(images) * 255.0).round().to(torch.uint8).permute(0, 2, 3, 1)  # (N, H, W, 3)
     height, width = images.shape[-2:]
     if height <= width:
         new_height, new_width = size, int(size * width / height)
@@ -45,19 +43,18 @@ def clip_preprocess(images, size=224):
         new_height, new_width = int(size * height / width), size
     resized = [
         np.asarray(Image.fromarray(array).resize((new_width, new_height), Image.BICUBIC))
-        for array in pixels
+        for array in pixels.cpu().numpy()
     ]
     top, left = (new_height - size) // 2, (new_width - size) // 2
-    cropped = torch.from_numpy(np.stack(resized))[
-        :, top : top + size, left : left + size
-    ]  # (N, size, size, 3)
-    return normalize(cropped.permute(0, 3, 1, 2).float().div(255.0).to(images.device))
+    cropped = np.stack(resized)[:, top : top + size, left : left + size]  # (N, size, size, 3)
+    cropped = torch.from_numpy(cropped).permute(0, 3, 1, 2).float().div(255.0)  # (N, 3, size, size)
+    return normalize(cropped.to(images.device))
 
 
 def import_optional(modules, needs, install):
-    """Import `modules` in order and return the last; any failure (ImportError, or RuntimeError from a
-    torchvision built for another torch) becomes an ImportError in one line: `needs`, the error's first
-    line and the install command."""
+    """Import `modules` in order and return the last; any failure (ImportError, or RuntimeError from
+    a torchvision built for another torch) becomes an ImportError in one line: `needs`, the error's
+    first line and the install command."""
     try:
         return [importlib.import_module(name) for name in modules][-1]
     except Exception as error:

@@ -18,7 +18,7 @@ import json
 import os
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
-# (train, held out) shipped per reward: text rendering for OCR, GenEval's templates, HPDv2's styles otherwise
+# (train, held out) per reward: text rendering for OCR, GenEval's templates, else HPDv2's styles
 SHIPPED = {
     "ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
     "geneval": ("prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl"),
@@ -68,7 +68,8 @@ def load_prompt_file(path):
         ) from None
     if not isinstance(records, list):
         raise ValueError(
-            f'{path} holds a JSON {type(records).__name__}, not a list of prompts or of records with a "prompt"'
+            f"{path} holds a JSON {type(records).__name__}, "
+            'not a list of prompts or of records with a "prompt"'
         )
     bad = [
         record
@@ -78,7 +79,8 @@ def load_prompt_file(path):
     ]
     if bad:
         raise ValueError(
-            f'{path}: {len(bad)} entries are neither a prompt nor a record with a "prompt" text, e.g. {str(bad[0])[:60]}'
+            f'{path}: {len(bad)} entries are neither a prompt nor a record with a "prompt" text, '
+            f"e.g. {str(bad[0])[:60]}"
         )
     prompts = [record["prompt"] if isinstance(record, dict) else record for record in records]
     prompts = [prompt.strip() for prompt in prompts if prompt.strip()]
@@ -101,8 +103,8 @@ def prompt_groups(path):
 
 
 def load_hpdv2(folder=None):
-    """The HPDv2 test prompts (4 styles x 800), from `folder` (benchmark/<style>.json) or the hub,
-    interleaved across styles so that any prefix (--limit) is balanced. Returns (prompts, styles)."""
+    """(prompts, styles): the HPDv2 test prompts (4 styles x 800), from `folder`
+    (benchmark/<style>.json) or the hub, interleaved so that any prefix (--limit) is balanced."""
     if folder is None:
         files = [_hpdv2_file(f"benchmark/{style}.json") for style in HPDV2_STYLES]
     else:
@@ -110,9 +112,10 @@ def load_hpdv2(folder=None):
         missing = [os.path.basename(f) for f in files if not os.path.isfile(f)]
         if missing:
             raise ValueError(
-                f"HPDv2 test prompts not found in {folder} (missing {', '.join(missing)}): fetch them with "
-                f'`hf download {HPDV2} --repo-type dataset --include "benchmark/*.json" --local-dir data/HPDv2` '
-                "and pass --hpdv2 data/HPDv2/benchmark"
+                f"HPDv2 test prompts not found in {folder} (missing {', '.join(missing)}): "
+                f"fetch them with `hf download {HPDV2} --repo-type dataset "
+                '--include "benchmark/*.json" --local-dir data/HPDv2` and pass --hpdv2 '
+                "data/HPDv2/benchmark"
             )
     per_style = {style: load_prompt_file(file) for style, file in zip(HPDV2_STYLES, files)}
     prompts, styles = [], []
@@ -126,22 +129,21 @@ def load_hpdv2(folder=None):
 
 def context_seed(seed, iteration, context):
     """The noise seed of a training context: every context of every iteration has its own, so the
-    batch a rank sees depends on neither the number of ranks nor on a resume. Offset by 2**32 to stay
-    clear of the held-out seeds."""
+    batch a rank sees depends on neither the number of ranks nor on a resume. Offset by 2**32 to
+    stay clear of the held-out seeds."""
     return 2**32 + (seed * 1_000_003 + iteration) * 65_536 + context
 
 
 def heldout_contexts(prompts, count=None, seed=HELDOUT_SEED):
-    """Fixed held-out contexts: `count` prompts cycling over `prompts` (default: each once) with noise
-    seeds seed, seed + 1, ... Returns (prompts, seeds)."""
+    """Fixed held-out contexts: `count` prompts cycling over `prompts` (default: each once) with
+    noise seeds seed, seed + 1, ... Returns (prompts, seeds)."""
     count = len(prompts) if count is None else count
-    return [prompts[index % len(prompts)] for index in range(count)], [
-        seed + index for index in range(count)
-    ]
+    chosen = [prompts[index % len(prompts)] for index in range(count)]
+    return chosen, [seed + index for index in range(count)]
 
 
 def noise_seed(text):
-    """argparse type of a noise seed: an integer torch.Generator.manual_seed takes, 0 <= seed < 2^63."""
+    """argparse type of a noise seed: an integer torch's manual_seed takes, 0 <= seed < 2^63."""
     import argparse
 
     try:
@@ -154,9 +156,8 @@ def noise_seed(text):
 
 
 def context_noise(backbone, seeds):
-    """Initial noise per seed, drawn one by one, so it is identical for every method and batch size."""
+    """Initial noise per seed, drawn one by one: identical for every method and batch size."""
     import torch  # here, so that the scripts' parsers can use this module before torch loads
 
-    return torch.cat(
-        [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
-    )
+    generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+    return torch.cat([backbone.sample_noise(1, generator) for generator in generators])

@@ -1,9 +1,10 @@
 """
 Rewards: black-box scores of a rollout's final latents, higher is better.
 
-    reward = load_reward("teacher", backbone)              # or "hpsv2", "clip", "ocr", "geneval"
-    scores = reward(latents, prompts, noise, cond)         # (N,) float32 on the backbone's device
-    columns = metrics(reward, "ocr", latents, prompts, noise, cond)  # name -> (N,): what evaluate.py reports
+    reward = load_reward("teacher", backbone)  # or "hpsv2", "clip", "ocr", "geneval"
+    scores = reward(latents, prompts, noise, cond)  # (N,) float32 on the backbone's device
+    # what evaluate.py reports: name -> (N,)
+    columns = metrics(reward, "ocr", latents, prompts, noise, cond)
 
 Every reward has that one signature, batched over N samples with one prompt each (the contexts of
 a batch repeated K times with repeat_interleave), is built once and reused, and decodes with
@@ -15,8 +16,8 @@ a batch repeated K times with repeat_interleave), is built once and reused, and 
   digits. Teacher solutions are cached per context (hash of the noise bytes and the prompt): the K
   rollouts of a context cost one reference solve and a fixed held-out set is solved once.
 - "hpsv2": Human Preference Score v2.1 (or v2.0), x100 as the paper reports HPSv2 (its text does not
-  say which version; v2.1 is this project's choice): the cosine
-  similarity of HPS's open_clip ViT-H-14 image and text embeddings. Needs requirements-hps.txt and
+  say which version; v2.1 is this project's choice): the cosine similarity of HPS's open_clip
+  ViT-H-14 image and text embeddings. Needs requirements-hps.txt and
   the checkpoint HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2 (`checkpoint=` a local path).
 - "clip": 100 x cosine similarity of a transformers CLIPModel's image and text embeddings
   (default openai/clip-vit-large-patch14, `checkpoint=` a hub id or local folder): a light
@@ -71,9 +72,7 @@ def context_key(noise, prompt):
     """A context's identity: hash of its noise (shape, dtype and bytes) and its prompt."""
     noise = noise.detach().contiguous().cpu()
     digest = hashlib.sha256(f"{tuple(noise.shape)}|{noise.dtype}|{prompt}|".encode())
-    digest.update(
-        noise.reshape(-1).view(torch.uint8).numpy().tobytes()
-    )  # bytes of any dtype, bf16 too
+    digest.update(noise.reshape(-1).view(torch.uint8).numpy().tobytes())  # of any dtype, bf16 too
     return digest.hexdigest()
 
 
@@ -146,10 +145,8 @@ def hps_preprocess(images, size=224):
     height, width = images.shape[-2:]
     scale = size / float(max(height, width))
     if scale != 1.0:
-        new_height, new_width = (
-            round(height * scale),
-            round(width * scale),
-        )  # Python round, as ResizeMaxSize
+        # Python round, as ResizeMaxSize
+        new_height, new_width = round(height * scale), round(width * scale)
         images = F.interpolate(
             images, (new_height, new_width), mode="bicubic", align_corners=False, antialias=True
         )
@@ -166,7 +163,8 @@ def hps_preprocess(images, size=224):
     return normalize(images)
 
 
-def _import_hps():  # hpsv2's transforms need torchvision, which fails to import beside a mismatched torch
+# hpsv2's transforms need torchvision, which fails to import beside a mismatched torch
+def _import_hps():
     return import_optional(
         ["torchvision", "hpsv2.src.open_clip"],
         "the hpsv2 reward needs hpsv2x and a matching torchvision",
@@ -373,10 +371,10 @@ def load_classifier(folder=None):
 
 
 class DigitReward:
-    """log p(prompted digit | image) under the classifier of miniature.py, a black box on the decoded
-    pixels as HPSv2 is on a real model's: 8-bit images, resized to the classifier's side (bicubic,
-    antialiased; the miniatures already decode at its 16 px), its own normalisation. 0 is certainty.
-    The classifier was trained on digits that no miniature saw (miniature.py)."""
+    """log p(prompted digit | image) under the classifier of miniature.py, a black box on the
+    decoded pixels as HPSv2 is on a real model's: 8-bit images, resized to the classifier's side
+    (bicubic, antialiased; the miniatures already decode at its 16 px), its own normalisation. 0 is
+    certainty. The classifier was trained on digits that no miniature saw (miniature.py)."""
 
     def __init__(self, backbone, checkpoint=None, device=None):
 
@@ -398,9 +396,8 @@ class DigitReward:
 
         log_probs = self.log_probs(latents)
         digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=log_probs.device)
-        return log_probs.gather(1, digits[:, None]).squeeze(1), (
-            log_probs.argmax(1) == digits
-        ).float()
+        correct = (log_probs.argmax(1) == digits).float()
+        return log_probs.gather(1, digits[:, None]).squeeze(1), correct
 
     def __call__(self, latents, prompts, noise, cond):
         return self.details(latents, prompts)[0]
@@ -439,20 +436,18 @@ REWARDS = {
     "geneval": load_geneval,
     "digit": load_digit,
 }
-IMAGE_CONTENT = (
-    "ocr",
-    "geneval",
-)  # rewards that read text or objects: not for the 8x8 embedded backbones
-COLUMNS = {
+# rewards that read text or objects: not for the 8x8 embedded backbones
+IMAGE_CONTENT = ("ocr", "geneval")
+COLUMNS = {  # what metrics() returns, per reward
     "ocr": ("ocr", "ocr edit"),
     "geneval": ("geneval", "geneval correct"),
     "digit": ("digit", "digit accuracy"),
-}  # what metrics() returns, per reward
+}
 
 
 def check_prompts(name, prompts):
-    """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR needs
-    a "quoted" target text, GenEval one of its templates."""
+    """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR
+    needs a "quoted" target text, GenEval one of its templates."""
     if name == "digit":
         for prompt in prompts:
             digit_of(prompt)
@@ -487,8 +482,8 @@ def metrics(reward, name, latents, prompts, noise, cond):
 
 
 def check_reward(name, checkpoint=None):
-    """Fail fast, before a backbone is loaded: ValueError (one line) if the packages or weights of the
-    reward `name` are not on this machine. Loads nothing heavy."""
+    """Fail fast, before a backbone is loaded: ValueError (one line) if the packages or weights of
+    the reward `name` are not on this machine. Loads nothing heavy."""
     if name == "hpsv2":  # the packages and the checkpoint, both reported when both are missing
         missing = []
         for check in (_import_hps, lambda: hps_checkpoint(checkpoint=checkpoint)):
@@ -522,8 +517,8 @@ def check_reward(name, checkpoint=None):
 
 
 def load_reward(name, backbone, device=None, checkpoint=None, **options):
-    """Build the reward `name` once for `backbone`; `checkpoint` (local weights, for the rewards that
-    have a model) and options go to its loader."""
+    """Build the reward `name` once for `backbone`; `checkpoint` (local weights, for the rewards
+    that have a model) and options go to its loader."""
     if checkpoint is not None:
         options["checkpoint"] = checkpoint
     return REWARDS[name](backbone, device=device, **options)

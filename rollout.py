@@ -4,8 +4,7 @@ Frozen backbones and the one sampling loop that executes a schedule exactly.
 A schedule for L steps is a tensor `times` of shape (N, L+1), 1 >= t_0 > t_1 > ... > t_L >= 0, in
 the backbone's own noise level: the flow-matching sigma for SD3.5, Flux and the embedded backbones;
 for SD-XL a continuous timestep t * 999 whose sigma is interpolated from the model's noise table
-(t = 0 is sigma 0). The frozen model is called at t_0 .. t_{L-1}; first-order steps go to
-t_1 .. t_L:
+(sigma(0) = 0). The frozen model is called at t_0 .. t_{L-1}; first-order steps go to t_1 .. t_L:
 
     x <- x + (s(t_{l+1}) - s(t_l)) * derivative(x, t_l)      s = sigma (identity for flows)
 
@@ -107,11 +106,9 @@ class PipelineBackbone(Backbone):
         self.pipe, self.model, self.name, self.prompts = pipe, model, name, None
         self.device, self.dtype = model.device, model.dtype
         self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
-        self.resolution = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-        if self.resolution % multiple:
-            raise ValueError(
-                f"{name}: resolution must be a multiple of {multiple}, got {self.resolution}"
-            )
+        self.resolution = side = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        if side % multiple:
+            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {side}")
 
     @torch.no_grad()
     def decode(self, latents):
@@ -180,7 +177,7 @@ class SD3Backbone(PipelineBackbone):
     ):
         """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         pipe, length = self.pipe, max_sequence_length or self.text_length
-        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+        embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
             prompt=prompts,
             prompt_2=prompt_2,
             prompt_3=prompt_3,
@@ -194,9 +191,7 @@ class SD3Backbone(PipelineBackbone):
         mask = torch.cat([clip_mask, t5_mask], dim=1).to(self.device)  # (N, 77 + T5 length)
         cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask)
         if self.cfg:
-            cond.update(
-                negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled
-            )
+            cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
         return cond
 
     def default_times(self, steps):
@@ -279,20 +274,15 @@ class FluxBackbone(PipelineBackbone):
         return super().policy_inputs(self.unpack(noise), cond)  # the policy sees an image
 
     def default_times(self, steps):
-        # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens); schnell's config
-        # has no shift
+        # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens) with the config's
+        # values or the pipeline's defaults below; schnell's config has no shift
         import numpy as np
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
         config = self.pipe.scheduler.config
         tokens = (self.latent_size // 2) ** 2
-        mu = calculate_shift(
-            tokens,
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
+        keys = dict(base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
+        mu = calculate_shift(tokens, *[config.get(key, default) for key, default in keys.items()])
         scheduler = type(self.pipe.scheduler).from_config(config)
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         return scheduler.sigmas.float()
@@ -347,8 +337,7 @@ class SDXLBackbone(PipelineBackbone):
                 "discrete timesteps is supported"
             )
         alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
-        # (1000,) sigma per timestep
-        self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5
+        self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigmas
         channels = self.model.config.in_channels
         self.latent_shape = (channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
         self.policy_dims = dict(
@@ -372,7 +361,7 @@ class SDXLBackbone(PipelineBackbone):
     def encode_prompts(self, prompts, prompt_2=None, clip_skip=None):
         """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
         pipe = self.pipe
-        embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+        embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
             prompt=prompts,
             prompt_2=prompt_2,
             device=self.device,
@@ -384,17 +373,13 @@ class SDXLBackbone(PipelineBackbone):
         time_ids = pipe._get_add_time_ids(
             size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
         )
-        mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length)
+        time_ids = time_ids.to(self.device).repeat(len(prompts), 1)  # (N, 6)
+        mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length).to(self.device)
         cond = dict(
-            prompt_embeds=embeds,
-            pooled_prompt_embeds=pooled,
-            time_ids=time_ids.to(self.device).repeat(len(prompts), 1),  # (N, 6)
-            text_mask=mask.to(self.device),
+            prompt_embeds=embeds, pooled_prompt_embeds=pooled, time_ids=time_ids, text_mask=mask
         )
         if self.cfg:
-            cond.update(
-                negative_prompt_embeds=negative, negative_pooled_prompt_embeds=negative_pooled
-            )
+            cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
         return cond
 
     def default_times(self, steps):

@@ -32,7 +32,7 @@ def run_script(script, args, cwd, timeout=300):
 
 def train_in_process(out_dir, *args):
     """train.py's main in this process; the embedded teacher solves 16 RK4 steps instead of 64 (RMS
-    error 2e-4 on digits against 1e-6, both far below a 4-step sampler's 0.2), which keeps tests fast."""
+    error 2e-4 on digits against 1e-6, both far below a 4-step sampler's 0.2) to keep tests fast."""
     import mixture
     import train
 
@@ -74,9 +74,9 @@ def digits_global_run(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory):
     """train.py on saved tiny random SD3, SD-XL and Flux-Dev pipelines (from_pretrained from a local
-    folder), two iterations each with the teacher reward; the teacher solves 4 default steps instead of
-    50, which keeps the test fast and the code path the same. Returns backbone -> out dir, and the
-    folders of the saved pipelines (flux-schnell too, for evaluate.py --schnell)."""
+    folder), two iterations each with the teacher reward; the teacher solves 4 default steps instead
+    of 50, which keeps the test fast and the code path the same. Returns backbone -> out dir, and
+    the folders of the saved pipelines (flux-schnell too, for evaluate.py --schnell)."""
     import rollout
     from bench import TINY_RESOLUTION, tiny_pipeline
 
@@ -120,9 +120,9 @@ def tiny_runs(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(items):
-    """With pytest-xdist (pytest.ini runs one worker per core): all tests that read the shared train.py
-    runs above go to one worker, the tests of each other file to one worker, so each run and each
-    module fixture is built once."""
+    """With pytest-xdist (pytest.ini runs one worker per core): all tests that read the shared
+    train.py runs above go to one worker, the tests of each other file to one worker, so each run
+    and each module fixture is built once."""
     for item in items:
         shared = {"tiny_runs", "digits_run", "digits_global_run"} & set(item.fixturenames)
         item.add_marker(pytest.mark.xdist_group("train-runs" if shared else item.path.name))

@@ -14,7 +14,8 @@ from baselines import (
 )
 
 # Hand example used below, B = 3 contexts, K = 2 rollouts.
-#   context means 2, 4, 6 (grand mean 4); within variances (1-3)^2/2 = 2, (2-6)^2/2 = 8, (4-8)^2/2 = 8
+#   context means 2, 4, 6 (grand mean 4)
+#   within variances (1-3)^2/2 = 2, (2-6)^2/2 = 8, (4-8)^2/2 = 8
 #   s2 = (2 + 8 + 8) / 3 = 6
 #   b_xctx = (24 - r) / 5; mean_i b_xctx[c, i] = (24 - rbar_c) / 5 = 4.4, 4.0, 3.6
 #   1/(B-1) sum_c (rbar_c - mean_i b_xctx)^2 = (2.4^2 + 0 + 2.4^2) / 2 = 5.76
@@ -84,8 +85,9 @@ def test_james_stein_follows_the_written_formula():
 
 def test_unbiased_hand_values():
     rewards = torch.cat([HAND, torch.tensor([[0.0, 2.0]], dtype=torch.float64)])  # B = 4
-    # a_c is the plug-in weight of the other three contexts (K = 2, so (BK/(BK-1))^2 = (6/5)^2 = 1.44):
-    #   without 0: means 4, 6, 1, s2 = (8+8+2)/3 = 6, sum sq = 38/3, spread 1.44*19/3 = 9.12, d2 = 6.12, a = 6/12.12 = 50/101
+    # a_c is the plug-in weight of the other three contexts (K = 2: (BK/(BK-1))^2 = (6/5)^2 = 1.44):
+    #   without 0: means 4, 6, 1, s2 = (8+8+2)/3 = 6, sum sq = 38/3, spread 1.44*19/3 = 9.12,
+    #              d2 = 6.12, a = 6/12.12 = 50/101
     #   without 1: means 2, 6, 1, s2 = 4, sum sq = 14, spread 10.08, d2 = 8.08, a = 4/12.08 = 50/151
     #   without 2: means 2, 4, 1, s2 = 4, sum sq = 14/3, spread 3.36, d2 = 1.36, a = 4/5.36 = 50/67
     #   without 3: the hand example above, 50/73
@@ -206,7 +208,7 @@ def test_dtype_shape_and_detached(name):
 
 
 def test_float32_rewards_near_30_are_handled_in_float64():
-    # HPSv2-like rewards: level 30, differences of 0.1; float32 arithmetic alone would lose digits in s2 and d2
+    # HPSv2-like rewards at 30 with differences of 0.1: float32 alone would lose digits in s2 and d2
     rewards64 = 30.0 + 0.1 * random_rewards(16, 2, seed=8, spread=0.7)
     rewards32 = rewards64.float()
     assert shrinkage(rewards32).item() == pytest.approx(
@@ -271,8 +273,8 @@ def test_weight_is_consistent(rollouts, delta2):
     "contexts, rollouts, delta2", [(3, 2, 1.0), (4, 4, 0.3), (16, 2, 3.0), (32, 8, 0.1)]
 )
 def test_james_stein_beats_rloo_as_an_estimate_of_mu(contexts, rollouts, delta2):
-    # paired over the same 4000 simulated batches: mean of (JS error - RLOO error) must be below 0 by
-    # more than 4 standard errors of that mean
+    # paired over the same 4000 simulated batches: mean of (JS error - RLOO error) must be below 0
+    # by more than 4 standard errors of that mean
     means, rewards = simulate(4000, contexts, rollouts, 1.0, delta2, seed=10)
     js_error = (james_stein(rewards) - means).square().mean(dim=(1, 2))
     rloo_error = (rloo(rewards) - means).square().mean(dim=(1, 2))
@@ -295,7 +297,8 @@ def test_shape_errors(name):
 def test_context_count_errors():
     with pytest.raises(
         ValueError,
-        match="needs at least 3 contexts per batch, got B=2; use more contexts or the rloo baseline",
+        match="needs at least 3 contexts per batch, got B=2; "
+        "use more contexts or the rloo baseline",
     ):
         james_stein(torch.rand(2, 4))
     with pytest.raises(ValueError, match="needs at least 4 contexts per batch, got B=3"):

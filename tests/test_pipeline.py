@@ -1,4 +1,4 @@
-"""A trained schedule in a stock diffusers pipeline (pipeline.py), and the policy in the Hub format."""
+"""A trained schedule in a stock diffusers pipeline (pipeline.py); the policy in the Hub format."""
 
 import inspect
 import json
@@ -17,8 +17,8 @@ from policy import mean_increments, times_from_increments
 
 
 def learned_policy(backbone, steps, seed=0, kind="instance"):
-    """A policy whose schedules differ per context and end at a stop margin > 0 (the head's last layer,
-    zero at initialisation, gets random weights)."""
+    """A policy whose schedules differ per context and end at a stop margin > 0 (the head's last
+    layer, zero at initialisation, gets random weights)."""
     torch.manual_seed(seed)
     policy = make_policy(
         kind,
@@ -39,7 +39,7 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     scope="module", params=["sd3", "flux-dev", "sdxl", "mini-sd3", "mini-flux", "mini-sdxl"]
 )
 def tiny(request):
-    """A tiny random pipeline of each family, and the trained miniatures (miniature.py) as shipped."""
+    """A tiny random pipeline of each family and the shipped trained miniatures (miniature.py)."""
     if request.param.startswith("mini-"):
         backbone = backbones.load_backbone(request.param)
         return backbone.pipe, backbone
@@ -74,8 +74,8 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     ).all()  # per-context schedules, a stop margin
     expected = backbone.sample(noise, cond, times)
     assert latents.shape == expected.shape
-    # float32 rounding is relative to the largest state on the way: the output, or for SD-XL the start,
-    # noise * sqrt(sigma(t_0)^2 + 1), about 15x the noise at t_0 = 1 (a trained UNet's steps are large)
+    # float32 rounding is relative to the largest state on the way: the output, or SD-XL's start
+    # noise * sqrt(sigma(t_0)^2 + 1), ~15x the noise at t_0 = 1 (a trained UNet's steps are large)
     start = (
         (backbone.sigma(times[:, :1]) ** 2 + 1).sqrt().view(-1, 1, 1, 1)
         if isinstance(backbone, rollout.SDXLBackbone)
@@ -112,8 +112,9 @@ def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
     finally:
         handle.remove()
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(3))
-    # the first model input is the noise itself (SD-XL: scaled by init_noise_sigma = sqrt(sigma_0^2 + 1), then by
-    # 1 / sqrt(sigma_0^2 + 1)); the last row is the conditional half of a CFG batch
+    # the first model input is the noise itself (SD-XL: scaled by init_noise_sigma =
+    # sqrt(sigma_0^2 + 1), then by 1 / sqrt(sigma_0^2 + 1)); the last row is the conditional half
+    # of a CFG batch
     assert torch.allclose(seen[0][-1:].float(), noise.float(), atol=1e-5)
 
 
@@ -178,8 +179,8 @@ def test_a_global_schedule_exports_as_json(tiny):
 
 
 def test_a_shared_policy_loads_back_from_what_save_pretrained_alone_wrote(tmp_path, capsys):
-    """load_policy(...).save_pretrained(folder) is what push_to_hub uploads: load_policy(folder) gives
-    the same policy, its backbone, L and training configuration, and loading prints nothing."""
+    """load_policy(...).save_pretrained(folder) is what push_to_hub uploads: load_policy(folder)
+    gives the same policy, its backbone, L and training configuration, and prints nothing."""
     backbone = backbones.load_backbone("digits")
     policy = learned_policy(backbone, 4)
     save_policy(tmp_path / "policy", policy, dict(backbone="digits", steps=4, seed=3), iteration=9)

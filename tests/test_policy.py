@@ -40,7 +40,7 @@ def sd3_default_times(steps, shift=3.0):
 
 
 def reinforce_step(policy, inputs, lr=0.1, seed=0):
-    """One SGD step on a REINFORCE loss with random advantages, so the zero-initialised head moves."""
+    """One SGD step on a REINFORCE loss with random advantages: the zero-initialised head moves."""
     alpha = policy(*inputs)
     tau = sample_increments(alpha, 2, torch.Generator().manual_seed(seed))
     advantages = torch.randn(tau.shape[:2], generator=torch.Generator().manual_seed(seed + 1))
@@ -122,7 +122,7 @@ def test_log_prob_by_hand():
     # Dirichlet(1, 1, 1) is uniform on the 2-simplex: density 2 everywhere
     tau = torch.tensor([[[0.2, 0.3, 0.5], [0.6, 0.1, 0.3]]])
     assert torch.allclose(log_prob(torch.ones(1, 3), tau), torch.full((1, 2), math.log(2.0)))
-    # Dirichlet(2, 1): density Gamma(3) / Gamma(2) * tau_1 = 2 tau_1, a sum over components, not a mean
+    # Dirichlet(2, 1): density Gamma(3)/Gamma(2) tau_1 = 2 tau_1; a sum over components, not a mean
     tau = torch.tensor([[[0.25, 0.75]]])
     assert log_prob(torch.tensor([[2.0, 1.0]]), tau).item() == pytest.approx(
         math.log(0.5), abs=1e-6
@@ -157,7 +157,7 @@ def test_extreme_concentrations_at_80_steps_are_finite(alpha_value):
 
 
 def test_mixed_extreme_concentrations_through_a_policy():
-    # one concentration at the softplus floor beside others at 1e4: the mean still gives a valid schedule
+    # one concentration at the softplus floor, the others at 1e4: the mean is still a valid schedule
     policy = GlobalPolicy(80)
     with torch.no_grad():
         policy.logits.fill_(1e4)
@@ -206,7 +206,7 @@ def test_policy_sizes_are_about_20m_for_the_real_models():
 
 
 def test_real_preset_runs_on_a_small_latent():
-    # the real preset's shapes on a 512px-sized latent (64x64) and a short prompt: any resolution works
+    # the real preset's shapes on a 512px latent (64x64) and a short prompt: any resolution works
     dims = dict(latent_channels=16, text_dim=4096, pooled_dim=2048)
     policy = make_policy(
         "instance", dims, 5, preset="real", widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32

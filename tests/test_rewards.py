@@ -35,8 +35,9 @@ def to_pil(image):
 
 
 def test_import_stays_light():
-    # The core install has no torchvision, hpsv2x or easyocr: importing the scripts and rewards must not need
-    # them, and a command line that fails on its input must answer before diffusers or transformers load.
+    # The core install has no torchvision, hpsv2x or easyocr: importing the scripts and rewards must
+    # not need them, and a command line that fails on its input must answer before diffusers or
+    # transformers load.
     heavy = (
         "torchvision",
         "hpsv2",
@@ -48,7 +49,10 @@ def test_import_stays_light():
         "diffusers",
         "matplotlib",
     )
-    code = f"import sys, train, evaluate, sample, ocr, geneval; print(sorted(m for m in {heavy} if m in sys.modules))"
+    code = (
+        "import sys, train, evaluate, sample, ocr, geneval; "
+        f"print(sorted(m for m in {heavy} if m in sys.modules))"
+    )
     repo = pathlib.Path(__file__).parents[1]
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=repo
@@ -88,12 +92,15 @@ class CountingBackbone:
 
 @pytest.fixture(scope="module")
 def digit_contexts(digits):
-    """Three contexts, each repeated K = 2 times as the trainer lays out a batch, and their teacher."""
+    """Three contexts, each repeated K = 2 times as the trainer lays out a batch; their teacher."""
     prompts = ["a handwritten 3", "a handwritten 7", "a handwritten 0"]
     noise = digits.sample_noise(3, torch.Generator().manual_seed(0))
     cond = digits.encode_prompts(prompts)
     teacher = digits.reference(noise, cond)
-    repeat = lambda tensor: tensor.repeat_interleave(2, 0)
+
+    def repeat(tensor):
+        return tensor.repeat_interleave(2, 0)
+
     return (
         [p for p in prompts for _ in range(2)],
         repeat(noise),
@@ -305,7 +312,8 @@ def test_clip_missing_weights_is_one_clear_line(tmp_path):
 def test_hps_missing_checkpoint_path(tmp_path):
     with pytest.raises(
         ValueError,
-        match=r"HPS v2.1 checkpoint not found: get HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2 .*--reward-checkpoint PATH",
+        match=r"HPS v2.1 checkpoint not found: get HPS_v2.1_compressed.pt from the hub repo "
+        r"xswu/HPSv2 .*--reward-checkpoint PATH",
     ) as error:
         rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=str(tmp_path / "missing.pt"))
     assert "\n" not in str(error.value)

@@ -21,13 +21,12 @@ else:
         "hpsv2.src.open_clip", reason="needs the HPS environment: bash tests/hps_env.sh"
     )
 
+from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-bit PIL conversion
+
 import backbones
 import rewards
 
 TINY = "hps-test-tiny"  # an open_clip config registered under this name by the fixture below
-
-
-from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-bit PIL conversion
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""The real backbones' code on tiny random diffusers pipelines: with the default times the loop reproduces
-each pipeline's own latents; any other schedule runs exactly as given."""
+"""The real backbones' code on tiny random diffusers pipelines: with the default times the loop
+reproduces each pipeline's own latents; any other schedule runs exactly as given."""
 
 import math
 import time
@@ -171,7 +171,8 @@ def test_default_times_match_the_library_facts():
     assert torch.allclose(
         sd3.default_times(2), torch.tensor([1.0, 0.0089, 0.0]), atol=1e-4
     )  # shift 3, no sigmas
-    # the tiny VAE downsamples 2x (the real one 8x): 256 px here has the 4096 image tokens of 1024 px, mu = 1.15
+    # the tiny VAE downsamples 2x (the real one 8x): 256 px here has the 4096 image tokens of
+    # 1024 px, mu = 1.15
     flux = from_pipeline(tiny_pipeline("flux-dev"), resolution=256)
     assert torch.allclose(flux.default_times(2), torch.tensor([1.0, 0.7595, 0.0]), atol=1e-4)
     mu = 0.5 + (1024 - 256) * (1.15 - 0.5) / (

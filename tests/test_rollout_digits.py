@@ -1,4 +1,5 @@
-"""The embedded digits backbone: its velocity is the exact flow of the mixture, and the loop runs schedules exactly."""
+"""The embedded digits backbone: its velocity is the exact flow of the mixture, and the loop runs
+schedules exactly."""
 
 import math
 
@@ -25,8 +26,8 @@ def rms(a, b):
 
 
 def log_density(backbone, x, t, label):
-    """log p_t(x) of x_t = (1 - t) x_0 + t noise for one flattened sample x (64,), by brute force over
-    the components of the class (each N(mu_m, s_m^2 I), all weighing the same)."""
+    """log p_t(x) of x_t = (1 - t) x_0 + t noise for one flattened sample x (64,), by brute force
+    over the components of the class (each N(mu_m, s_m^2 I), all weighing the same)."""
     centres, _, variances, log_weights = (
         part[0] for part in backbone.mixture(torch.tensor([label]))
     )
@@ -57,8 +58,8 @@ def finite_difference_velocity(backbone, x, t, label, step=1e-5):
 
 @pytest.mark.parametrize("name", ["digits", "digits-prompt", "digits-noise"])
 def test_velocity_matches_finite_difference_score(name):
-    # digits-prompt and digits-noise: stds per component (0.02 and 0.5), so the posterior weights need
-    # the -(d/2) log v_m term; points near a component of each kind
+    # digits-prompt and digits-noise: stds per component (0.02 and 0.5), so the posterior weights
+    # need the -(d/2) log v_m term; points near a component of each kind
     backbone = load_backbone(name)
     generator = torch.Generator().manual_seed(1)
     for label, t, component in [
@@ -93,7 +94,7 @@ def test_velocity_at_the_ends(digits):
     noise, cond = contexts(digits, 10)
     mixture = digits.mixture(cond["label"])
     x = noise.double()
-    # t = 1: the posterior over components is uniform, E[x_0 | x_1] is the class mean, E[noise | x_1] = x
+    # t = 1: uniform posterior over components, E[x_0 | x_1] is the class mean, E[noise | x_1] = x
     centres, _, _, log_weights = mixture
     real = (log_weights == 0).double()  # (N, M)
     class_mean = (centres * real[..., None]).sum(1) / real.sum(1, keepdim=True)
@@ -246,8 +247,8 @@ def test_the_sampler_is_differentiable_in_the_times_and_oracles_beat_the_default
     with torch.no_grad():
         default = teacher_errors(backbone, fit, backbone.default_times(4).expand(20, -1))
         best = teacher_errors(backbone, fit, schedules[groups])
-    # descending from the default, each group's schedule beats it; the sharp digits by far (the blurred
-    # ones' best is near the uniform default)
+    # descending from the default, each group's schedule beats it; the sharp digits by far (the
+    # blurred ones' best is near the uniform default)
     assert best[groups == 1].mean() < default[groups == 1].mean()
     assert best[groups == 0].mean() < 0.9 * default[groups == 0].mean()
     assert schedules[0, 3] > schedules[1, 3] + 0.1  # the sharp digits want their last step later

@@ -11,6 +11,7 @@ from PIL import Image
 
 import backbones
 import evaluate
+import figures
 import sample
 from checkpoints import load_checkpoint
 
@@ -40,13 +41,11 @@ def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt, mo
     assert images[:3] == [
         f"000_a-handwritten-0_seed0_{name}.png" for name in ("default", "learned", "teacher")
     ]
-    assert Image.open(samples / images[0]).size == (
-        128,
-        128,
-    )  # 8x8 upscaled with nearest neighbours
+    assert Image.open(samples / images[0]).size == (128, 128)  # 8x8 upscaled, nearest neighbours
     grid = Image.open(samples / "grid.png")
     assert grid.height >= 2.5 * grid.width  # ten rows of three square columns
-    # every context's distance to the teacher, learned and default, is printed (and titles the grid's images)
+    # every context's distance to the teacher, learned and default, is printed (and titles the
+    # grid's images)
     assert stdout.count("distance to the teacher") == 10
     assert (samples / "schedules.png").stat().st_size > 0
     saved = json.loads((samples / "schedules.json").read_text())
@@ -76,10 +75,9 @@ def test_a_global_schedule_is_drawn_as_one_line():
         (torch.rand(6, 5), 7),
     ):
         figure, ax = plt.subplots()
-        sample.draw_schedules(ax, learned, default, [f"context {i}" for i in range(6)])
-        assert (
-            len(ax.get_lines()) == lines
-        )  # one learned line (a global policy) or one per context, and the default
+        figures.draw_schedules(ax, learned, default, [f"context {i}" for i in range(6)])
+        # one learned line (a global policy) or one per context, and the default
+        assert len(ax.get_lines()) == lines
         plt.close(figure)
 
 
@@ -100,7 +98,7 @@ def test_results_figure_draws_the_schedules_as_a_shift_from_the_default(tmp_path
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(plt.Figure, "savefig", keep)
-        evaluate.plot_results(
+        figures.plot_results(
             str(tmp_path / "results.png"),
             {"teacher": {"default": torch.zeros(50), "learned": torch.rand(50)}},
             {"learned": learned},
@@ -247,9 +245,8 @@ def test_tiny_flux_backbone(tmp_path, tiny_runs):
     assert (out / "grid.png").is_file() and (out / "schedules.png").is_file()
     saved = json.loads((out / "schedules.json").read_text())
     assert len(saved["default"]) == 3 and saved["default"][-1] == 0.0
-    assert all(
-        len(c["learned"]) == 3 and c["learned"][-1] > 0 for c in saved["contexts"]
-    )  # ends at the stop margin
+    # ends at the stop margin
+    assert all(len(c["learned"]) == 3 and c["learned"][-1] > 0 for c in saved["contexts"])
 
 
 def test_a_prompt_digits_does_not_know_fails_in_one_line(ckpt):

@@ -51,16 +51,15 @@ def test_quick_run_estimation_table(quick_run):
         assert 0 <= cell["mean_weight"] <= 1
         # RLOO's MSE is sigma^2/(K-1) exactly; even --quick's few batches land within 30%
         assert cell["mse"]["rloo"] == pytest.approx(1 / (cell["K"] - 1), rel=0.3)
-        # the floor sigma^2 delta^2 / (sigma^2 + (K-1) delta^2): nothing that leaves r[c, i] out beats it (noisy in --quick)
+        # the floor sigma^2 delta^2 / (sigma^2 + (K-1) delta^2): nothing that leaves r[c, i] out
+        # beats it (noisy in --quick)
         floor = cell["ratio"] / (1 + (cell["K"] - 1) * cell["ratio"])
         assert floor <= cell["mse"]["oracle"] * 1.2 + 1e-12
-        if (
-            cell["ratio"] == 0
-        ):  # contexts identical: XCTX's MSE is sigma^2/(BK-1), RLOO's (BK-1)/(K-1) >= 4.4 times more
+        # contexts identical: XCTX's MSE is sigma^2/(BK-1), RLOO's (BK-1)/(K-1) >= 4.4 times more
+        if cell["ratio"] == 0:
             assert cell["mse"]["xctx"] == pytest.approx(1 / (cell["B"] * cell["K"] - 1), rel=0.3)
-        if (
-            cell["ratio"] == 100
-        ):  # contexts far apart: XCTX is off by about delta, 100 sigma^2 >> RLOO's 1/(K-1)
+        # contexts far apart: XCTX is off by about delta, 100 sigma^2 >> RLOO's 1/(K-1)
+        if cell["ratio"] == 100:
             assert cell["mse"]["xctx"] > 20 * cell["mse"]["rloo"]
     assert sum(cell["js_minus_rloo_z"] < -3.5 for cell in cells) >= 40
 

@@ -1,4 +1,5 @@
-"""train.py end to end: what it writes, resume, torchrun, the real-backbone path on tiny pipelines, and bad input."""
+"""train.py end to end: what it writes, resume, torchrun, the real-backbone path on tiny pipelines,
+and bad input."""
 
 import importlib.util
 import json
@@ -47,8 +48,8 @@ def test_learned_schedule_beats_the_default_on_heldout_contexts(digits_run):
         row["method"]: row for row in json.loads((digits_run / "eval.json").read_text())["rows"]
     }
     learned = rows["learned (mean)"]
-    # Paired over the same 128 held-out noises: the improvement must exceed 3.3 of its standard errors
-    # (one-sided p < 0.0005). The half-width is a Student-t 95% one (127 degrees of freedom: 1.979 sem).
+    # Paired over the same 128 held-out noises: the improvement must exceed 3.3 of its standard
+    # errors (one-sided p < 0.0005). The half-width is a Student-t 95% one (127 dof: 1.979 sem).
     standard_error = learned["diff_ci95"] / 1.979
     assert learned["diff_mean"] > 3.3 * standard_error
     assert learned["mean"] > rows["default"]["mean"]
@@ -93,7 +94,10 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch)
 
     assert [row["iteration"] for row in resumed] == list(range(1, 8))
     timing = {"rollout_s", "step_s"}
-    strip = lambda rows: [{k: v for k, v in row.items() if k not in timing} for row in rows]
+
+    def strip(rows):
+        return [{k: v for k, v in row.items() if k not in timing} for row in rows]
+
     assert strip(resumed) == strip(full)
     final_full = torch.load(tmp_path / "full" / "ckpt.pt", weights_only=False)["policy"]
     final_resumed = torch.load(killed / "ckpt.pt", weights_only=False)["policy"]
@@ -215,7 +219,7 @@ SHORT = ["--iterations", "3", "--contexts", "8", "--eval-contexts", "4", "--ckpt
 
 @pytest.fixture(scope="module")
 def short_run(tmp_path_factory):
-    """A finished 3-iteration digits run: what the tests below damage or run again (copies of it)."""
+    """A finished 3-iteration digits run, which the tests below damage or run again (as copies)."""
     out = tmp_path_factory.mktemp("short") / "out"
     train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
     return out
@@ -274,7 +278,8 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_dead_one_blocks_nothi
             sys.executable,
             "-c",
             f"import sys, time; sys.path.insert(0, {ROOT!r}); import checkpoints; "
-            f"lock = checkpoints.lock_run({str(out)!r}); print('locked', flush=True); time.sleep(60)",
+            f"lock = checkpoints.lock_run({str(out)!r}); "
+            "print('locked', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -440,7 +445,8 @@ def test_a_prompt_the_backbone_cannot_take_fails_before_training(tmp_path):
     prompts.write_text("a handwritten 3\na red fox\n")
     with pytest.raises(
         SystemExit,
-        match="digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', got 'a red fox'",
+        match="digits knows only the prompts 'a handwritten 0' .. 'a handwritten 9', "
+        "got 'a red fox'",
     ):
         train.main(
             train.parse_config(
@@ -504,7 +510,7 @@ def test_threads_one_for_the_embedded_backbones(tmp_path):
 
 
 def test_the_names_train_offers_are_the_registries():
-    """train.py names its choices without importing the registries (so that --help needs no torch)."""
+    """train.py names its choices without importing the registries (so --help needs no torch)."""
     import backbones
     import baselines
     import policy
@@ -588,8 +594,9 @@ def test_trains_a_real_backbone_family_from_a_local_folder(tiny_runs, backbone):
 
 
 def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
-    """`python train.py --backbone sd35m --steps 10` offline: past configuration and the shipped prompts, then
-    one line naming the missing weights and how to get them, in seconds; on a CPU machine only with --device cpu."""
+    """`python train.py --backbone sd35m --steps 10` offline: past configuration and the shipped
+    prompts, then one line naming the missing weights and how to get them, in seconds; on a CPU
+    machine only with --device cpu."""
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as refused:
             launch.check_config(
@@ -599,8 +606,8 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
                 world_size=1,
             )
         assert str(refused.value) == (
-            "error: sd35m on a CPU takes hours per update; run on a CUDA machine, or pass --device cpu "
-            "to insist (or try --backbone digits)"
+            "error: sd35m on a CPU takes hours per update; run on a CUDA machine, "
+            "or pass --device cpu to insist (or try --backbone digits)"
         )
     started = time.perf_counter()
     result = run_script(
@@ -609,8 +616,8 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
     assert time.perf_counter() - started < 30
     assert result.returncode != 0
     assert (
-        "one update: B x K x L = 32 x 2 x 10 = 640 model evaluations (each a CFG pair), 64 reward calls"
-        in result.stdout
+        "one update: B x K x L = 32 x 2 x 10 = 640 model evaluations (each a CFG pair), "
+        "64 reward calls" in result.stdout
     )
     lines = result.stderr.strip().splitlines()
     assert (

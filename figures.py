@@ -1,0 +1,108 @@
+"""
+The figures of train.py (train.png), evaluate.py (results.png), sample.py's schedule panel and
+toy_js.py (toy_js.png), drawn on matplotlib Figures
+(no pyplot: files only, no display). matplotlib is imported when a figure is drawn, not with the
+scripts that import this module.
+"""
+
+import json
+import os
+
+import torch
+
+
+def draw_schedules(ax, learned_times, default_times, labels=None):
+    """Time per step index on `ax`: one colour per context (learned_times (N, L+1)), the default in
+    black."""
+    import matplotlib
+
+    steps = list(range(default_times.shape[0]))
+    colors = matplotlib.colormaps["viridis"].resampled(max(len(learned_times), 2))
+    if torch.equal(learned_times, learned_times[:1].expand_as(learned_times)):  # a global policy
+        learned_times, labels = learned_times[:1], ["learned: one schedule for every context"]
+    for index, times in enumerate(learned_times):
+        label = None if labels is None else labels[index]
+        ax.plot(steps, times, "-", marker=".", color=colors(index), label=label)
+    ax.plot(steps, default_times, "k--o", markersize=4, label="default")
+    ax.set(xlabel="step index l", ylabel="time t_l (1 = noise, 0 = data)", xticks=steps)
+    ax.legend(fontsize=6)
+
+
+def plot_training(out_dir, learned_times, default_times, labels, reward_name):
+    """train.png: at each checkpoint, the learned mean schedule's reward gain over the default on
+    the same 32 held-out contexts (metrics.jsonl, heldout_gain), against the noisy batch reward of
+    changing contexts; and the learned schedules of a few held-out contexts against the default."""
+    from matplotlib.figure import Figure
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
+        rows = [json.loads(line) for line in file]
+    checkpoints = [row for row in rows if "heldout_gain" in row]
+    figure = Figure(figsize=(11, 4), layout="tight")
+    left, right = figure.subplots(1, 2)
+    iterations = [0] + [row["iteration"] for row in checkpoints]
+    gains = [0] + [row["heldout_gain"] for row in checkpoints]
+    left.plot(iterations, gains, "-o", label="held out: learned - default, same 32 contexts")
+    left.axhline(0.0, color="black", linestyle="--", linewidth=0.8)
+    ylabel = f"{reward_name} gain over the default (> 0: better)"
+    left.set(xlabel="iteration", ylabel=ylabel, title="training progress")
+    left.legend(fontsize=8)
+    draw_schedules(right, learned_times, default_times, labels)
+    right.set_title("learned mean schedules of held-out contexts")
+    figure.savefig(os.path.join(out_dir, "train.png"), dpi=120)
+
+
+def plot_results(path, scores_per_reward, learned_times, default_times, baseline="default"):
+    """One panel per reward: histograms of the paired differences to the baseline method on the same
+    contexts; last panel: how far the learned schedules move each step from the default's (mean,
+    10-90% and min-max bands over contexts)."""
+    from matplotlib.figure import Figure
+
+    panels = len(scores_per_reward) + 1
+    figure = Figure(figsize=(5.5 * panels, 4))
+    axes = figure.subplots(1, panels)
+    for ax, (reward_name, scores) in zip(axes, scores_per_reward.items()):
+        others = [name for name in scores if name != baseline]
+        differences = {name: scores[name] - scores[baseline] for name in others}
+        everything = torch.cat([torch.zeros(1), *differences.values()])
+        bins = torch.linspace(everything.min().item(), everything.max().item() + 1e-9, 31).tolist()
+        for name, values in differences.items():
+            label = f"{name} (mean {values.mean():+.4g})"
+            ax.hist(values.tolist(), bins=bins, histtype="step", linewidth=1.5, label=label)
+        ax.axvline(0.0, color="black", linestyle="--")
+        ax.set(xlabel=f"{reward_name}: method - {baseline}, same context (> 0: better)")
+        ax.set(ylabel="contexts")
+        ax.legend(fontsize=8)
+    # the times differ from the default's by far less than their range 0..1: drawn as learned -
+    # default, the spread over contexts (10-90% and min-max bands) is visible
+    steps, last = torch.arange(default_times.numel()), axes[-1]
+    last.axhline(0.0, color="black", linestyle="--", linewidth=0.8, label="default")
+    for name, times in learned_times.items():
+        shift = times - default_times
+        low, high = torch.quantile(shift, torch.tensor([0.1, 0.9]), dim=0)
+        mean_label = f"{name}: mean over contexts"
+        (line,) = last.plot(steps, shift.mean(0), "-o", markersize=4, label=mean_label)
+        color, lowest, highest = line.get_color(), shift.min(0).values, shift.max(0).values
+        last.fill_between(steps, low, high, color=color, alpha=0.3, label=f"{name}: 10-90%")
+        last.fill_between(steps, lowest, highest, color=color, alpha=0.1, label=f"{name}: min-max")
+    last.set(xlabel="step index l", ylabel="t_l learned - t_l default (> 0: noisier)")
+    last.set(xticks=steps.tolist(), title="where the learned schedules move each step")
+    last.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def plot_toy_js(cells, path):
+    """Each baseline's MSE over RLOO's against delta^2/sigma^2, at the paper's K = 2, B = 16 (cells:
+    toy_js.estimation_cell's)."""
+    from matplotlib.figure import Figure
+
+    ax = Figure(figsize=(6, 4), layout="tight").subplots()
+    row = [c for c in cells if c["K"] == 2 and c["B"] == 16]
+    for name in ("xctx", "js", "js-unbiased", "oracle"):
+        relative = [c["mse"][name] / c["mse"]["rloo"] for c in row]
+        ax.plot([c["ratio"] for c in row], relative, "-o", markersize=3, label=name)
+    ax.axhline(1.0, color="black", linestyle="--", label="rloo")
+    ax.set(xscale="symlog", yscale="log", xlabel="delta^2 / sigma^2 (symlog)", xlim=(0, 150))
+    ax.set(ylabel="MSE / RLOO's MSE", title="estimating a context's mean reward, K=2, B=16")
+    ax.legend(fontsize=8)
+    ax.figure.savefig(path, dpi=110)
