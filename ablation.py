@@ -5,6 +5,7 @@ best per prompt class, best per sub-population, best per context with hindsight)
 schedule and learned instance-level schedules with each baseline, over several training seeds.
 
     python ablation.py --jobs 2  # 3 backbones x 6 trainings x 3 seeds, about 75 min on 2 idle cores
+    python ablation.py --backbones digits-xor --trainings "global, js" "instance, js" --jobs 2
     python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed per training
     python ablation.py --miniatures --jobs 2  # trained miniatures: 3 x 3 L x 2 policies x 3 seeds
 
@@ -47,6 +48,12 @@ add("--out-dir", default="out/ablation", help="one folder per backbone and train
 add("--backbones", nargs="+", default=["digits", "digits-prompt", "digits-noise"])
 add("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds")
 add("--steps", type=int, default=4, help="L")
+add(
+    "--trainings",
+    nargs="+",
+    metavar="NAME",
+    help="some of TRAININGS, e.g. 'global, js' (default: all)",
+)
 add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
 add("--miniatures", action="store_true", help="the miniatures' evidence instead (L = 2, 3, 4)")
 
@@ -109,11 +116,31 @@ def contexts(backbone, count, seed):
     return noise, cond, backbone.reference(noise, cond)
 
 
-# the groups the oracles fit a schedule per: the prompt's class, the sign of the noise mean
+def contrast_sign(context):
+    """1 where the noise is brighter in its top four rows than in its bottom four (digits-xor)."""
+    rows = context[0].flatten(1)
+    return (rows[:, :32].mean(1) > rows[:, 32:].mean(1)).long()
+
+
+# the groups the oracles fit a schedule per: the prompt's class, the sign of the noise mean; on
+# digits-xor also the digit's parity, the noise's top-bottom contrast and the two together
 GROUPINGS = {
     "class": lambda context: context[1]["label"],
     "sub-population": lambda context: (context[0].flatten(1).mean(1) > 0).long(),
 }
+XOR_GROUPINGS = {
+    "parity": lambda context: context[1]["label"] % 2,
+    "noise contrast": contrast_sign,
+    "(parity, noise contrast)": lambda context: (
+        2 * (context[1]["label"] % 2) + contrast_sign(context)
+    ),
+}
+# the grouping whose oracle "gap captured" measures against
+GAP_GROUPING = {"digits-noise": "sub-population", "digits-xor": "(parity, noise contrast)"}
+
+
+def groupings(name):
+    return {**GROUPINGS, **(XOR_GROUPINGS if name == "digits-xor" else {})}
 
 
 def oracles(backbone, steps):
@@ -144,7 +171,7 @@ def oracles(backbone, steps):
         )
     }
     rows["oracle: best global schedule"] = schedules["global"].expand(HELDOUT_CONTEXTS, -1)
-    for name, group in GROUPINGS.items():
+    for name, group in groupings(backbone.name).items():
         schedules[name] = best_schedules(backbone, fit, group(fit), steps, 300)
         rows[f"oracle: best schedule per {name}"] = schedules[name][group(heldout)]
     rows["oracle: best schedule per context (hindsight)"] = best_schedules(
@@ -167,7 +194,11 @@ def without_stop_margin(backbone, oracle, grouping):
     heldout = contexts(backbone, HELDOUT_CONTEXTS, HELDOUT_SEED)
     times = torch.tensor(oracle["schedules"][grouping])
     times[:, -1] = 0.0
-    return teacher_errors(backbone, heldout, times[GROUPINGS[grouping](heldout)]).mean().item()
+    return (
+        teacher_errors(backbone, heldout, times[groupings(backbone.name)[grouping](heldout)])
+        .mean()
+        .item()
+    )
 
 
 def run_dir(backbone, name, seed, args, steps=None):
@@ -440,10 +471,17 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 def main(args):
 
     torch.set_num_threads(1)  # the embedded backbones' tensors are tiny
+    selected = args.trainings or list(TRAININGS)
+    unknown = [name for name in selected if name not in TRAININGS]
+    if unknown or not {"global, js", "instance, js"} <= set(selected):
+        sys.exit(
+            f"ablation.py: --trainings takes names of {list(TRAININGS)}, with 'global, js' "
+            f"and 'instance, js' among them; got {selected}"
+        )
     runs = [
         (name, training, seed)
         for name in args.backbones
-        for training in TRAININGS
+        for training in selected
         for seed in args.seeds
     ]
     # each training is its own process; the oracles are fitted meanwhile
@@ -461,14 +499,13 @@ def main(args):
     lines = []
     for name in args.backbones:
         learned = {
-            training: [errors[name, training, seed] for seed in args.seeds]
-            for training in TRAININGS
+            training: [errors[name, training, seed] for seed in args.seeds] for training in selected
         }
         default, best_global = (
             oracle[name]["errors"]["default"],
             oracle[name]["errors"]["oracle: best global schedule"],
         )
-        grouping = "sub-population" if name == "digits-noise" else "class"
+        grouping = GAP_GROUPING.get(name, "class")
         group = oracle[name]["errors"][f"oracle: best schedule per {grouping}"]
         lines += [
             f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, "

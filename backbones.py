@@ -16,6 +16,8 @@ from mixture import MixtureBackbone
 from policy import POLICIES, json_times
 from rollout import PIPELINES, from_pipeline
 
+# +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
+TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 # Model facts per backbone (train.py's TRAINING holds the training defaults). family: the class that
 # runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG scale
@@ -57,6 +59,15 @@ BACKBONES = {
     # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise
     # says which (a weaker signal than the prompt).
     "digits-noise": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
+    # digits-xor: every class is two halves, one brighter in the top rows (shift +TOP) and one in
+    # the bottom rows (-TOP); the noise's top-bottom contrast says which a trajectory reaches, the
+    # digit's parity says which half is sharp (even: the top-bright one). Neither input alone
+    # predicts the schedule; only the two together do.
+    "digits-xor": dict(
+        EMBEDDED,
+        populations=[[(1.5, 0.02, TOP), (1.0, 0.5, -TOP)], [(1.0, 0.5, TOP), (1.5, 0.02, -TOP)]]
+        * 5,
+    ),
     # The trained miniatures (miniature.py): the real families' classes with shipped 16x16 digit
     # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
     # repository; prompts: (training, held-out) paraphrase files; the reward reads their pixels.

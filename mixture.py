@@ -3,7 +3,7 @@ The embedded backbones: exact flow-matching samplers for class-conditional Gauss
 scikit-learn's 8x8 digits (no download), with the same interface as the diffusers backbones of
 rollout.py. Their velocity is known in closed form and their teacher is an accurate RK4 solve, so
 the best schedule of a set of contexts can be computed (ablation.py's oracles). backbones.py names
-them: digits, digits-prompt, digits-noise.
+them: digits, digits-prompt, digits-noise, digits-xor.
 """
 
 import torch
@@ -24,8 +24,9 @@ class MixtureBackbone(Backbone):
 
     Data: the 1,797 8x8 handwritten digits shipped with scikit-learn, pixels 0..16 rescaled to
     [-1, 1]. For "a handwritten d", with y_i the images of class d and m_d their mean, each
-    sub-population (spread k, std s, shift b) of `populations[d]` puts one component N(mu_i, s^2 I)
-    at mu_i = m_d + k (y_i - m_d) + b for every y_i; all components of a class weigh the same.
+    sub-population (spread k, std s, shift b: a number or a (64,) pattern) of `populations[d]`
+    puts one component N(mu_i, s^2 I) at mu_i = m_d + k (y_i - m_d) + b for every y_i; all
+    components of a class weigh the same.
     With x_t = (1 - t) x_0 + t noise the marginal given component m is N((1 - t) mu_m, v_m I),
     v_m = (1 - t)^2 s_m^2 + t^2, and the velocity E[noise - x_0 | x_t] is
 

@@ -93,6 +93,7 @@ TRAINING = {
     "digits": dict(EMBEDDED, rollouts=2),
     "digits-prompt": dict(EMBEDDED, rollouts=8),
     "digits-noise": dict(EMBEDDED, rollouts=8, iterations=600),  # the noise's signal is weaker
+    "digits-xor": dict(EMBEDDED, rollouts=8, iterations=600),
     "mini-sd3": MINIATURE,
     "mini-flux": MINIATURE,
     "mini-sdxl": MINIATURE,

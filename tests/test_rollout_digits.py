@@ -56,7 +56,7 @@ def finite_difference_velocity(backbone, x, t, label, step=1e-5):
     return expected_noise - (x - t * expected_noise) / (1 - t)
 
 
-@pytest.mark.parametrize("name", ["digits", "digits-prompt", "digits-noise"])
+@pytest.mark.parametrize("name", ["digits", "digits-prompt", "digits-noise", "digits-xor"])
 def test_velocity_matches_finite_difference_score(name):
     # digits-prompt and digits-noise: stds per component (0.02 and 0.5), so the posterior weights
     # need the -(d/2) log v_m term; points near a component of each kind
@@ -252,3 +252,28 @@ def test_the_sampler_is_differentiable_in_the_times_and_oracles_beat_the_default
     assert best[groups == 1].mean() < default[groups == 1].mean()
     assert best[groups == 0].mean() < 0.9 * default[groups == 0].mean()
     assert schedules[0, 3] > schedules[1, 3] + 0.1  # the sharp digits want their last step later
+
+
+def test_digits_xor_needs_prompt_and_noise_together():
+    # The half a trajectory reaches follows the noise's top-bottom contrast, and which half is sharp
+    # follows the digit's parity: the teacher's sample is sharp (near one centre, std 0.02) for even
+    # digits with top-bright noise and odd digits with bottom-bright noise, and blurred otherwise.
+    backbone = load_backbone("digits-xor")
+    count = 200
+    noise = backbone.sample_noise(count, torch.Generator().manual_seed(0))
+    prompts = [backbone.prompts[i % 10] for i in range(count)]
+    cond = backbone.encode_prompts(prompts)
+    sample = backbone.reference(noise, cond).flatten(1).double()
+    contrast = noise.flatten(1)[:, :32].mean(1) > noise.flatten(1)[:, 32:].mean(1)
+    reached_top = sample[:, :32].mean(1) > sample[:, 32:].mean(1)
+    assert (reached_top == contrast).float().mean() > 0.9  # the noise says which half
+    centres, _, _, log_weights = backbone.mixture(cond["label"])
+    distance = (sample[:, None] - centres).square().sum(-1) + (log_weights < 0) * 1e30
+    nearest = distance.min(1).values.sqrt()  # to the nearest component centre
+    sharp_half = (cond["label"] % 2 == 0) == contrast  # even & top-bright, or odd & bottom-bright
+    # a sharp component's samples lie within about 0.02 * 8 = 0.16 of its centre, a blurred one's
+    # about 0.5 * 8 = 4 away
+    assert (nearest < 1.0).float()[sharp_half].mean() > 0.85
+    assert (nearest > 1.0).float()[~sharp_half].mean() > 0.85
+    for group in (cond["label"] % 2 == 0, contrast):  # either input alone: half sharp, half not
+        assert 0.3 < sharp_half[group].float().mean() < 0.7

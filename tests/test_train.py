@@ -489,7 +489,7 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
             and " ".join(field.metadata["help"].split()) in text
         ), field.name
     assert (
-        "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,mini-sd3,mini-flux,mini-sdxl}"
+        "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl}"
         in text
     )
     assert "(default: 0.0001)" in text  # --weight-decay
