@@ -77,7 +77,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
         arguments = dict(backbone=training["backbone"], training_config=training)
         policy = build_policy(dict(checkpoint["policy_config"], **arguments))
-        policy.load_state_dict(checkpoint["policy"])
+        load_weights(policy, checkpoint["policy"], source)
     # a folder, or a hub id user/name
     elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
         names = ("config.json", "model.safetensors")
@@ -103,7 +103,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
         folder = os.path.dirname(files["config.json"])
         # the mixin prints "Loading weights from local directory"
-        with contextlib.redirect_stdout(io.StringIO()):
+        with contextlib.redirect_stdout(io.StringIO()), earlier_network(source):
             policy = POLICIES[kind].from_pretrained(
                 folder, backbone=training["backbone"], training_config=training
             )
@@ -247,11 +247,31 @@ def metric_rows(path):
     return rows, torn
 
 
-def restore(checkpoint, policy, optimizer, metrics_path=None):
+@contextlib.contextmanager
+def earlier_network(source):
+    """Weights of another shape: a policy saved before the pooled prompt modulated the noise tokens
+    (FiLM, 2 x dim outputs; it was added to them, dim outputs) ends in one line, not a traceback."""
+    try:
+        yield
+    except RuntimeError as error:
+        if "size mismatch" not in str(error):
+            raise
+        raise ValueError(
+            f"{source} holds a policy of an earlier network (its pooled-prompt projection has "
+            "another shape); train it again with this code"
+        ) from None
+
+
+def load_weights(policy, state, source):
+    with earlier_network(source):
+        policy.load_state_dict(state)
+
+
+def restore(checkpoint, policy, optimizer, metrics_path=None, source="the checkpoint"):
     """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl
     (on the rank that writes it) cut back to its iteration, whose later rows will be logged again;
     a torn line is dropped with a note. Returns that iteration."""
-    policy.load_state_dict(checkpoint["policy"])
+    load_weights(policy, checkpoint["policy"], source)
     optimizer.load_state_dict(checkpoint["optimizer"])
     torch.set_rng_state(checkpoint["rng"]["torch"])
     if metrics_path is None:

