@@ -21,6 +21,12 @@ import torch
 import backbones
 from policy import POLICIES, build_policy
 
+# weights of another shape than their configuration builds: a policy of an earlier network
+EARLIER_NETWORK = (
+    "{source} holds a policy of an earlier network (its pooled-prompt projection has another "
+    "shape); train it again with this code"
+)
+
 
 def save_checkpoint(path, state):
     """Written to a temporary file, then renamed: a kill never leaves a corrupt checkpoint."""
@@ -56,6 +62,11 @@ def read_checkpoint(path):
     if not isinstance(state, dict) or not required <= set(state):
         keys = sorted(state)[:6]
         raise ValueError(f"{path} is not a checkpoint written by train.py (its keys: {keys})")
+    built = build_policy(dict(state["policy_config"])).state_dict()  # the network its config builds
+    if any(
+        name not in built or built[name].shape != w.shape for name, w in state["policy"].items()
+    ):
+        raise ValueError(EARLIER_NETWORK.format(source=path))
     return state
 
 
@@ -77,7 +88,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
         arguments = dict(backbone=training["backbone"], training_config=training)
         policy = build_policy(dict(checkpoint["policy_config"], **arguments))
-        load_weights(policy, checkpoint["policy"], source)
+        policy.load_state_dict(checkpoint["policy"])
     # a folder, or a hub id user/name
     elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
         names = ("config.json", "model.safetensors")
@@ -249,29 +260,22 @@ def metric_rows(path):
 
 @contextlib.contextmanager
 def earlier_network(source):
-    """Weights of another shape: a policy saved before the pooled prompt modulated the noise tokens
-    (FiLM, 2 x dim outputs; it was added to them, dim outputs) ends in one line, not a traceback."""
+    """A policy folder whose weights have other shapes than its config.json builds (one saved
+    before the pooled prompt modulated the noise tokens) ends in one line, not a traceback;
+    read_checkpoint checks a ckpt.pt before anything loads."""
     try:
         yield
     except RuntimeError as error:
         if "size mismatch" not in str(error):
             raise
-        raise ValueError(
-            f"{source} holds a policy of an earlier network (its pooled-prompt projection has "
-            "another shape); train it again with this code"
-        ) from None
+        raise ValueError(EARLIER_NETWORK.format(source=source)) from None
 
 
-def load_weights(policy, state, source):
-    with earlier_network(source):
-        policy.load_state_dict(state)
-
-
-def restore(checkpoint, policy, optimizer, metrics_path=None, source="the checkpoint"):
+def restore(checkpoint, policy, optimizer, metrics_path=None):
     """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl
     (on the rank that writes it) cut back to its iteration, whose later rows will be logged again;
     a torn line is dropped with a note. Returns that iteration."""
-    load_weights(policy, checkpoint["policy"], source)
+    policy.load_state_dict(checkpoint["policy"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     torch.set_rng_state(checkpoint["rng"]["torch"])
     if metrics_path is None:

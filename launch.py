@@ -249,8 +249,9 @@ def setup(config):
     )
     run.start = 0
     if checkpoint:
-        metrics = run.metrics_path if run.master else None
-        run.start = restore(checkpoint, run.raw_policy, run.optimizer, metrics, run.ckpt_path)
+        run.start = restore(
+            checkpoint, run.raw_policy, run.optimizer, run.metrics_path if run.master else None
+        )
         if run.master:
             print(f"continuing {run.ckpt_path} from iteration {run.start}")
     run.policy = DistributedDataParallel(run.raw_policy) if distributed else run.raw_policy

@@ -6,7 +6,7 @@ import torch
 
 from backbones import BACKBONES, make_policy
 from bench import POLICY_DIMS
-from checkpoints import load_checkpoint, save_policy
+from checkpoints import existing_run, load_checkpoint, save_policy
 from policy import (
     ALPHA_MIN,
     TAU_FLOOR,
@@ -364,6 +364,9 @@ def test_a_policy_of_the_earlier_network_fails_in_one_line(tmp_path):
     with pytest.raises(ValueError, match="earlier network") as error:
         load_checkpoint(str(path))
     assert "\n" not in str(error.value)
+    # a resume reads the same file first (train.py's input checks): refused before anything loads
+    with pytest.raises(ValueError, match="earlier network"):
+        existing_run(dict(out_dir=str(tmp_path), resume=False))
     folder = tmp_path / "policy"
     save_policy(str(folder), policy, config, 1)
     from safetensors.torch import save_file
