@@ -1,14 +1,18 @@
 """
 The figures of train.py (train.png), evaluate.py (results.png), sample.py's schedule panel and
-toy_js.py (toy_js.png), drawn on matplotlib Figures
-(no pyplot: files only, no display). matplotlib is imported when a figure is drawn, not with the
-scripts that import this module.
+toy_js.py (toy_js.png), drawn on matplotlib Figures (no pyplot: files only, no display).
+matplotlib is imported when a figure is drawn, not with the scripts that import this module.
 """
 
 import json
 import os
 
 import torch
+
+
+def context_labels(prompts, seeds):
+    """The legend entry of each context (prompt, noise seed)."""
+    return [f"{prompt[:24]}, seed {seed}" for prompt, seed in zip(prompts, seeds)]
 
 
 def draw_schedules(ax, learned_times, default_times, labels=None):

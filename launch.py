@@ -28,7 +28,7 @@ from checkpoints import (
     write_json_atomic,
 )
 from evaluate import default_schedule, evaluate, format_table, policy_schedule, summarize
-from figures import plot_training
+from figures import context_labels, plot_training
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
 
@@ -341,7 +341,7 @@ def finish(config, run):
         noise, cond = context_noise(run.backbone, seeds), run.backbone.encode_prompts(prompts)
         learned = policy_schedule(run.raw_policy, run.backbone)(noise, cond).cpu()
         default = run.backbone.default_times(run.raw_policy.steps).cpu()
-        labels = [f"{prompt[:24]}, seed {seed}" for prompt, seed in zip(prompts, seeds)]
+        labels = context_labels(prompts, seeds)
         plot_training(config.out_dir, learned, default, labels, config.reward)
         save_policy(
             os.path.join(config.out_dir, "policy"),

@@ -65,7 +65,7 @@ import torch
 import backbones
 from checkpoints import load_checkpoint, trained_backbone
 from evaluate import default_schedule, policy_schedule
-from figures import draw_schedules
+from figures import context_labels, draw_schedules
 from prompts import context_noise, load_prompt_file
 
 # -----------------------------------------------------------------------------
@@ -182,7 +182,7 @@ def save_figures(out_dir, contexts, results, label):
     figure.savefig(os.path.join(out_dir, "grid.png"), dpi=150)
     plt.close(figure)
     figure, ax = plt.subplots(figsize=(6, 4))
-    labels = [f"{prompt[:24]}, seed {seed}" for prompt, seed in contexts]
+    labels = context_labels(*zip(*contexts))
     draw_schedules(ax, results["learned"][1], results["default"][1][0], labels)
     ax.set_title(label, fontsize=9)
     figure.tight_layout()
