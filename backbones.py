@@ -3,7 +3,8 @@ Every backbone by name: its model facts (BACKBONES) and where its weights come f
 local folder, or a miniature shipped in this repository), and load_backbone(name), which builds
 the frozen backbone: a diffusers pipeline of rollout.py or an embedded mixture of mixture.py.
 Missing, gated or incomplete weights end in one line that says how to get them. make_policy
-builds policy.py's network at the size each backbone gets (PRESETS).
+builds a policy (policy.py's, or stepwise.py's) at the size each backbone gets (PRESETS);
+build_policy rebuilds one from its `.config`.
 """
 
 import os
@@ -13,8 +14,9 @@ import urllib.parse
 import torch
 
 from mixture import MixtureBackbone
-from policy import POLICIES, json_times
+from policy import GlobalPolicy, SchedulePolicy, json_times
 from rollout import PIPELINES, from_pipeline
+from stepwise import StepwisePolicy
 
 # +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
@@ -197,7 +199,7 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
     start = dict(init="uniform")
     if init_times is not None:
         start = dict(init="default", init_times=json_times(init_times))
-    if kind == "instance":
+    if kind in ("instance", "stepwise"):
         dims = dict(
             latent_channels=backbone_dims["latent_channels"],
             text_dim=backbone_dims["text_dim"],
@@ -205,3 +207,12 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
         )
         options = {**PRESETS[preset], **options, **dims}
     return POLICIES[kind](steps, **start, **options)
+
+
+POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}
+
+
+def build_policy(config):
+    """Rebuild a policy from its `.config` (then load_state_dict for its weights)."""
+    config = dict(config)
+    return POLICIES[config.pop("kind")](**config)

@@ -19,7 +19,6 @@ import os
 import torch
 
 import backbones
-from policy import POLICIES, build_policy
 
 # weights of another shape than their configuration builds: a policy of an earlier network
 EARLIER_NETWORK = (
@@ -62,7 +61,7 @@ def read_checkpoint(path):
     if not isinstance(state, dict) or not required <= set(state):
         keys = sorted(state)[:6]
         raise ValueError(f"{path} is not a checkpoint written by train.py (its keys: {keys})")
-    built = build_policy(dict(state["policy_config"])).state_dict()  # the network its config builds
+    built = backbones.build_policy(dict(state["policy_config"])).state_dict()  # what it builds
     if any(
         name not in built or built[name].shape != w.shape for name, w in state["policy"].items()
     ):
@@ -87,7 +86,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         checkpoint = read_checkpoint(source)
         training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
         arguments = dict(backbone=training["backbone"], training_config=training)
-        policy = build_policy(dict(checkpoint["policy_config"], **arguments))
+        policy = backbones.build_policy(dict(checkpoint["policy_config"], **arguments))
         policy.load_state_dict(checkpoint["policy"])
     # a folder, or a hub id user/name
     elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
@@ -115,7 +114,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         folder = os.path.dirname(files["config.json"])
         # the mixin prints "Loading weights from local directory"
         with contextlib.redirect_stdout(io.StringIO()), earlier_network(source):
-            policy = POLICIES[kind].from_pretrained(
+            policy = backbones.POLICIES[kind].from_pretrained(
                 folder, backbone=training["backbone"], training_config=training
             )
     else:

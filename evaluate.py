@@ -4,7 +4,8 @@ Paired evaluation of learned sampling schedules on held-out contexts.
 Every method (the default schedule, the learned instance-level schedule at its Dirichlet mean,
 optionally a learned global schedule, the teacher and, for Flux-Dev, the distilled Flux-Schnell)
 samples from the *same* initial noise for each context (prompt + seed), so differences are paired.
-A method is a callable (noise, cond) -> times (N, L+1).
+A method is a callable (noise, cond) -> times (N, L+1), or -> (times, latents) when it samples
+itself (a step-wise policy chooses its times inside the sampling loop).
 
 CPU, the embedded digits backbone (after `python train.py`):
     python evaluate.py --ckpt out/ckpt.pt [--global-ckpt out_global/ckpt.pt]
@@ -64,12 +65,20 @@ import rewards as reward_lib
 from figures import plot_results
 from policy import mean_increments, sample_increments, times_from_increments
 from prompts import context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups
+from stepwise import Stepper, start_times
 
 
 # -----------------------------------------------------------------------------
 # methods: callables (noise, cond) -> times (N, L+1)
 def policy_schedule(policy, backbone, mode="mean", generator=None):
-    """A trained policy's schedule: the Dirichlet mean ("mean", deterministic) or one draw."""
+    """A trained policy's schedule: the Dirichlet mean ("mean", deterministic) or one draw; for a
+    step-wise policy the Beta mean or a draw at each step, returned with the latents it sampled."""
+
+    @torch.no_grad()
+    def stepwise_fn(noise, cond):
+        stepper = Stepper(policy, backbone, cond, generator if mode != "mean" else None)
+        latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
+        return stepper.times(), latents
 
     @torch.no_grad()
     def times_fn(noise, cond):
@@ -78,7 +87,14 @@ def policy_schedule(policy, backbone, mode="mean", generator=None):
             return times_from_increments(mean_increments(alpha))
         return times_from_increments(sample_increments(alpha, 1, generator)[:, 0])
 
-    return times_fn
+    return stepwise_fn if policy.config["kind"] == "stepwise" else times_fn
+
+
+def run_method(backbone, method, noise, cond):
+    """(times, latents) of a method on these contexts: its times run by the sampler, or what it
+    sampled itself."""
+    used = method(noise, cond)
+    return used if isinstance(used, tuple) else (used, backbone.sample(noise, cond, used))
 
 
 def fixed_schedule(times):
@@ -130,8 +146,7 @@ def score_batches(
             if schedule is None:
                 latents = backbone.reference(sub_noise, sub_cond)
             else:
-                used = schedule(sub_noise, sub_cond)
-                latents = backbone.sample(sub_noise, sub_cond, used)
+                used, latents = run_method(backbone, schedule, sub_noise, sub_cond)
                 times[name] = dict(zip(todo[name], used.float().cpu().tolist()))
             samples = (latents, [prompts[i] for i in todo[name]], sub_noise, sub_cond)
             scores[name] = {}

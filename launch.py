@@ -27,7 +27,14 @@ from checkpoints import (
     save_policy,
     write_json_atomic,
 )
-from evaluate import default_schedule, evaluate, format_table, policy_schedule, summarize
+from evaluate import (
+    default_schedule,
+    evaluate,
+    format_table,
+    policy_schedule,
+    run_method,
+    summarize,
+)
 from figures import context_labels, plot_training
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
@@ -38,6 +45,8 @@ LEAST = dict(
     iterations=1,
     ckpt_interval=1,
     log_interval=1,
+    ppo_epochs=1,
+    ppo_minibatches=1,
     eval_contexts=1,
     rollout_batch=1,
     resolution=8,
@@ -72,7 +81,9 @@ def check_config(config, world_size):
                 "contexts": f" for --baseline {config.baseline}",
             }.get(key, "")
             _fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
-    strict = dict(lr=True, grad_clip=True, weight_decay=False, guidance=False)  # > 0, else >= 0
+    strict = dict(
+        lr=True, grad_clip=True, ppo_clip=True, weight_decay=False, guidance=False
+    )  # > 0, else >= 0
     for key, positive in strict.items():
         value = getattr(config, key)
         if value is not None and not (
@@ -339,7 +350,10 @@ def finish(config, run):
         )
         prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
         noise, cond = context_noise(run.backbone, seeds), run.backbone.encode_prompts(prompts)
-        learned = policy_schedule(run.raw_policy, run.backbone)(noise, cond).cpu()
+        learned = run_method(
+            run.backbone, policy_schedule(run.raw_policy, run.backbone), noise, cond
+        )
+        learned = learned[0].cpu()
         default = run.backbone.default_times(run.raw_policy.steps).cpu()
         labels = context_labels(prompts, seeds)
         plot_training(config.out_dir, learned, default, labels, config.reward)
@@ -356,3 +370,18 @@ def finish(config, run):
     if run.distributed:
         dist.barrier()
         dist.destroy_process_group()
+
+
+def log(config, run, row, progress):
+    """One row of metrics.jsonl per iteration; a line on the console every log_interval."""
+    with open(run.metrics_path, "a") as file:
+        file.write(json.dumps(row) + "\n")
+    done = row["iteration"]
+    if done % config.log_interval == 0 or done == config.iterations:
+        clipped = f" | clipped {row['clip_fraction']:.2f}" if config.optimizer == "ppo" else ""
+        progress.write(
+            f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a "
+            f"{row['shrinkage']:.3f} | loss {row['loss']:+.4f} | grad "
+            f"{row['grad_norm']:.3f} | concentration {row['concentration']:.1f} | "
+            f"stop margin {row['stop_margin']:.4f}{clipped}"
+        )

@@ -146,6 +146,12 @@ def _pick(value, index):
     return value
 
 
+STEPWISE = (
+    "a step-wise policy (TPDM) picks each time from the sampler's state inside the loop, which a "
+    "stock pipeline's scheduler does not hand out: sample it with sample.py without --pipeline"
+)
+
+
 @torch.no_grad()
 def generate(
     pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs
@@ -157,6 +163,8 @@ def generate(
     pipeline's encode_prompt; height, width, guidance_scale, output_type, return_dict behave as in
     the pipeline. num_inference_steps is the policy's L; timesteps and sigmas are refused. The
     pipeline is left as it was found (its scheduler, modules' modes, grad flags, progress bar)."""
+    if policy.config["kind"] == "stepwise":
+        raise ValueError(STEPWISE)
     for key in REFUSED:
         if key in pipe_kwargs:
             raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
@@ -249,6 +257,8 @@ def generate(
 def schedule_json(policy, backbone):
     """A global policy's schedule for other tools: its times (L+1,), the sigmas they stand for, and
     the timesteps the model sees (its Dirichlet mean)."""
+    if policy.config["kind"] == "stepwise":
+        raise ValueError(STEPWISE)
     if policy.config["kind"] != "global":
         raise ValueError(
             "an instance-level policy has a schedule per noise and prompt: use generate(); "

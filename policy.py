@@ -265,6 +265,10 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
             self.head[-1].bias.copy_(bias)
 
     def forward(self, latent, text, text_mask, pooled=None):
+        return F.softplus(self.head(self.encode(latent, text, text_mask, pooled))) + ALPHA_MIN
+
+    def encode(self, latent, text, text_mask, pooled=None):
+        """The mean token (N, dim) that the head reads (stepwise.py's policy shares it)."""
         if (pooled is None) != (self.pooled_proj is None):
             given, built = pooled is not None, self.pooled_proj is not None
             message = f"pooled embedding given: {given}, policy built with pooled_dim: {built}"
@@ -292,7 +296,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
         for block in self.blocks:
             tokens = block(tokens, context, context_mask)
 
-        return F.softplus(self.head(tokens.mean(1))) + ALPHA_MIN  # (N, L+1)
+        return tokens.mean(1)
 
 
 class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
@@ -319,12 +323,3 @@ class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
     def forward(self, latent, text=None, text_mask=None, pooled=None):
         alpha = F.softplus(self.logits) + ALPHA_MIN  # (L+1,)
         return alpha[None].repeat(len(latent), 1)  # (N, L+1)
-
-
-POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy}
-
-
-def build_policy(config):
-    """Rebuild a policy from its `.config` (then load_state_dict for its weights)."""
-    config = dict(config)
-    return POLICIES[config.pop("kind")](**config)

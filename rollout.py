@@ -38,7 +38,8 @@ class Backbone:
       sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
-      sample(noise, cond, times) -> final latents; times (N, L+1), each row run exactly
+      sample(noise, cond, times, decide=None) -> final latents; times (N, L+1), each row run
+          exactly (decide: a step-wise policy choosing the times on the way, run_schedule)
       reference(noise, cond) -> an accurate solution from the same noise: the teacher
       decode(latents) -> images (N, 3, H, W) in [0, 1]
     """
@@ -66,19 +67,29 @@ class Backbone:
         return self.sample(noise, cond, times)
 
 
-def run_schedule(derivative, state, times, level=None):
+def run_schedule(derivative, state, times, level=None, decide=None):
     """The one sampling loop: L first-order steps, exactly L calls of `derivative`.
 
     derivative(state, t) -> d state / d level at per-sample times t (N,); times (N, L+1);
-    level(times) -> the integration variable (sigma for SD-XL; None = the times themselves).
+    level(times) -> the integration variable s (sigma for SD-XL; None = the times themselves).
+    decide(step, t, state, estimate) -> t_{l+1} (N,): a step-wise policy (stepwise.py) choosing
+    each next time after the model call at t_l; only times[:, 0] is then read. It sees the state
+    at unit scale, x / sqrt(s^2 + 1) (SD-XL's model input; a factor in [0.71, 1] for the flows),
+    and the model's prediction of the clean sample, x - s * derivative (flows: x = (1 - t) x_0 +
+    t n with velocity n - x_0; SD-XL: x = x_0 + sigma n with the predicted noise).
     """
-    levels = times if level is None else level(times)  # (N, L+1)
-    levels = levels.to(state.device, torch.float32)
+    level = level or (lambda t: t)
     times = times.to(state.device)
+    if decide is not None:
+        times = times.clone()  # filled in step by step
     view = (-1,) + (1,) * (state.dim() - 1)
     for step in range(times.shape[1] - 1):
-        slope = derivative(state, times[:, step])
-        state = state + (levels[:, step + 1] - levels[:, step]).view(view) * slope.float()
+        t = times[:, step]
+        slope = derivative(state, t).float()
+        s = level(t).to(torch.float32).view(view)
+        if decide is not None:
+            times[:, step + 1] = decide(step, t, state / (s**2 + 1).sqrt(), state - s * slope)
+        state = state + (level(times[:, step + 1]).to(torch.float32).view(view) - s) * slope
     return state
 
 
@@ -201,7 +212,7 @@ class SD3Backbone(PipelineBackbone):
         return scheduler.sigmas.float()
 
     @torch.no_grad()
-    def sample(self, noise, cond, times):
+    def sample(self, noise, cond, times, decide=None):
         _check_times(times, noise.shape[0])
         text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if self.cfg:
@@ -218,7 +229,7 @@ class SD3Backbone(PipelineBackbone):
             )[0]
             return _guided(prediction, self.guidance) if self.cfg else prediction
 
-        return run_schedule(velocity, noise.float(), times)
+        return run_schedule(velocity, noise.float(), times, decide=decide)
 
     def vae_input(self, latents):
         config = self.pipe.vae.config
@@ -288,7 +299,7 @@ class FluxBackbone(PipelineBackbone):
         return scheduler.sigmas.float()
 
     @torch.no_grad()
-    def sample(self, noise, cond, times):
+    def sample(self, noise, cond, times, decide=None):
         _check_times(times, noise.shape[0])
         count = noise.shape[0]
         patches = self.latent_size // 2
@@ -311,7 +322,7 @@ class FluxBackbone(PipelineBackbone):
                 return_dict=False,
             )[0]
 
-        return run_schedule(velocity, noise.float(), times)
+        return run_schedule(velocity, noise.float(), times, decide=decide)
 
     def vae_input(self, latents):
         config = self.pipe.vae.config
@@ -391,7 +402,7 @@ class SDXLBackbone(PipelineBackbone):
         return torch.cat([scheduler.timesteps.float() / last, torch.zeros(1)])
 
     @torch.no_grad()
-    def sample(self, noise, cond, times):
+    def sample(self, noise, cond, times, decide=None):
         _check_times(times, noise.shape[0])
         text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         time_ids = cond["time_ids"]
@@ -417,7 +428,7 @@ class SDXLBackbone(PipelineBackbone):
         first = self.sigma(times[:, 0]).to(noise.device).view(view)
         leading = self.pipe.scheduler.config.timestep_spacing == "leading"
         scale = (first**2 + 1) ** 0.5 if leading else first
-        return run_schedule(epsilon, noise.float() * scale, times, level=self.sigma)
+        return run_schedule(epsilon, noise.float() * scale, times, self.sigma, decide)
 
     def vae_input(self, latents):
         config = self.pipe.vae.config

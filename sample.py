@@ -46,7 +46,7 @@ add("--prompt", action="append", default=[], help="a prompt (repeatable)")
 add("--prompts", help="prompt file (.txt, .json, .jsonl)")
 add("--seeds", type=noise_seed, nargs="+", default=[0], help="noise seeds; each with every prompt")
 # schedule
-add("--stochastic", action="store_true", help="draw one schedule from the Dirichlet, not its mean")
+add("--stochastic", action="store_true", help="draw the schedule (Dirichlet / Beta), not its mean")
 add("--draw-seed", type=int, default=0, help="seed of the Dirichlet draws with --stochastic")
 add("--pipeline", action="store_true", help="through the stock diffusers pipeline (generate)")
 add("--export", metavar="JSON", help="write a global policy's schedule (times, sigmas) and exit")
@@ -64,7 +64,7 @@ import torch
 
 import backbones
 from checkpoints import load_checkpoint, trained_backbone
-from evaluate import default_schedule, policy_schedule
+from evaluate import default_schedule, policy_schedule, run_method
 from figures import context_labels, draw_schedules
 from prompts import context_noise, load_prompt_file
 
@@ -110,9 +110,10 @@ def sample_contexts(backbone, policy, prompts, seeds, stochastic=False, draw_see
         noise = context_noise(backbone, seeds[start : start + batch_size])
         cond = backbone.encode_prompts(prompts[start : start + batch_size])
         teacher = backbone.reference(noise, cond)
-        for name, times_fn in [*methods.items(), ("teacher", None)]:
-            times = None if times_fn is None else times_fn(noise, cond)
-            latents = teacher if times is None else backbone.sample(noise, cond, times)
+        for name, method in [*methods.items(), ("teacher", None)]:
+            times, latents = (
+                (None, teacher) if method is None else run_method(backbone, method, noise, cond)
+            )
             results[name][0].append(backbone.decode(latents).float().cpu())
             results[name][1].append(None if times is None else times.float().cpu())
             error = (latents.float() - teacher.float()).square().flatten(1).mean(1)
@@ -224,10 +225,18 @@ def main(argv=None):
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
     os.makedirs(out_dir, exist_ok=True)
     label = "learned (one Dirichlet draw)" if args.stochastic else "learned (Dirichlet mean)"
+    if policy.config["kind"] == "stepwise":
+        label = (
+            "step-wise (one Beta draw per step)" if args.stochastic else "step-wise (Beta means)"
+        )
     print(f"backbone {config['backbone']}, L={policy.steps}, {len(contexts)} contexts, {label}")
     prompts, seeds = [prompt for prompt, _ in contexts], [seed for _, seed in contexts]
     policy = policy.to(backbone.device)
     if args.pipeline:
+        from pipeline import STEPWISE
+
+        if policy.config["kind"] == "stepwise":
+            sys.exit(f"sample.py: error: {STEPWISE}")
         if not hasattr(backbone, "pipe"):
             needs = f"--pipeline needs a diffusers backbone, not {config['backbone']!r}"
             sys.exit(f"sample.py: error: {needs}")

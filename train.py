@@ -15,12 +15,15 @@ x_T); the policy maps each to the concentration alpha of a Dirichlet over the L+
 schedule; K schedules tau ~ Dir(alpha) are drawn per context and each is sampled with the frozen
 backbone (L model calls) and scored; then one REINFORCE step with a baseline b:
     loss = -mean_{c,i} (r[c,i] - b[c,i]) * log pi(tau[c,i] | x_T, c)
-A run folder is never overwritten: running the same command again continues a killed run from its
-last checkpoint, or reports a finished one.
+The paper's comparator TPDM (stepwise.py) trains in the same loop: `--policy stepwise` picks each
+next time inside the sampling loop from the sampler's state, `--optimizer ppo` takes clipped PPO
+steps instead of the one REINFORCE step. A run folder is never overwritten: running the same
+command again continues a killed run from its last checkpoint, or reports a finished one.
 """
 
 import argparse
 import dataclasses
+import functools
 import math
 import types
 from dataclasses import dataclass, field
@@ -47,7 +50,7 @@ class Config:
     guidance: float | None = arg(None, "CFG scale (the distilled guidance for flux-dev)")
     prompts: str | None = arg(None, "training prompts: a file (.txt, .json, .jsonl) or hpdv2")
     # policy
-    policy: str = arg("instance", "instance (reads noise and prompt) | global (one for all)")
+    policy: str = arg("instance", "instance (noise and prompt) | global | stepwise (TPDM)")
     steps: int | None = arg(None, "L, model calls per sample; one policy per L")
     init: str = arg("default", "default (start at the backbone's schedule) | uniform")
     # reward
@@ -62,6 +65,10 @@ class Config:
     iterations: int | None = arg(None, "policy updates")
     lr: float | None = arg(None, "AdamW peak learning rate")
     lr_decay: str = arg("cosine", "cosine (to 0 at the last iteration) | constant")
+    optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's, stepwise.py)")
+    ppo_epochs: int = arg(4, "ppo: passes over each batch of rollouts")
+    ppo_minibatches: int = arg(4, "ppo: gradient steps per pass")
+    ppo_clip: float = arg(0.2, "ppo: the ratio's clip range epsilon")
     weight_decay: float = arg(1e-4, "AdamW weight decay")
     grad_clip: float = arg(1.0, "gradient-norm clip")
     # evaluation
@@ -101,11 +108,12 @@ TRAINING = {
 GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's lr it barely moves
 CHOICES = dict(
     backbone=list(TRAINING),
-    policy=["instance", "global"],
+    policy=["instance", "global", "stepwise"],
     init=["default", "uniform"],
     reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit"],
     baseline=["js", "js-unbiased", "rloo", "xctx"],
     lr_decay=["cosine", "constant"],
+    optimizer=["reinforce", "ppo"],
     dtype=["bfloat16", "float16", "float32"],
     device=["cpu", "cuda"],
 )
@@ -117,6 +125,17 @@ def get_lr(config, iteration):
     if config.lr_decay == "constant":
         return config.lr
     return config.lr * 0.5 * (1 + math.cos(math.pi * iteration / config.iterations))
+
+
+def descend(config, run, loss, lr):
+    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm."""
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_policy.parameters(), config.grad_clip)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    run.optimizer.step()
+    return grad_norm
 
 
 def parse_config(argv=None):
@@ -150,7 +169,6 @@ def parse_config(argv=None):
 if __name__ == "__main__":
     CONFIG = parse_config()  # before torch and the models load, so that --help answers at once
 
-import json  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -158,6 +176,7 @@ import torch.distributed as dist  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import launch  # noqa: E402
+import stepwise  # noqa: E402
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
 from checkpoints import save_checkpoint  # noqa: E402
 from policy import log_prob, mean_increments, sample_increments, times_from_increments  # noqa: E402
@@ -174,6 +193,8 @@ def main(config):
     backbone, reward, prompts = run.backbone, run.reward, run.prompts
     contexts_per_rank = config.contexts // run.world_size
     first = run.rank * contexts_per_rank  # this rank's contexts in the global batch
+    per_step = config.policy == "stepwise"  # TPDM's policy: stepwise.py
+    K = config.rollouts
     progress = tqdm(
         range(run.start, config.iterations),
         initial=run.start,
@@ -195,24 +216,40 @@ def main(config):
             noise = torch.cat([backbone.sample_noise(1, g) for g in generators])
             cond = backbone.encode_prompts(batch_prompts)
             inputs = backbone.policy_inputs(noise, cond)
-            alpha = run.raw_policy(**inputs)  # (B/world, L+1) Dirichlet concentrations
-            tau = torch.cat(
-                [
-                    sample_increments(alpha[c : c + 1], config.rollouts, g)
-                    for c, g in enumerate(generators)
-                ]
-            )  # (B/world, K, L+1) increments
-            times = times_from_increments(tau).flatten(0, 1).to(run.device)  # (B/world * K, L+1)
-            noise_k = noise.repeat_interleave(config.rollouts, 0)  # context-major, as times
-            cond_k = {key: v.repeat_interleave(config.rollouts, 0) for key, v in cond.items()}
-            prompts_k = [prompt for prompt in batch_prompts for _ in range(config.rollouts)]
-            rewards = []
+            if per_step:  # the policy picks each next time inside the loop; K draw streams each
+                seeds = torch.cat([torch.randint(2**62, (K,), generator=g) for g in generators])
+                draws = [torch.Generator().manual_seed(seed) for seed in seeds.tolist()]
+                times = stepwise.start_times(len(draws), config.steps)  # t_0 = 1, the rest chosen
+            else:  # single pass: the whole schedule from x_T and the prompt, before the loop
+                alpha = run.raw_policy(**inputs)  # (B/world, L+1) Dirichlet concentrations
+                tau = [sample_increments(alpha[c : c + 1], K, g) for c, g in enumerate(generators)]
+                tau = torch.cat(tau)  # (B/world, K, L+1) increments
+                times = times_from_increments(tau).flatten(0, 1)  # (B/world * K, L+1)
+            noise_k = noise.repeat_interleave(K, 0)  # context-major, as times
+            cond_k = {key: v.repeat_interleave(K, 0) for key, v in cond.items()}
+            prompts_k = [prompt for prompt in batch_prompts for _ in range(K)]
+            rewards, records = [], []
             for part in torch.arange(len(prompts_k)).split(config.rollout_batch or len(prompts_k)):
                 cond_part = {key: value[part] for key, value in cond_k.items()}
-                latents = backbone.sample(noise_k[part], cond_part, times[part])  # L model calls
+                part_draws = [draws[i] for i in part] if per_step else None
+                stepper = None  # single pass: the times are given
+                if per_step:
+                    part_draws = [draws[i] for i in part]
+                    stepper = stepwise.Stepper(run.raw_policy, backbone, cond_part, part_draws)
+                # L model calls
+                latents = backbone.sample(noise_k[part], cond_part, times[part], stepper)
                 part_prompts = [prompts_k[i] for i in part]
                 rewards.append(reward(latents, part_prompts, noise_k[part], cond_part))
+                records.append(stepper.record() if per_step else None)
             rewards = torch.cat(rewards).float().view(contexts_per_rank, -1)  # (B/world, K)
+            # logged: the mean concentration (the Dirichlet's, or each step's Beta) and stop margin
+            if per_step:
+                record = stepwise.join_records(records)
+                logp_old = record["logp"]
+                spread = record["parameters"].sum(-1).mean(), record["times"][:, -1].mean()
+            else:
+                logp_old = log_prob(alpha, tau.to(run.device)).flatten()
+                spread = alpha.sum(-1).mean(), mean_increments(alpha)[:, -1].mean()
         t_rollout = time.time() - t0
 
         # ---------------- baselines: pooled over the global batch ----------------
@@ -223,21 +260,31 @@ def main(config):
             all_rewards = torch.cat(gathered)  # (B, K)
         launch.check_finite(config, run, iteration, all_rewards)
         baseline = BASELINES[config.baseline](all_rewards)  # (B, K), detached
-        advantages = (all_rewards - baseline)[first : first + contexts_per_rank].to(run.device)
+        advantages = all_rewards - baseline
+        if config.optimizer == "ppo":  # normalised over the batch, as PPO implementations do
+            advantages = advantages / (advantages.std() + 1e-8)
+        advantages = advantages[first : first + contexts_per_rank].flatten().to(run.device)
 
         # ---------------- policy gradient ----------------
         # The policy runs a second time, now with gradients (through DDP, which averages them over
         # ranks): the rollout above only needed its output, and keeping that graph alive through
         # the L model calls would hold memory for nothing.
-        alpha = run.policy(**inputs)  # (B/world, L+1)
-        logp = log_prob(alpha, tau.to(run.device))  # (B/world, K): the joint Dirichlet log-density
-        loss = -(advantages.detach() * logp).mean()
-        run.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_policy.parameters(), config.grad_clip)
-        for group in run.optimizer.param_groups:
-            group["lr"] = get_lr(config, iteration)
-        run.optimizer.step()
+        def log_probs(index):  # log pi of the samples `index` (context-major), (len,)
+            if per_step:  # the sum of the L Beta log-densities, from the recorded states
+                return stepwise.trajectory_log_prob(run.policy, record, index)
+            alpha = run.policy(**inputs)  # (B/world, L+1)
+            return log_prob(alpha, tau.to(run.device)).flatten()[index]  # the Dirichlet density
+
+        lr, clip_fraction = get_lr(config, iteration), math.nan
+        if config.optimizer == "ppo":  # TPDM's: several epochs of clipped steps on this batch
+            shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
+            step = functools.partial(descend, config, run, lr=lr)
+            loss, grad_norm, clip_fraction = stepwise.ppo_update(
+                config, log_probs, logp_old, advantages, step, shuffle
+            )
+        else:  # REINFORCE: one step on -mean((r - b) log pi)
+            loss = -(advantages * log_probs(slice(None))).mean()
+            grad_norm = descend(config, run, loss, lr)
 
         # ---------------- log and checkpoint (rank 0) ----------------
         done = iteration + 1
@@ -254,22 +301,15 @@ def main(config):
             shrinkage=js_weight,
             loss=loss.item(),
             grad_norm=grad_norm.item(),
-            concentration=alpha.detach().sum(-1).mean().item(),
-            stop_margin=mean_increments(alpha.detach())[:, -1].mean().item(),  # t_L, mean
+            clip_fraction=clip_fraction,
+            concentration=spread[0].item(),
+            stop_margin=spread[1].item(),
             rollout_s=t_rollout,
             step_s=time.time() - t0,
         )
         if checkpoint_now:  # the held-out gain on the first 32 held-out contexts
             row["heldout_gain"] = run.curve(run.raw_policy)
-        with open(run.metrics_path, "a") as file:
-            file.write(json.dumps(row) + "\n")
-        if done % config.log_interval == 0 or done == config.iterations:
-            progress.write(
-                f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a "
-                f"{row['shrinkage']:.3f} | loss {row['loss']:+.4f} | grad "
-                f"{row['grad_norm']:.3f} | concentration {row['concentration']:.1f} | "
-                f"stop margin {row['stop_margin']:.4f}"
-            )
+        launch.log(config, run, row, progress)
         if checkpoint_now:
             save_checkpoint(
                 run.ckpt_path,

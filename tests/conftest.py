@@ -72,6 +72,38 @@ def digits_global_run(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def digits_stepwise_run(tmp_path_factory):
+    """TPDM's comparator: a step-wise policy trained with PPO, 3 iterations."""
+    return train_in_process(
+        tmp_path_factory.mktemp("digits_stepwise") / "out",
+        *("--policy", "stepwise", "--optimizer", "ppo", "--iterations", "3"),
+        *("--eval-contexts", "4", "--contexts", "8"),
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_stepwise_runs(tiny_runs):
+    """train.py --policy stepwise --optimizer ppo on the tiny SD3, SD-XL and Flux-Dev folders of
+    tiny_runs (two iterations, rollouts in parts of 3 samples): backbone -> out dir."""
+    import rollout
+
+    folder, runs = tiny_runs[1], {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rollout.Backbone, "reference_steps", 4)
+        for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
+            runs[backbone] = train_in_process(
+                folder / f"out_stepwise_{backbone}",
+                *("--backbone", backbone, "--model-path", str(folder / family)),
+                *("--resolution", "32", "--prompts", str(folder / "prompts.txt")),
+                *("--eval-prompts", str(folder / "prompts.txt"), "--reward", "teacher"),
+                *("--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4"),
+                *("--rollout-batch", "3", "--device", "cpu", "--policy", "stepwise"),
+                *("--optimizer", "ppo", "--ppo-minibatches", "2"),
+            )
+    return runs
+
+
+@pytest.fixture(scope="session")
 def tiny_runs(tmp_path_factory):
     """train.py on saved tiny random SD3, SD-XL and Flux-Dev pipelines (from_pretrained from a local
     folder), two iterations each with the teacher reward; the teacher solves 4 default steps instead
@@ -124,5 +156,6 @@ def pytest_collection_modifyitems(items):
     train.py runs above go to one worker, the tests of each other file to one worker, so each run
     and each module fixture is built once."""
     for item in items:
-        shared = {"tiny_runs", "digits_run", "digits_global_run"} & set(item.fixturenames)
+        shared = {"tiny_runs", "digits_run", "digits_global_run", "digits_stepwise_run"}
+        shared &= set(item.fixturenames)
         item.add_marker(pytest.mark.xdist_group("train-runs" if shared else item.path.name))

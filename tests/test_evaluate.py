@@ -537,3 +537,15 @@ def test_hpdv2_test_prompts_from_the_hub_offline_say_how_to_get_them(ckpt):
     ) as error:
         evaluate.main(["--ckpt", ckpt, "--hpdv2"])
     assert "\n" not in str(error.value)
+
+
+def test_cli_scores_a_stepwise_checkpoint(tmp_path, digits_stepwise_run):
+    out = tmp_path / "eval"
+    ckpt = str(digits_stepwise_run / "ckpt.pt")
+    evaluate.main(["--ckpt", ckpt, "--out-dir", str(out), "--count", "6", "--batch-size", "4"])
+    scores = json.loads((out / "scores.json").read_text())["scores"]
+    assert {name: len(columns["teacher"]) for name, columns in scores.items()} == {
+        "default": 6,
+        "learned": 6,
+    }
+    assert "| learned |" in (out / "results.md").read_text()

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from backbones import BACKBONES, make_policy
+from backbones import BACKBONES, build_policy, make_policy
 from bench import POLICY_DIMS
 from checkpoints import existing_run, load_checkpoint, save_policy
 from policy import (
@@ -12,7 +12,6 @@ from policy import (
     TAU_FLOOR,
     GlobalPolicy,
     SchedulePolicy,
-    build_policy,
     increments_from_times,
     initial_logits,
     log_prob,

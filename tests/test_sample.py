@@ -294,3 +294,26 @@ def test_export_a_global_schedule(tmp_path, digits_global_run, ckpt):
     with pytest.raises(SystemExit, match="only a global one exports") as error:
         sample.main(["--ckpt", ckpt, "--export", str(tmp_path / "instance.json")])
     assert "\n" not in str(error.value)
+
+
+def test_a_stepwise_checkpoint_samples_and_its_schedules_replay(tmp_path, digits_stepwise_run):
+    """TPDM's policy picks its times while sampling: sample.py draws them, and the loop fed those
+    times gives the same images; --pipeline refuses it in one line."""
+    out = tmp_path / "samples"
+    ckpt = str(digits_stepwise_run / "ckpt.pt")
+    sample.main(
+        ["--ckpt", ckpt, "--prompt", "a handwritten 3", "--seeds", "0", "1", "--out-dir", str(out)]
+    )
+    saved = json.loads((out / "schedules.json").read_text())
+    learned = torch.tensor([context["learned"] for context in saved["contexts"]])
+    assert learned.shape == (2, STEPS + 1) and (learned[:, 1:] < learned[:, :-1]).all()
+    _, policy = load_checkpoint(ckpt)
+    backbone = backbones.load_backbone("digits")
+    results = sample.sample_contexts(backbone, policy, ["a handwritten 3"] * 2, [0, 1])
+    images, times, _ = results["learned"]
+    torch.testing.assert_close(times, learned)
+    noise = evaluate.context_noise(backbone, [0, 1])
+    cond = backbone.encode_prompts(["a handwritten 3"] * 2)
+    torch.testing.assert_close(backbone.decode(backbone.sample(noise, cond, times)), images)
+    with pytest.raises(SystemExit, match="step-wise policy .* without --pipeline"):
+        sample.main(["--ckpt", ckpt, "--pipeline", "--out-dir", str(out)])

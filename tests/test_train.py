@@ -59,8 +59,14 @@ class Killed(Exception):
     pass
 
 
-def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "policy",
+    [[], ["--policy", "stepwise"], ["--policy", "stepwise", "--optimizer", "ppo"]],
+    ids=["instance", "stepwise", "stepwise-ppo"],
+)
+def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch, policy):
     args = ["--iterations", "7", "--ckpt-interval", "3", "--eval-contexts", "4", "--contexts", "8"]
+    args += policy
     train.main(train.parse_config([*args, "--out-dir", str(tmp_path / "full")]))
     full = read_metrics(tmp_path / "full")
 
@@ -199,6 +205,9 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
         (["--guidance", "nan"], "--guidance must be a finite number >= 0"),
         (["--guidance", "inf"], "--guidance must be a finite number >= 0"),
         (["--resume"], "--resume but .*ckpt.pt does not exist"),
+        (["--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
+        (["--ppo-minibatches", "0"], "--ppo-minibatches must be at least 1"),
+        (["--ppo-clip", "0"], "--ppo-clip must be a finite number > 0"),
     ],
 )
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
@@ -513,7 +522,6 @@ def test_the_names_train_offers_are_the_registries():
     """train.py names its choices without importing the registries (so --help needs no torch)."""
     import backbones
     import baselines
-    import policy
     import rewards
 
     choices = train.CHOICES
@@ -521,7 +529,7 @@ def test_the_names_train_offers_are_the_registries():
     assert choices["reward"] == list(rewards.REWARDS) and choices["baseline"] == list(
         baselines.BASELINES
     )
-    assert choices["policy"] == list(policy.POLICIES)
+    assert choices["policy"] == list(backbones.POLICIES)
 
 
 @pytest.mark.parametrize(
@@ -591,6 +599,21 @@ def test_trains_a_real_backbone_family_from_a_local_folder(tiny_runs, backbone):
     )
     methods = {row["method"]: row for row in json.loads((out / "eval.json").read_text())["rows"]}
     assert methods["limit (teacher)"]["mean"] == 0.0 and methods["default"]["mean"] < 0.0
+
+
+@pytest.mark.parametrize("backbone", ["sd35m", "sdxl", "flux-dev"])
+def test_the_stepwise_policy_trains_with_ppo_on_each_family(tiny_stepwise_runs, backbone):
+    """TPDM's comparator on the real-backbone path: the policy picks the times inside the loop (in
+    rollout parts of 3 samples), PPO updates, the held-out table with its schedules."""
+    out = tiny_stepwise_runs[backbone]
+    rows = read_metrics(out)
+    assert [row["iteration"] for row in rows] == [1, 2]
+    assert all(row["grad_norm"] > 0 and 0 <= row["clip_fraction"] <= 1 for row in rows)
+    checkpoint = torch.load(out / "ckpt.pt", weights_only=False)
+    assert checkpoint["policy_config"]["kind"] == "stepwise"
+    methods = {row["method"] for row in json.loads((out / "eval.json").read_text())["rows"]}
+    assert {"default", "learned (mean)", "learned (sampled)"} <= methods
+    assert (out / "train.png").is_file() and (out / "policy" / "config.json").is_file()
 
 
 def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):

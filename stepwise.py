@@ -1,0 +1,231 @@
+"""
+The paper's strongest comparator, TPDM ("Schedule On the Fly", Ye et al., CVPR 2025,
+arXiv 2412.01243): a step-wise policy that picks each next time from the sampler's state, trained
+with PPO.
+
+At step l, after the model call at t_l, the policy reads what the sampler has there and draws the
+decay rate of the next time from a Beta:
+
+    t_{l+1} = r_l t_l,  r_l ~ Beta(alpha_l, beta_l),  alpha_l = 1 + exp(a_l),  beta_l = 1 + exp(b_l)
+
+so a schedule of L steps costs exactly L model calls, and L policy calls where the single-pass
+policy (policy.py) needs one. The last rate sets t_L > 0, the same learnable stop margin as the
+Dirichlet policy's. The log-probability of a schedule is the sum of the L Beta log-densities, each
+given the state the rate was drawn in; PPO and the REINFORCE update of train.py both use it.
+
+What it reads (rollout.run_schedule's `decide`): the state at unit scale and the model's prediction
+of the clean sample (2 C channels), the time t_l and the step index, and the prompt, through the
+same network as the instance-level policy (policy.SchedulePolicy.encode; time and step join the
+pooled prompt embedding that modulates the noise tokens). TPDM's own module reads the transformer's
+inner features and its time embedding; the prediction is what every family here exposes alike.
+
+Initialisation, as the Dirichlet policy's: the Beta means give that policy's initial mean schedule,
+with sum(alpha, beta) = concentration (raised where a rate is within 2 / concentration of 0 or 1, so
+that alpha and beta both stay above 2, as 1 + exp(.) needs them above 1).
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from policy import (
+    ALPHA_MIN,
+    SchedulePolicy,
+    initial_logits,
+    log_prob,
+    mean_increments,
+    sample_increments,
+    times_from_increments,
+)
+
+FREQUENCIES = 8  # sin and cos of 2^k pi t, k < 8: the time's features
+
+
+def time_features(time, step, steps):
+    """(N,) times and step indices -> (N, 2 FREQUENCIES + steps): Fourier features of t_l and the
+    one-hot step."""
+    angles = time.float()[:, None] * math.pi * 2.0 ** torch.arange(FREQUENCIES, device=time.device)
+    one_hot = F.one_hot(step.long(), steps).float()
+    return torch.cat([angles.sin(), angles.cos(), one_hot], dim=-1)
+
+
+def initial_rates(steps, init, init_times, concentration, stop_margin):
+    """(L, 2) float64 logits (a_l, b_l) whose Beta means r_l = t_{l+1} / t_l give the Dirichlet
+    policy's initial mean schedule (policy.initial_logits: same default, same stop margin)."""
+    bias = initial_logits(steps, init, init_times, concentration, stop_margin)
+    times = times_from_increments(mean_increments(F.softplus(bias) + ALPHA_MIN))
+    rate = times[1:] / times[:-1]  # (L,)
+    total = torch.maximum(torch.full_like(rate, concentration), 2.0 / torch.minimum(rate, 1 - rate))
+    alpha, beta = rate * total, (1 - rate) * total
+    return torch.stack([alpha - 1, beta - 1], dim=-1).log()
+
+
+class StepwisePolicy(SchedulePolicy):
+    """(sampler state, t_l, step l, prompt) -> Beta parameters (alpha_l, beta_l) (N, 2), float32.
+    The constructor takes the instance-level policy's arguments; latent_channels is the backbone's
+    C (the policy reads 2 C: the state and the prediction)."""
+
+    def __init__(
+        self,
+        steps,
+        latent_channels,
+        text_dim,
+        pooled_dim=None,
+        widths=(16, 32),
+        dim=64,
+        heads=4,
+        depth=1,
+        grid=2,
+        head_hidden=128,
+        init="uniform",
+        init_times=None,
+        concentration=100.0,
+        stop_margin=5e-3,
+        backbone=None,
+        training_config=None,
+    ):
+        extra = 2 * FREQUENCIES + steps  # time and step join the pooled prompt embedding
+        sizes = dict(widths=widths, dim=dim, heads=heads, depth=depth, grid=grid)
+        start = dict(init=init, init_times=init_times, concentration=concentration)
+        record = dict(backbone=backbone, training_config=training_config)
+        channels, pooled = 2 * latent_channels, (pooled_dim or 0) + extra
+        super().__init__(steps, channels, text_dim, pooled, **sizes, head_hidden=head_hidden,
+                         **start, stop_margin=stop_margin, **record)  # fmt: skip
+        self.config.update(kind="stepwise", latent_channels=latent_channels, pooled_dim=pooled_dim)
+        self.head[-1] = nn.Linear(head_hidden, 2)
+        with torch.no_grad():
+            # near the initial rates for all inputs: these logits act on log(alpha - 1), so a tenth
+            # of the Dirichlet head's 0.01 (mean times within 5e-3 of its initial ones: at most
+            # 4.4e-3 measured at L = 4, 20, 80 over 5 seeds)
+            self.head[-1].weight.normal_(0.0, 0.001)
+            self.head[-1].bias.zero_()
+        rates = initial_rates(steps, init, init_times, concentration, stop_margin)
+        self.rate_logits = nn.Parameter(rates.float())  # (L, 2): a_l, b_l at initialisation
+
+    def forward(self, latent, text, text_mask, pooled, time, step):
+        # latent (N, 2C, H, W); time (N,) t_l; step: an int or (N,) step indices
+        step = torch.as_tensor(step, device=latent.device).expand(len(latent))
+        extra = time_features(time.to(latent.device), step, self.steps)
+        pooled = extra if pooled is None else torch.cat([pooled.float(), extra], dim=-1)
+        logits = self.head(self.encode(latent, text, text_mask, pooled)) + self.rate_logits[step]
+        return 1.0 + logits.clamp(max=30.0).exp()  # (N, 2) alpha, beta; exp(30) keeps it finite
+
+
+def beta_log_prob(parameters, pair):
+    """log Beta(r | alpha, beta): parameters (N, 2), pair (N, 2) = (r, 1 - r) -> (N,). A Beta is
+    the Dirichlet of two components, so policy.log_prob gives it (float64, floored at TAU_FLOOR)."""
+    return log_prob(parameters, pair[:, None, :])[:, 0]
+
+
+def start_times(count, steps):
+    """The `times` run_schedule takes with a `decide`: t_0 = 1, the rest NaN until chosen."""
+    times = torch.full((count, steps + 1), math.nan)
+    times[:, 0] = 1.0
+    return times
+
+
+class Stepper:
+    """run_schedule's `decide` for a step-wise policy: at each step, the Beta parameters for these
+    samples, a rate r_l (the Beta mean, or one draw per sample), and a record of everything the
+    update recomputes (`record()`). draws: None (the mean), a generator (one draw per sample from
+    it), or one generator per sample (train.py: a sample's draws do not depend on the batch)."""
+
+    def __init__(self, policy, backbone, cond, draws=None):
+        self.policy, self.backbone, self.cond, self.draws = policy, backbone, cond, draws
+        self.steps = {key: [] for key in ("latent", "time", "parameters", "pair", "next")}
+        self.prompt = None
+
+    def __call__(self, step, t, state, estimate):
+        inputs = self.backbone.policy_inputs(state, self.cond)  # Flux: the tokens as an image
+        prediction = self.backbone.policy_inputs(estimate, self.cond)["latent"]
+        latent = torch.cat([inputs.pop("latent"), prediction], dim=1)  # (N, 2C, H, W)
+        self.prompt = self.prompt or inputs
+        parameters = self.policy(latent=latent, **inputs, time=t, step=step)  # (N, 2)
+        if self.draws is None:
+            pair = mean_increments(parameters)
+        elif isinstance(self.draws, torch.Generator):
+            pair = sample_increments(parameters, 1, self.draws)[:, 0]
+        else:
+            pair = torch.cat(
+                [
+                    sample_increments(parameters[i : i + 1], 1, g)[:, 0]
+                    for i, g in enumerate(self.draws)
+                ]
+            )
+        chosen = (t.float() * pair[:, 0]).to(t.dtype)  # t_{l+1} = r_l t_l
+        for key, value in zip(self.steps, (latent, t, parameters, pair, chosen)):
+            self.steps[key].append(value)
+        return chosen
+
+    def times(self):
+        """(N, L+1): t_0 = 1 and the times chosen."""
+        return torch.stack([self.steps["time"][0], *self.steps["next"]], dim=1)
+
+    def record(self):
+        """What trajectory_log_prob needs, per sample: latent (N, L, 2C, H, W), time (N, L),
+        pair (N, L, 2), the prompt inputs; and times (N, L+1), parameters (N, L, 2) and the
+        log-probability of the schedule when drawn (N,)."""
+        stacked = {key: torch.stack(value, dim=1) for key, value in self.steps.items()}
+        stacked.pop("next")
+        logp = beta_log_prob(stacked["parameters"].flatten(0, 1), stacked["pair"].flatten(0, 1))
+        logp = logp.view(len(stacked["time"]), -1).sum(1)
+        return dict(stacked, **self.prompt, times=self.times(), logp=logp)
+
+
+def join_records(records):
+    """The records of several rollout parts, as one."""
+    return {key: torch.cat([record[key] for record in records]) for key in records[0]}
+
+
+def trajectory_log_prob(policy, record, index=slice(None)):
+    """log pi(schedule) of the samples `index` of a record (Stepper.record), recomputed with
+    gradients: the sum over the L steps of the Beta log-density of each rate, given the state it was
+    drawn in. One policy call over all (sample, step) pairs (DDP takes one forward per backward)."""
+    picked = {key: value[index] for key, value in record.items()}
+    count, steps = picked["time"].shape
+
+    def per_step(value):  # the inputs of a sample, repeated for each of its steps
+        return None if value is None else value.repeat_interleave(steps, 0)
+
+    parameters = policy(
+        latent=picked["latent"].flatten(0, 1),
+        text=per_step(picked["text"]),
+        text_mask=per_step(picked["text_mask"]),
+        pooled=per_step(picked.get("pooled")),
+        time=picked["time"].flatten(),
+        step=torch.arange(steps, device=picked["time"].device).repeat(count),
+    )
+    return beta_log_prob(parameters, picked["pair"].flatten(0, 1)).view(count, steps).sum(1)
+
+
+def ppo_objective(logp, logp_old, advantages, clip):
+    """PPO's clipped surrogate loss (Schulman et al. 2017), to minimise, and the fraction of
+    samples whose ratio was clipped:
+        -mean(min(rho A, clip(rho, 1 - eps, 1 + eps) A)),   rho = exp(log pi - log pi_old)
+    one ratio per schedule (the whole trajectory's log-probability; its only reward is the final
+    image's)."""
+    ratio = (logp - logp_old.detach()).exp()
+    clipped = ratio.clamp(1.0 - clip, 1.0 + clip)
+    loss = -torch.minimum(ratio * advantages, clipped * advantages).mean()
+    return loss, (clipped != ratio).float().mean().detach()
+
+
+def ppo_update(config, log_probs, logp_old, advantages, descend, shuffle):
+    """PPO's update on one batch of rollouts: config.ppo_epochs passes, each over a fresh shuffle
+    (generator `shuffle`) cut into config.ppo_minibatches, one clipped step each.
+    log_probs(index) -> log pi of those samples with gradients; logp_old, advantages (N,), the
+    policy's log-probabilities when it drew them and the (normalised) advantages;
+    descend(loss) takes one optimiser step. Returns the last loss, gradient norm and the fraction of
+    clipped ratios over the last pass."""
+    for _ in range(config.ppo_epochs):
+        order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
+        clipped = []
+        for index in order.chunk(config.ppo_minibatches):
+            loss, fraction = ppo_objective(
+                log_probs(index), logp_old[index], advantages[index], config.ppo_clip
+            )
+            grad_norm = descend(loss)
+            clipped.append(fraction * len(index))
+    return loss, grad_norm, (sum(clipped) / len(advantages)).item()

@@ -1,0 +1,187 @@
+"""The step-wise comparator (stepwise.py, TPDM): its log-probability against torch.distributions,
+PPO's clipped objective on a hand-computed case, and the loop with a step-wise policy against the
+loop fed the times it chose, on the embedded and the diffusers backbones."""
+
+import pytest
+import torch
+
+from backbones import build_policy, load_backbone, make_policy
+from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from checkpoints import load_policy, save_policy
+from rollout import from_pipeline
+from stepwise import (
+    Stepper,
+    join_records,
+    ppo_objective,
+    start_times,
+    trajectory_log_prob,
+)
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def digits():
+    backbone = load_backbone("digits-noise")
+    policy = make_policy(
+        "stepwise", backbone.policy_dims, STEPS, init_times=backbone.default_times(STEPS)
+    )
+    return backbone, policy
+
+
+def contexts(backbone, count, seed=0):
+    noise = backbone.sample_noise(count, torch.Generator().manual_seed(seed))
+    prompts = [backbone.prompts[i % len(backbone.prompts)] for i in range(count)]
+    return noise, backbone.encode_prompts(prompts)
+
+
+def drawn(backbone, policy, noise, cond, seeds):
+    """One stochastic rollout, one draw stream per sample: (latents, record)."""
+    stepper = Stepper(policy, backbone, cond, [torch.Generator().manual_seed(s) for s in seeds])
+    with torch.no_grad():
+        latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
+    return latents, stepper.record()
+
+
+def test_the_log_probability_is_the_sum_of_the_steps_beta_log_densities(digits):
+    backbone, policy = digits
+    noise, cond = contexts(backbone, 6)
+    _, record = drawn(backbone, policy, noise, cond, range(6))
+    alpha, beta = record["parameters"].double().unbind(-1)  # (N, L) each
+    rate = record["pair"][..., 0].double()
+    assert (alpha > 1).all() and (beta > 1).all()  # 1 + exp(.)
+    expected = torch.distributions.Beta(alpha, beta).log_prob(rate).sum(1)  # (N,)
+    torch.testing.assert_close(record["logp"].double(), expected, rtol=1e-5, atol=1e-4)
+    recomputed = trajectory_log_prob(policy, record)  # with gradients, from the stored states
+    torch.testing.assert_close(recomputed.double(), expected, rtol=1e-5, atol=1e-4)
+    assert recomputed.requires_grad
+    index = torch.tensor([4, 1])
+    torch.testing.assert_close(trajectory_log_prob(policy, record, index), recomputed[index])
+    # the times are the products of the rates, strictly decreasing to a positive stop margin
+    times = record["times"]
+    torch.testing.assert_close(times[:, 1:], times[:, :-1] * record["pair"][..., 0])
+    assert (times[:, 1:] < times[:, :-1]).all() and (times[:, -1] > 0).all()
+
+
+def test_the_loop_with_a_stepwise_policy_equals_the_loop_fed_its_times(digits):
+    backbone, policy = digits
+    noise, cond = contexts(backbone, 5, seed=1)
+    calls = []
+    original = backbone.velocity
+    backbone.velocity = lambda *args: calls.append(1) or original(*args)
+    try:
+        latents, record = drawn(backbone, policy, noise, cond, range(10, 15))
+    finally:
+        del backbone.velocity
+    assert len(calls) == STEPS  # exactly L model calls, each followed by one decision
+    assert record["latent"].shape == (5, STEPS, 2, 8, 8)  # the state and the prediction
+    replay = backbone.sample(noise, cond, record["times"])
+    torch.testing.assert_close(replay, latents, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", list(TINY_GUIDANCE))
+def test_the_same_on_the_diffusers_backbones(family):
+    pipe = tiny_pipeline(family)
+    backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
+    steps = 3
+    policy = make_policy(
+        "stepwise", backbone.policy_dims, steps, init_times=backbone.default_times(steps)
+    )
+    noise, cond = contexts_of(backbone, ["a cat", "a red house on a hill"])
+    stepper = Stepper(policy, backbone, cond, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        latents = backbone.sample(noise, cond, start_times(2, steps), stepper)
+    times = stepper.times()
+    assert times.shape == (2, steps + 1) and (times[:, 1:] < times[:, :-1]).all()
+    replay = backbone.sample(noise, cond, times)
+    torch.testing.assert_close(replay, latents, rtol=1e-5, atol=1e-5)
+    # the policy reads the noise as an image (Flux: its packed tokens unpacked)
+    assert (
+        stepper.record()["latent"].shape[2:]
+        == (2 * backbone.latent_shape[0],) + (backbone.resolution // pipe.vae_scale_factor,) * 2
+    )
+
+
+def contexts_of(backbone, prompts):
+    noise = backbone.sample_noise(len(prompts), torch.Generator().manual_seed(0))
+    return noise, backbone.encode_prompts(prompts)
+
+
+@pytest.mark.parametrize("name, steps", [("digits-noise", 4), ("digits", 20)])
+def test_it_starts_at_the_dirichlet_policys_initial_mean_schedule(name, steps):
+    backbone = load_backbone(name)
+    default = backbone.default_times(steps)
+    # the Dirichlet policy's initial mean: the default with the 5e-3 stop margin, (t + m) / (1 + m)
+    start = (default + 5e-3) / (1 + 5e-3)
+    noise, cond = contexts(backbone, 32, seed=2)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        policy = make_policy("stepwise", backbone.policy_dims, steps, init_times=default)
+        stepper = Stepper(policy, backbone, cond)  # the Beta means
+        with torch.no_grad():
+            backbone.sample(noise, cond, start_times(32, steps), stepper)
+        assert (stepper.times() - start).abs().max() < 5e-3
+
+
+def test_ppo_clipped_objective_on_a_hand_computed_case():
+    ratio = torch.tensor([1.5, 0.5, 1.1, 0.7])
+    logp = ratio.log().requires_grad_(True)
+    advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    loss, clipped = ppo_objective(logp, torch.zeros(4), advantages, clip=0.2)
+    # min(rho A, clip(rho) A): min(1.5, 1.2) = 1.2; min(0.5, 0.8) = 0.5; min(-1.1, -1.1) = -1.1;
+    # min(-0.7, -0.8) = -0.8; the loss is minus their mean
+    assert loss.item() == pytest.approx(-(1.2 + 0.5 - 1.1 - 0.8) / 4)
+    assert clipped.item() == pytest.approx(0.75)  # 1.5, 0.5 and 0.7 lie outside [0.8, 1.2]
+    loss.backward()
+    # where the clipped term is the minimum the gradient is zero; elsewhere d/dlogp = -rho A / N
+    torch.testing.assert_close(logp.grad, torch.tensor([0.0, -0.5 / 4, 1.1 / 4, 0.0]))
+    # at the old policy PPO's gradient is REINFORCE's
+    logp = torch.zeros(4, requires_grad=True)
+    ppo_objective(logp, torch.zeros(4), advantages, clip=0.2)[0].backward()
+    torch.testing.assert_close(logp.grad, -advantages / 4)
+
+
+def test_records_of_rollout_parts_join_as_one(digits):
+    backbone, policy = digits
+    noise, cond = contexts(backbone, 5, seed=3)
+    _, whole = drawn(backbone, policy, noise, cond, range(5))
+    parts = []
+    for part in (torch.arange(3), torch.arange(3, 5)):
+        sub = {key: value[part] for key, value in cond.items()}
+        parts.append(drawn(backbone, policy, noise[part], sub, part.tolist())[1])
+    joined = join_records(parts)
+    assert joined.keys() == whole.keys()
+    for key in whole:
+        torch.testing.assert_close(joined[key], whole[key], rtol=1e-6, atol=1e-6)
+
+
+def test_a_stepwise_policy_saves_and_loads_in_both_formats(digits, tmp_path):
+    backbone, policy = digits
+    rebuilt = build_policy(policy.config)
+    rebuilt.load_state_dict(policy.state_dict())
+    config = dict(backbone="digits-noise", steps=STEPS)
+    save_policy(tmp_path / "policy", policy, config, iteration=1)
+    loaded = load_policy(str(tmp_path / "policy"))
+    assert loaded.config == policy.config and loaded.config["kind"] == "stepwise"
+    noise, cond = contexts(backbone, 3, seed=4)
+    for other in (rebuilt, loaded):
+        with torch.no_grad():
+            inputs = backbone.policy_inputs(torch.cat([noise, noise], 1), cond)
+            t = torch.full((3,), 0.5)
+            torch.testing.assert_close(
+                other(**inputs, time=t, step=1), policy(**inputs, time=t, step=1)
+            )
+
+
+def test_a_stepwise_policy_is_refused_by_the_stock_pipeline_in_one_line():
+    import pipeline
+
+    pipe = tiny_pipeline("sd3")
+    backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION)
+    policy = make_policy("stepwise", backbone.policy_dims, 2)
+    for call in (
+        lambda: pipeline.generate(pipe, policy, prompt="a cat"),
+        lambda: pipeline.schedule_json(policy, backbone),
+    ):
+        with pytest.raises(ValueError, match="step-wise policy .* sample.py without --pipeline"):
+            call()
