@@ -56,6 +56,8 @@ add(
 )
 add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
 add("--miniatures", action="store_true", help="the miniatures' evidence instead (L = 2, 3, 4)")
+add("--mini-steps", type=int, nargs="+", default=[2, 3, 4], help="the miniatures' L")
+add("--mini-trainings", nargs="+", metavar="NAME", help="some of MINI_TRAININGS (default: all)")
 
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch and the models load
@@ -73,6 +75,9 @@ TRAININGS = {  # name -> train.py arguments
     "instance, js-unbiased": ["--baseline", "js-unbiased"],
     "instance, rloo": ["--baseline", "rloo"],
     "instance, xctx": ["--baseline", "xctx"],
+    # TPDM (stepwise.py): the step-wise policy, under this project's REINFORCE and under PPO
+    "stepwise, js": ["--policy", "stepwise"],
+    "stepwise, ppo": ["--policy", "stepwise", "--optimizer", "ppo"],
 }
 SHIFTS = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0]
 # oracles are fitted on these, reported on train.py's held-out set
@@ -201,6 +206,12 @@ def without_stop_margin(backbone, oracle, grouping):
     )
 
 
+def seconds_per_iteration(out_dir):
+    """The median wall time of one training iteration of a run (its metrics.jsonl's step_s)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
+        return statistics.median(json.loads(line)["step_s"] for line in file)
+
+
 def run_dir(backbone, name, seed, args, steps=None):
     folder = os.path.join(args.out_dir, backbone, name.replace(", ", "-").replace(" ", "-"))
     return os.path.join(folder, f"seed{seed}" if steps is None else f"L{steps}-seed{seed}")
@@ -297,11 +308,15 @@ def plot(path, backbone, oracle, checkpoints):
 # the trained miniatures: a black-box pixel reward, no exact oracle
 
 MINIATURES = ["mini-sd3", "mini-flux", "mini-sdxl"]
-MINI_STEPS = [2, 3, 4]
 # default step counts to match a learned schedule
 EQUIVALENT_STEPS = [*range(1, 13), 14, 16, 20, 25, 30, 40, 50]
 # with each miniature's defaults (JS baseline)
-MINI_TRAININGS = {"global": ["--policy", "global"], "instance": []}
+MINI_TRAININGS = {
+    "global": ["--policy", "global"],
+    "instance": [],
+    "stepwise": ["--policy", "stepwise"],
+    "stepwise, ppo": ["--policy", "stepwise", "--optimizer", "ppo"],
+}
 
 
 def equivalent_steps(default_means, value):
@@ -319,7 +334,7 @@ def equivalent_steps(default_means, value):
 
 
 def miniature_evidence(args):
-    """For each miniature and L in MINI_STEPS, on the same held-out contexts: the default schedule,
+    """For each miniature and L in --mini-steps, on the same held-out contexts: the default,
     the best time shift (chosen on other contexts), the learned global and instance-level schedules
     of each seed; scored by the digit reward, the classifier's accuracy and the teacher error (minus
     the 50-step default solution's squared distance); the default step count that matches each; and
@@ -329,11 +344,17 @@ def miniature_evidence(args):
     from miniature import prompt_lists
     from rewards import load_reward
 
+    selected = args.mini_trainings or list(MINI_TRAININGS)
+    if not set(selected) <= set(MINI_TRAININGS) or "instance" not in selected:
+        sys.exit(
+            f"ablation.py: --mini-trainings takes names of {list(MINI_TRAININGS)}, with "
+            f"'instance' among them; got {selected}"
+        )
     runs = [
         (name, training, seed, steps)
         for name in args.backbones
-        for steps in MINI_STEPS
-        for training in MINI_TRAININGS
+        for steps in args.mini_steps
+        for training in selected
         for seed in args.seeds
     ]
 
@@ -366,10 +387,10 @@ def miniature_evidence(args):
             f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), "
             f"seeds {args.seeds}",
             "| L | schedule | digit log-prob (spread) | accuracy | teacher error "
-            "| equivalent default steps | digit log-prob, training paraphrases |",
-            "|---|---|---|---|---|---|---|",
+            "| equivalent default steps | digit log-prob, training paraphrases | s / iteration |",
+            "|---|---|---|---|---|---|---|---|",
         ]
-        for steps in MINI_STEPS:
+        for steps in args.mini_steps:
             default = backbone.default_times(steps)
             shifts = {s: fixed_schedule(shifted(default, s)) for s in SHIFTS}
             fit = score_table(backbone, digit_only, fit_prompts, fit_seeds, shifts, batch_size=128)
@@ -378,7 +399,7 @@ def miniature_evidence(args):
                 "default": fixed_schedule(default),
                 f"best time shift (x{best})": shifts[best],
             }
-            for training in MINI_TRAININGS:
+            for training in selected:
                 for seed in args.seeds:
                     policy = load_checkpoint(
                         os.path.join(run_dir(name, training, seed, args, steps), "ckpt.pt")
@@ -394,10 +415,7 @@ def miniature_evidence(args):
                 f"best time shift (x{best})": [f"best time shift (x{best})"],
             }
             rows.update(
-                {
-                    f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds]
-                    for t in MINI_TRAININGS
-                }
+                {f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in selected}
             )
             for row, members in rows.items():
                 per_seed = {
@@ -408,17 +426,22 @@ def miniature_evidence(args):
                 digit = per_seed["digit"]
                 spread = f" ({min(digit):.4f} to {max(digit):.4f})" if len(digit) > 1 else ""
                 mean_digit = statistics.mean(digit)
+                seconds = "-"
+                if row.startswith("learned "):
+                    folders = [run_dir(name, row[8:], s, args, steps) for s in args.seeds]
+                    seconds = f"{statistics.mean(map(seconds_per_iteration, folders)):.2f}"
                 lines.append(
                     f"| {steps} | {row} | {mean_digit:.4f}{spread} | "
                     f"{statistics.mean(per_seed['digit accuracy']):.3f} | "
                     f"{-statistics.mean(per_seed['teacher']):.4f} | "
-                    f"{equivalent_steps(default_means, mean_digit)} | {seen_digit:.4f} |"
+                    f"{equivalent_steps(default_means, mean_digit)} | {seen_digit:.4f} | "
+                    f"{seconds} |"
                 )
         curve = ", ".join(f"{n}: {m:.4f}" for n, m in default_means.items())
         lines.append(f"default schedule's digit log-prob by step count: {curve}")
-    plot_miniatures(
-        os.path.join(args.out_dir, "miniatures.png"), args.backbones, figure_policies, args.seeds[0]
-    )
+    if {2, 3} <= set(args.mini_steps):
+        figure = os.path.join(args.out_dir, "miniatures.png")
+        plot_miniatures(figure, args.backbones, figure_policies, args.seeds[0])
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
@@ -511,8 +534,8 @@ def main(args):
             f"\n{name}, L = {args.steps}, teacher error on {HELDOUT_CONTEXTS} held-out contexts, "
             f"seeds {args.seeds}",
             "| schedule | error (mean over seeds) | spread (min-max) | vs default "
-            "| gap captured (spread) |",
-            "|---|---|---|---|---|",
+            "| gap captured (spread) | s / iteration |",
+            "|---|---|---|---|---|---|",
         ]
         backbone = backbones.load_backbone(name)
         margin_free = without_stop_margin(backbone, oracle[name], grouping)
@@ -530,7 +553,13 @@ def main(args):
                 else "-"
             )
             vs_default = 100 * (mean / default - 1)
-            lines.append(f"| {row} | {mean:.5f} | {spread} | {vs_default:+.1f}% | {captured} |")
+            seconds = "-"
+            if row.startswith("learned "):
+                folders = [run_dir(name, row[8:], seed, args) for seed in args.seeds]
+                seconds = f"{statistics.mean(map(seconds_per_iteration, folders)):.2f}"
+            lines.append(
+                f"| {row} | {mean:.5f} | {spread} | {vs_default:+.1f}% | {captured} | {seconds} |"
+            )
         lines.append(
             f"gap captured = (best global - learned) / (best global - best per {grouping}) "
             "on the same contexts"

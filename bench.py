@@ -8,6 +8,7 @@ the diffusers pipelines it replaces, and the embedded backbone's throughput.
     python bench.py --only loop --backbones sd35m --model-path /models/sd35m --steps 10 --batch 8
     python bench.py --only threads  # the main job at 1 thread and at torch's default (minutes)
     .venv-hps/bin/python bench.py --only ocr  # OCR reward's time per image (optional environment)
+    python bench.py --only inference --backbones digits,mini-sd3 --steps 3  # single pass vs TPDM
 
 policy: FLOPs of one SD3.5-Medium transformer step at 1024^2 with CFG against one policy call,
 counted on the meta device (shapes only), and the parameters of each policy size. loop: for each
@@ -17,7 +18,12 @@ side), and the largest relative difference of their outputs. embedded: rollouts 
 teacher's cost. threads: `python train.py` (the main job) at 1 CPU thread and at torch's default,
 one after the other in this run, with the difference of their held-out results; then both again for
 a few iterations while another process keeps every core busy. ocr: the OCR reward's time per image
-on rendered text at 512^2 and 1024^2, after a warm-up call.
+on rendered text at 512^2 and 1024^2, after a warm-up call. inference: for each backbone named
+(embedded or miniature, or a real one with --model-path), sampling N images with the default
+schedule (the model calls alone), with the single-pass policy (one policy call, then the loop) and
+with the step-wise policy (one policy call after each model call), interleaved in one run; the
+policy's share of each and the step-wise / single-pass time. The policy's cost does not depend on
+its weights, so freshly initialised policies are timed.
 Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
 """
 
@@ -32,11 +38,11 @@ parser = argparse.ArgumentParser(
 add = parser.add_argument
 add(
     "--only",
-    choices=["policy", "loop", "embedded", "threads", "ocr"],
+    choices=["policy", "loop", "embedded", "threads", "ocr", "inference"],
     default=None,
     help="one benchmark; default: all but threads and ocr",
 )
-add("--backbones", default="sd3-tiny,flux-tiny,sdxl-tiny", help="loop: comma-separated names")
+add("--backbones", help="loop (default sd3-tiny,flux-tiny,sdxl-tiny), inference (digits,mini-sd3)")
 add("--model-path", default=None, help="loop: local diffusers folder of a real backbone")
 add("--device", default=None, help="default: cuda when available, else cpu")
 add("--steps", type=int, default=4, help="L, model calls per rollout")
@@ -330,19 +336,25 @@ def bench_policy():
             f"({params / backbone_params:.2%} of SD3.5-Medium)"
         )
     dims = POLICY_DIMS["sd35m"]
+    with torch.device("meta"):
+        prompt = (
+            torch.empty(1, dims["text_len"], 4096),
+            torch.ones(1, dims["text_len"], dtype=torch.bool),
+            torch.empty(1, 2048),
+        )
     for steps in (5, 10, 20):
         with torch.device("meta"):  # the policy runs once per image, without CFG
             policy = make_policy("instance", dims, steps, preset="real")
-            flops = count_flops(
-                policy,
-                torch.empty(1, 16, 128, 128),
-                torch.empty(1, dims["text_len"], 4096),
-                torch.ones(1, dims["text_len"], dtype=torch.bool),
-                torch.empty(1, 2048),
-            )
+            flops = count_flops(policy, torch.empty(1, 16, 128, 128), *prompt)
+            # TPDM's runs after every step, on the state and the prediction, with t_l and l
+            stepwise = make_policy("stepwise", dims, steps, preset="real")
+            state = torch.empty(1, 32, 128, 128)
+            step_policy = count_flops(stepwise, state, *prompt, torch.empty(1), 0)
         print(
             f"L={steps:2d}: sd35m policy {flops / 1e9:.2f} GFLOP once per image; "
-            f"policy / (L x step) = {flops / (steps * step_flops):.4%}"
+            f"policy / (L x step) = {flops / (steps * step_flops):.4%}; step-wise policy "
+            f"{step_policy / 1e9:.2f} GFLOP at each step, {steps * step_policy / flops:.1f}x the "
+            f"single pass per image, policy / step = {step_policy / step_flops:.4%}"
         )
 
 
@@ -405,6 +417,40 @@ def bench_embedded(args, device, count=64):
     print(
         f"digits teacher (RK4, {backbone.reference_steps} steps) for {count} contexts: "
         f"{milliseconds:8.1f} ms"
+    )
+
+
+def bench_inference(name, args, device, count=16):
+    """Wall time of sampling `count` images at L = args.steps: the model calls alone, with the
+    single-pass policy, with the step-wise one (each at its mean schedule)."""
+    from evaluate import policy_schedule, run_method
+
+    backbone = backbones.load_backbone(name, path=args.model_path, device=device)
+    steps, preset = args.steps, backbones.BACKBONES[name]["policy"]
+    prompts = backbone.prompts or [f"a hand-drawn {i % 10}" for i in range(count)]
+    cond = backbone.encode_prompts([prompts[i % len(prompts)] for i in range(count)])
+    noise = backbone.sample_noise(count, torch.Generator().manual_seed(0))
+    times = backbone.default_times(steps).to(device).expand(count, -1)
+    methods = {
+        kind: policy_schedule(
+            make_policy(kind, backbone.policy_dims, steps, times[0].cpu(), preset).to(device),
+            backbone,
+        )
+        for kind in ("instance", "stepwise")
+    }
+    (model, single, stepwise), _ = timed(
+        [
+            lambda: backbone.sample(noise, cond, times),
+            lambda: run_method(backbone, methods["instance"], noise, cond),
+            lambda: run_method(backbone, methods["stepwise"], noise, cond),
+        ],
+        args.repeats,
+        device,
+    )
+    print(
+        f"{name} L={steps}, {count} images: model calls alone {model:.1f} ms; single-pass "
+        f"{single:.1f} ms (policy {1 - model / single:.1%}); step-wise {stepwise:.1f} ms (policy "
+        f"{1 - model / stepwise:.1%}); step-wise / single-pass {stepwise / single:.2f}"
     )
 
 
@@ -513,7 +559,7 @@ if __name__ == "__main__":
     if args.only in (None, "policy"):
         bench_policy()
     if args.only in (None, "loop"):
-        for name in args.backbones.split(","):
+        for name in (args.backbones or "sd3-tiny,flux-tiny,sdxl-tiny").split(","):
             bench_loop(name, args, device)
     if args.only in (None, "embedded"):
         bench_embedded(args, device)
@@ -521,3 +567,6 @@ if __name__ == "__main__":
         bench_threads()
     if args.only == "ocr":
         bench_ocr()
+    if args.only == "inference":
+        for name in (args.backbones or "digits,mini-sd3").split(","):
+            bench_inference(name, args, device)

@@ -16,6 +16,7 @@ import types
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from backbones import BACKBONES, load_backbone, locate_weights, make_policy, update_cost
 from baselines import MIN_CONTEXTS
@@ -24,6 +25,7 @@ from checkpoints import (
     claim_run,
     existing_run,
     restore,
+    save_checkpoint,
     save_policy,
     write_json_atomic,
 )
@@ -385,3 +387,23 @@ def log(config, run, row, progress):
             f"{row['grad_norm']:.3f} | concentration {row['concentration']:.1f} | "
             f"stop margin {row['stop_margin']:.4f}{clipped}"
         )
+
+
+def progress_bar(config, run):
+    """The iterations this process runs, from run.start, as a progress bar on rank 0."""
+    iterations = range(run.start, config.iterations)
+    return tqdm(iterations, initial=run.start, total=config.iterations, disable=not run.master)
+
+
+def checkpoint(config, run, done):
+    """ckpt.pt after `done` iterations: what a resume needs to continue exactly. Every draw in the
+    loop has its own seeded generator; the global RNG state is kept should anything draw from it."""
+    state = dict(
+        policy=run.raw_policy.state_dict(),
+        policy_config=run.raw_policy.config,
+        optimizer=run.optimizer.state_dict(),
+        iteration=done,
+        config=dataclasses.asdict(config),
+        rng={"torch": torch.get_rng_state()},
+    )
+    save_checkpoint(run.ckpt_path, state)

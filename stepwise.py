@@ -89,10 +89,10 @@ class StepwisePolicy(SchedulePolicy):
         extra = 2 * FREQUENCIES + steps  # time and step join the pooled prompt embedding
         sizes = dict(widths=widths, dim=dim, heads=heads, depth=depth, grid=grid)
         start = dict(init=init, init_times=init_times, concentration=concentration)
-        record = dict(backbone=backbone, training_config=training_config)
+        saved = dict(backbone=backbone, training_config=training_config)
         channels, pooled = 2 * latent_channels, (pooled_dim or 0) + extra
         super().__init__(steps, channels, text_dim, pooled, **sizes, head_hidden=head_hidden,
-                         **start, stop_margin=stop_margin, **record)  # fmt: skip
+                         **start, stop_margin=stop_margin, **saved)  # fmt: skip
         self.config.update(kind="stepwise", latent_channels=latent_channels, pooled_dim=pooled_dim)
         self.head[-1] = nn.Linear(head_hidden, 2)
         with torch.no_grad():
@@ -101,8 +101,11 @@ class StepwisePolicy(SchedulePolicy):
             # 4.4e-3 measured at L = 4, 20, 80 over 5 seeds)
             self.head[-1].weight.normal_(0.0, 0.001)
             self.head[-1].bias.zero_()
-        rates = initial_rates(steps, init, init_times, concentration, stop_margin)
-        self.rate_logits = nn.Parameter(rates.float())  # (L, 2): a_l, b_l at initialisation
+        self.rate_logits = nn.Parameter(torch.empty(steps, 2))  # (L, 2): a_l, b_l at the start
+        with torch.no_grad():  # copied: on any default device (bench.py builds it on "meta")
+            self.rate_logits.copy_(
+                initial_rates(steps, init, init_times, concentration, stop_margin)
+            )
 
     def forward(self, latent, text, text_mask, pooled, time, step):
         # latent (N, 2C, H, W); time (N,) t_l; step: an int or (N,) step indices

@@ -106,6 +106,9 @@ TRAINING = {
     "mini-sdxl": MINIATURE,
 }
 GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's lr it barely moves
+# --optimizer ppo takes ppo_epochs x ppo_minibatches (16) Adam steps per batch: at REINFORCE's lr
+# every ratio leaves the clip range in the first pass (digits-prompt, README: 3e-5 ~ 1e-4 > 3e-4)
+PPO_LR_FACTOR = 1 / 30
 CHOICES = dict(
     backbone=list(TRAINING),
     policy=["instance", "global", "stepwise"],
@@ -163,6 +166,8 @@ def parse_config(argv=None):
             setattr(config, key, default)
             if key == "lr" and config.policy == "global":
                 config.lr *= GLOBAL_LR_FACTOR
+            if key == "lr" and config.optimizer == "ppo":
+                config.lr *= PPO_LR_FACTOR
     return config
 
 
@@ -173,12 +178,10 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 import launch  # noqa: E402
 import stepwise  # noqa: E402
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
-from checkpoints import save_checkpoint  # noqa: E402
 from policy import log_prob, mean_increments, sample_increments, times_from_increments  # noqa: E402
 from prompts import context_seed  # noqa: E402
 
@@ -195,13 +198,8 @@ def main(config):
     first = run.rank * contexts_per_rank  # this rank's contexts in the global batch
     per_step = config.policy == "stepwise"  # TPDM's policy: stepwise.py
     K = config.rollouts
-    progress = tqdm(
-        range(run.start, config.iterations),
-        initial=run.start,
-        total=config.iterations,
-        disable=not run.master,
-    )
-    for iteration in progress:
+    progress = launch.progress_bar(config, run)
+    for iteration in progress:  # from run.start: 0, or where a resumed run stopped
         t0 = time.time()
         # ---------------- contexts: a prompt and an initial noise x_T each, seeded ----------------
         generators = [
@@ -310,20 +308,8 @@ def main(config):
         if checkpoint_now:  # the held-out gain on the first 32 held-out contexts
             row["heldout_gain"] = run.curve(run.raw_policy)
         launch.log(config, run, row, progress)
-        if checkpoint_now:
-            save_checkpoint(
-                run.ckpt_path,
-                dict(
-                    policy=run.raw_policy.state_dict(),
-                    policy_config=run.raw_policy.config,
-                    optimizer=run.optimizer.state_dict(),
-                    iteration=done,
-                    config=dataclasses.asdict(config),
-                    rng={"torch": torch.get_rng_state()},
-                ),
-            )
-            # (every draw in the loop has its own seeded generator; the global RNG state is kept
-            # so that a resume stays exact should anything draw from it)
+        if checkpoint_now:  # policy, optimizer, iteration, configuration: launch.checkpoint
+            launch.checkpoint(config, run, done)
 
     # ---------------- held-out evaluation, figure, policy in the Hub format ----------------
     launch.finish(config, run)

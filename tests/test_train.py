@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import ENV, ROOT, run_script
 
+import checkpoints
 import launch
 import train
 
@@ -113,7 +114,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch,
 
 def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
-    train.save_checkpoint(path, {"iteration": 1})
+    checkpoints.save_checkpoint(path, {"iteration": 1})
 
     def dies_halfway(state, file):
         with open(file, "wb") as handle:
@@ -122,7 +123,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch, "save", dies_halfway)
     with pytest.raises(Killed):
-        train.save_checkpoint(path, {"iteration": 2})
+        checkpoints.save_checkpoint(path, {"iteration": 2})
     assert torch.load(path, weights_only=False) == {"iteration": 1}
 
 
@@ -790,3 +791,12 @@ def test_hpdv2_prompts_offline_say_how_to_get_them(tmp_path):
     ) as error:
         launch.check_config(config, world_size=1)
     assert time.perf_counter() - started < 5 and "\n" not in str(error.value)
+
+
+def test_ppo_defaults_to_a_smaller_learning_rate_and_an_explicit_one_is_kept():
+    reinforce = train.parse_config(["--policy", "stepwise"])
+    ppo = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
+    assert ppo.lr == pytest.approx(reinforce.lr * train.PPO_LR_FACTOR)
+    assert (ppo.ppo_epochs, ppo.ppo_minibatches, ppo.ppo_clip) == (4, 4, 0.2)
+    explicit = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo", "--lr", "0.01"])
+    assert explicit.lr == 0.01
