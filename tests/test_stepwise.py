@@ -89,8 +89,12 @@ def test_the_same_on_the_diffusers_backbones(family):
     )
     noise, cond = contexts_of(backbone, ["a cat", "a red house on a hill"])
     stepper = Stepper(policy, backbone, cond, torch.Generator().manual_seed(0))
+    calls = []
+    handle = backbone.model.register_forward_hook(lambda *_: calls.append(1))
     with torch.no_grad():
         latents = backbone.sample(noise, cond, start_times(2, steps), stepper)
+    handle.remove()
+    assert len(calls) == steps  # exactly L model calls (CFG rides in the same forward)
     times = stepper.times()
     assert times.shape == (2, steps + 1) and (times[:, 1:] < times[:, :-1]).all()
     replay = backbone.sample(noise, cond, times)
