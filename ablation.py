@@ -8,6 +8,10 @@ schedule and learned instance-level schedules with each baseline, over several t
     python ablation.py --backbones digits-xor --trainings "global, js" "instance, js" --jobs 2
     python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed per training
     python ablation.py --miniatures --jobs 2  # trained miniatures: 3 x 3 L x 2 policies x 3 seeds
+    python ablation.py --backbones digits-prompt digits-noise --trainings "global, js" \
+        "instance, js" "stepwise, js" "stepwise, ppo" --jobs 2  # the comparator TPDM (stepwise.py)
+    python ablation.py --miniatures --backbones mini-sd3 --mini-steps 3 --mini-trainings global \
+        instance stepwise "stepwise, ppo" --jobs 2
 
 The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniature.py) have no exact
 oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out paraphrases,
@@ -52,12 +56,17 @@ add(
     "--trainings",
     nargs="+",
     metavar="NAME",
-    help="some of TRAININGS, e.g. 'global, js' (default: all)",
+    help="some of TRAININGS, e.g. 'global, js' (default: all but the stepwise ones)",
 )
 add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
 add("--miniatures", action="store_true", help="the miniatures' evidence instead (L = 2, 3, 4)")
 add("--mini-steps", type=int, nargs="+", default=[2, 3, 4], help="the miniatures' L")
-add("--mini-trainings", nargs="+", metavar="NAME", help="some of MINI_TRAININGS (default: all)")
+add(
+    "--mini-trainings",
+    nargs="+",
+    metavar="NAME",
+    help="of MINI_TRAININGS; default: global instance",
+)
 
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch and the models load
@@ -344,7 +353,7 @@ def miniature_evidence(args):
     from miniature import prompt_lists
     from rewards import load_reward
 
-    selected = args.mini_trainings or list(MINI_TRAININGS)
+    selected = args.mini_trainings or ["global", "instance"]
     if not set(selected) <= set(MINI_TRAININGS) or "instance" not in selected:
         sys.exit(
             f"ablation.py: --mini-trainings takes names of {list(MINI_TRAININGS)}, with "
@@ -494,7 +503,7 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 def main(args):
 
     torch.set_num_threads(1)  # the embedded backbones' tensors are tiny
-    selected = args.trainings or list(TRAININGS)
+    selected = args.trainings or [name for name in TRAININGS if not name.startswith("stepwise")]
     unknown = [name for name in selected if name not in TRAININGS]
     if unknown or not {"global, js", "instance, js"} <= set(selected):
         sys.exit(

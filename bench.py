@@ -9,6 +9,7 @@ the diffusers pipelines it replaces, and the embedded backbone's throughput.
     python bench.py --only threads  # the main job at 1 thread and at torch's default (minutes)
     .venv-hps/bin/python bench.py --only ocr  # OCR reward's time per image (optional environment)
     python bench.py --only inference --backbones digits,mini-sd3 --steps 3  # single pass vs TPDM
+    python bench.py --only iteration --backbones digits-prompt,mini-sd3  # training: s / iteration
 
 policy: FLOPs of one SD3.5-Medium transformer step at 1024^2 with CFG against one policy call,
 counted on the meta device (shapes only), and the parameters of each policy size. loop: for each
@@ -23,7 +24,9 @@ on rendered text at 512^2 and 1024^2, after a warm-up call. inference: for each 
 schedule (the model calls alone), with the single-pass policy (one policy call, then the loop) and
 with the step-wise policy (one policy call after each model call), interleaved in one run; the
 policy's share of each and the step-wise / single-pass time. The policy's cost does not depend on
-its weights, so freshly initialised policies are timed.
+its weights, so freshly initialised policies are timed. iteration: `train.py` for a few iterations
+per training (global, instance, step-wise with REINFORCE + JS, step-wise with PPO) one after the
+other on each backbone named, at its defaults; the median wall time of an iteration.
 Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
 """
 
@@ -38,7 +41,7 @@ parser = argparse.ArgumentParser(
 add = parser.add_argument
 add(
     "--only",
-    choices=["policy", "loop", "embedded", "threads", "ocr", "inference"],
+    choices=["policy", "loop", "embedded", "threads", "ocr", "inference", "iteration"],
     default=None,
     help="one benchmark; default: all but threads and ocr",
 )
@@ -454,6 +457,36 @@ def bench_inference(name, args, device, count=16):
     )
 
 
+def bench_iteration(name, iterations=12):
+    """Median seconds per training iteration (metrics.jsonl's step_s, the first two left out) of
+    each training on one backbone, run one after the other in this process's machine state."""
+    import json
+    import statistics
+    import subprocess
+    import sys
+    import tempfile
+
+    trainings = {
+        "global": ["--policy", "global"],
+        "instance": [],
+        "stepwise, js": ["--policy", "stepwise"],
+        "stepwise, ppo": ["--policy", "stepwise", "--optimizer", "ppo"],
+    }
+    seconds = {}
+    for training, flags in trainings.items():
+        with tempfile.TemporaryDirectory() as folder:
+            command = [sys.executable, "train.py", "--backbone", name, "--out-dir", folder]
+            command += ["--iterations", str(iterations), "--eval-contexts", "1", *flags]
+            subprocess.run(command, check=True, capture_output=True, cwd=os.path.dirname(__file__))
+            with open(os.path.join(folder, "metrics.jsonl")) as file:
+                rows = [json.loads(line)["step_s"] for line in file][2:]
+        seconds[training] = statistics.median(rows)
+    print(
+        f"{name}: s / iteration "
+        + ", ".join(f"{t} {s:.3f} ({s / seconds['instance']:.2f}x)" for t, s in seconds.items())
+    )
+
+
 def bench_threads(busy_iterations=20):
     """The main job at 1 thread and at torch's default, on this machine as it is, then the first
     `busy_iterations` of it with another process keeping every core busy (a machine shared with
@@ -567,6 +600,9 @@ if __name__ == "__main__":
         bench_threads()
     if args.only == "ocr":
         bench_ocr()
+    if args.only == "iteration":
+        for name in (args.backbones or "digits-prompt,mini-sd3").split(","):
+            bench_iteration(name)
     if args.only == "inference":
         for name in (args.backbones or "digits,mini-sd3").split(","):
             bench_inference(name, args, device)
