@@ -21,7 +21,7 @@ inner features and its time embedding; the prediction is what every family here 
 
 Initialisation, as the Dirichlet policy's: the Beta means give that policy's initial mean schedule,
 with sum(alpha, beta) = concentration (raised where a rate is within 2 / concentration of 0 or 1, so
-that alpha and beta both stay above 2, as 1 + exp(.) needs them above 1).
+that alpha and beta are both at least 2, as 1 + exp(.) needs them above 1).
 """
 
 import math
