@@ -4,7 +4,8 @@ local folder, or a miniature shipped in this repository), and load_backbone(name
 the frozen backbone: a diffusers pipeline of rollout.py or an embedded mixture of mixture.py.
 Missing, gated or incomplete weights end in one line that says how to get them. make_policy
 builds a policy (policy.py's, or stepwise.py's) at the size each backbone gets (PRESETS);
-build_policy rebuilds one from its `.config`.
+build_policy rebuilds one from its `.config`; from_pipeline wraps an already built diffusers
+pipeline (the tests' tiny random ones).
 """
 
 import os
@@ -15,12 +16,33 @@ import torch
 
 from mixture import MixtureBackbone
 from policy import GlobalPolicy, SchedulePolicy, json_times
-from rollout import PIPELINES, from_pipeline
+from rollout import FluxBackbone, SD3Backbone, SDXLBackbone
 from stepwise import StepwisePolicy
 
 # +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+
+# the diffusers families rollout.py drives, and the pipeline class each loads
+FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
+PIPELINES = {
+    "sd3": "StableDiffusion3Pipeline",
+    "flux": "FluxPipeline",
+    "sdxl": "StableDiffusionXLPipeline",
+}
+
+
+def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
+    """Wrap an already built diffusers pipeline (how the tests inject tiny random ones)."""
+    family = family or {cls: key for key, cls in PIPELINES.items()}.get(type(pipe).__name__)
+    if family not in FAMILIES:
+        raise ValueError(
+            f"cannot tell the family of {type(pipe).__name__}; pass family= one of "
+            f"{', '.join(FAMILIES)}"
+        )
+    return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)
+
+
 # Model facts per backbone (train.py's TRAINING holds the training defaults). family: the class that
 # runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG scale
 # (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input): the

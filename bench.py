@@ -58,7 +58,6 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 import backbones  # noqa: E402
-import rollout  # noqa: E402
 from backbones import make_policy  # noqa: E402
 
 # The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux
@@ -366,7 +365,7 @@ def bench_loop(name, args, device):
     if name.endswith("-tiny"):
         family = {"sd3-tiny": "sd3", "flux-tiny": "flux-dev", "sdxl-tiny": "sdxl"}[name]
         pipe = tiny_pipeline(family).to(device, dtype)
-        backbone = rollout.from_pipeline(
+        backbone = backbones.from_pipeline(
             pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family]
         )
     else:
@@ -466,14 +465,10 @@ def bench_iteration(name, iterations=12):
     import sys
     import tempfile
 
-    trainings = {
-        "global": ["--policy", "global"],
-        "instance": [],
-        "stepwise, js": ["--policy", "stepwise"],
-        "stepwise, ppo": ["--policy", "stepwise", "--optimizer", "ppo"],
-    }
+    from ablation import MINI_TRAININGS  # global, instance, stepwise (JS), stepwise + PPO
+
     seconds = {}
-    for training, flags in trainings.items():
+    for training, flags in MINI_TRAININGS.items():
         with tempfile.TemporaryDirectory() as folder:
             command = [sys.executable, "train.py", "--backbone", name, "--out-dir", folder]
             command += ["--iterations", str(iterations), "--eval-contexts", "1", *flags]

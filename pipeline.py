@@ -181,11 +181,11 @@ def generate(
     state, progress = _module_state(pipe), dict(getattr(pipe, "_progress_bar_config", {}))
     original, outputs = pipe.scheduler, []
     try:
-        backbone = rollout.from_pipeline(
+        backbone = backbones.from_pipeline(
             pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale")
         )
         family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
-        if family and not isinstance(backbone, rollout.FAMILIES[family]):
+        if family and not isinstance(backbone, backbones.FAMILIES[family]):
             raise ValueError(
                 f"this policy was trained on {policy.backbone} ({family}), "
                 f"not for a {type(pipe).__name__}"

@@ -438,22 +438,3 @@ class SDXLBackbone(PipelineBackbone):
             std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device)
             return latents * std / config.scaling_factor + mean
         return latents / config.scaling_factor
-
-
-FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
-PIPELINES = {
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-    "sdxl": "StableDiffusionXLPipeline",
-}
-
-
-def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
-    """Wrap an already built diffusers pipeline (how the tests inject tiny random ones)."""
-    family = family or {cls: key for key, cls in PIPELINES.items()}.get(type(pipe).__name__)
-    if family not in FAMILIES:
-        raise ValueError(
-            f"cannot tell the family of {type(pipe).__name__}; pass family= one of "
-            f"{', '.join(FAMILIES)}"
-        )
-    return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)

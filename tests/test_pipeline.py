@@ -44,7 +44,7 @@ def tiny(request):
         backbone = backbones.load_backbone(request.param)
         return backbone.pipe, backbone
     pipe = tiny_pipeline(request.param)
-    return pipe, rollout.from_pipeline(
+    return pipe, backbones.from_pipeline(
         pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[request.param]
     )
 
@@ -223,7 +223,7 @@ def test_a_shared_policy_loads_back_from_what_save_pretrained_alone_wrote(tmp_pa
 
 def pipe_and_policy(family="sd3", steps=3):
     pipe = tiny_pipeline(family)
-    backbone = rollout.from_pipeline(
+    backbone = backbones.from_pipeline(
         pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family]
     )
     policy = learned_policy(backbone, steps)
@@ -356,7 +356,7 @@ def test_scheduler_options_that_change_the_update_are_turned_off(option):
 
 def test_sdxl_configs_the_loop_cannot_run_are_refused():
     pipe = tiny_pipeline("sdxl")
-    backbone = rollout.from_pipeline(
+    backbone = backbones.from_pipeline(
         pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE["sdxl"]
     )
     policy = learned_policy(backbone, 3)

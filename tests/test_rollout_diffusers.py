@@ -8,10 +8,9 @@ import pytest
 import torch
 from diffusers import EulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
 
-from backbones import load_backbone
+from backbones import from_pipeline, load_backbone
 from bench import TINY_GUIDANCE, tiny_pipeline
 from bench import TINY_RESOLUTION as RESOLUTION
-from rollout import from_pipeline
 
 PROMPTS = ["a cat", "a red house on a hill"]
 

@@ -5,10 +5,9 @@ loop fed the times it chose, on the embedded and the diffusers backbones."""
 import pytest
 import torch
 
-from backbones import build_policy, load_backbone, make_policy
+from backbones import build_policy, from_pipeline, load_backbone, make_policy
 from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from checkpoints import load_policy, save_policy
-from rollout import from_pipeline
 from stepwise import (
     Stepper,
     join_records,
