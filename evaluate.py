@@ -62,10 +62,10 @@ from tqdm import tqdm
 import backbones
 import checkpoints
 import rewards as reward_lib
+import stepwise
 from figures import plot_results
 from policy import mean_increments, sample_increments, times_from_increments
 from prompts import context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups
-from stepwise import Stepper, start_times
 
 
 # -----------------------------------------------------------------------------
@@ -74,11 +74,9 @@ def policy_schedule(policy, backbone, mode="mean", generator=None):
     """A trained policy's schedule: the Dirichlet mean ("mean", deterministic) or one draw; for a
     step-wise policy the Beta mean or a draw at each step, returned with the latents it sampled."""
 
-    @torch.no_grad()
-    def stepwise_fn(noise, cond):
-        stepper = Stepper(policy, backbone, cond, generator if mode != "mean" else None)
-        latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
-        return stepper.times(), latents
+    if policy.config["kind"] == "stepwise":  # it picks its times while sampling
+        draws = generator if mode != "mean" else None
+        return lambda noise, cond: stepwise.sample(policy, backbone, noise, cond, draws)
 
     @torch.no_grad()
     def times_fn(noise, cond):
@@ -87,7 +85,7 @@ def policy_schedule(policy, backbone, mode="mean", generator=None):
             return times_from_increments(mean_increments(alpha))
         return times_from_increments(sample_increments(alpha, 1, generator)[:, 0])
 
-    return stepwise_fn if policy.config["kind"] == "stepwise" else times_fn
+    return times_fn
 
 
 def run_method(backbone, method, noise, cond):

@@ -34,7 +34,6 @@ from evaluate import (
     evaluate,
     format_table,
     policy_schedule,
-    run_method,
     summarize,
 )
 from figures import context_labels, plot_training
@@ -83,9 +82,8 @@ def check_config(config, world_size):
                 "contexts": f" for --baseline {config.baseline}",
             }.get(key, "")
             _fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
-    strict = dict(
-        lr=True, grad_clip=True, ppo_clip=True, weight_decay=False, guidance=False
-    )  # > 0, else >= 0
+    # True: must be > 0, False: >= 0
+    strict = dict(lr=True, grad_clip=True, ppo_clip=True, weight_decay=False, guidance=False)
     for key, positive in strict.items():
         value = getattr(config, key)
         if value is not None and not (
@@ -352,10 +350,8 @@ def finish(config, run):
         )
         prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
         noise, cond = context_noise(run.backbone, seeds), run.backbone.encode_prompts(prompts)
-        learned = run_method(
-            run.backbone, policy_schedule(run.raw_policy, run.backbone), noise, cond
-        )
-        learned = learned[0].cpu()
+        used = policy_schedule(run.raw_policy, run.backbone)(noise, cond)
+        learned = (used[0] if isinstance(used, tuple) else used).cpu()  # step-wise: with latents
         default = run.backbone.default_times(run.raw_policy.steps).cpu()
         labels = context_labels(prompts, seeds)
         plot_training(config.out_dir, learned, default, labels, config.reward)
@@ -407,3 +403,12 @@ def checkpoint(config, run, done):
         rng={"torch": torch.get_rng_state()},
     )
     save_checkpoint(run.ckpt_path, state)
+
+
+def gather(run, rewards):
+    """The rewards (B/world, K) of every rank, concatenated in rank order (B, K)."""
+    if not run.distributed:
+        return rewards
+    gathered = [torch.empty_like(rewards) for _ in range(run.world_size)]
+    dist.all_gather(gathered, rewards)
+    return torch.cat(gathered)

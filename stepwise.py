@@ -177,6 +177,15 @@ class Stepper:
         return dict(stacked, **self.prompt, times=self.times(), logp=logp)
 
 
+@torch.no_grad()
+def sample(policy, backbone, noise, cond, draws=None):
+    """(times (N, L+1), latents) of these contexts sampled with a step-wise policy: the Beta mean
+    at each step, or draws (a generator, or one per sample) as Stepper takes them."""
+    stepper = Stepper(policy, backbone, cond, draws)
+    latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
+    return stepper.times(), latents
+
+
 def join_records(records):
     """The records of several rollout parts, as one."""
     return {key: torch.cat([record[key] for record in records]) for key in records[0]}

@@ -177,7 +177,6 @@ if __name__ == "__main__":
 import time  # noqa: E402
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 import launch  # noqa: E402
 import stepwise  # noqa: E402
@@ -251,11 +250,7 @@ def main(config):
         t_rollout = time.time() - t0
 
         # ---------------- baselines: pooled over the global batch ----------------
-        all_rewards = rewards
-        if run.distributed:
-            gathered = [torch.empty_like(rewards) for _ in range(run.world_size)]
-            dist.all_gather(gathered, rewards)
-            all_rewards = torch.cat(gathered)  # (B, K)
+        all_rewards = launch.gather(run, rewards)  # (B, K): every rank's, in rank order
         launch.check_finite(config, run, iteration, all_rewards)
         baseline = BASELINES[config.baseline](all_rewards)  # (B, K), detached
         advantages = all_rewards - baseline
