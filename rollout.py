@@ -37,6 +37,7 @@ class Backbone:
           needs)
       sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
+      as_image(latents) -> latents in the (N, C, H, W) layout the policy reads
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
       sample(noise, cond, times, decide=None) -> final latents; times (N, L+1), each row run
           exactly (decide: a step-wise policy choosing the times on the way, run_schedule)
@@ -52,11 +53,15 @@ class Backbone:
     def sample_noise(self, n, generator=None):
         return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
 
+    def as_image(self, latents):
+        """Latents in the image layout (N, C, H, W) the policy reads (Flux unpacks its tokens)."""
+        return latents
+
     def policy_inputs(self, noise, cond):
         """The noise as an image-shaped latent (N, C, H, W), the prompt's token embeddings with
         their mask, and the pooled embedding."""
         return dict(
-            latent=noise.float(),
+            latent=self.as_image(noise).float(),
             text=cond["prompt_embeds"].float(),
             text_mask=cond["text_mask"],
             pooled=cond["pooled_prompt_embeds"].float(),
@@ -281,8 +286,8 @@ class FluxBackbone(PipelineBackbone):
         noise = torch.randn((n,) + self.latent_shape, generator=generator)
         return self.pack(noise).to(self.device)  # (N, tokens, 4 C)
 
-    def policy_inputs(self, noise, cond):
-        return super().policy_inputs(self.unpack(noise), cond)  # the policy sees an image
+    def as_image(self, latents):
+        return self.unpack(latents)  # the policy sees an image
 
     def default_times(self, steps):
         # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens) with the config's

@@ -141,11 +141,12 @@ class Stepper:
         self.prompt = None
 
     def __call__(self, step, t, state, estimate):
-        inputs = self.backbone.policy_inputs(state, self.cond)  # Flux: the tokens as an image
-        prediction = self.backbone.policy_inputs(estimate, self.cond)["latent"]
-        latent = torch.cat([inputs.pop("latent"), prediction], dim=1)  # (N, 2C, H, W)
-        self.prompt = self.prompt or inputs
-        parameters = self.policy(latent=latent, **inputs, time=t, step=step)  # (N, 2)
+        if self.prompt is None:  # the prompt's inputs: the same at every step
+            self.prompt = self.backbone.policy_inputs(state, self.cond)
+            del self.prompt["latent"]
+        image = self.backbone.as_image  # Flux: its packed tokens as an image
+        latent = torch.cat([image(state), image(estimate)], dim=1).float()  # (N, 2C, H, W)
+        parameters = self.policy(latent=latent, **self.prompt, time=t, step=step)  # (N, 2)
         if self.draws is None:
             pair = mean_increments(parameters)
         elif isinstance(self.draws, torch.Generator):
