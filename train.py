@@ -212,12 +212,12 @@ def main(config):
         with torch.no_grad():
             noise = torch.cat([backbone.sample_noise(1, g) for g in generators])
             cond = backbone.encode_prompts(batch_prompts)
-            inputs = backbone.policy_inputs(noise, cond)
             if per_step:  # the policy picks each next time inside the loop; K draw streams each
                 seeds = torch.cat([torch.randint(2**62, (K,), generator=g) for g in generators])
                 draws = [torch.Generator().manual_seed(seed) for seed in seeds.tolist()]
                 times = stepwise.start_times(len(draws), config.steps)  # t_0 = 1, the rest chosen
             else:  # single pass: the whole schedule from x_T and the prompt, before the loop
+                inputs = backbone.policy_inputs(noise, cond)
                 alpha = run.raw_policy(**inputs)  # (B/world, L+1) Dirichlet concentrations
                 tau = [sample_increments(alpha[c : c + 1], K, g) for c, g in enumerate(generators)]
                 tau = torch.cat(tau)  # (B/world, K, L+1) increments
