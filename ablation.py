@@ -331,8 +331,8 @@ MINI_TRAININGS = {
 
 
 def equivalent_steps(default_means, value):
-    """The default step count whose mean digit reward first reaches `value`, linearly interpolated
-    between the counts of EQUIVALENT_STEPS; "> 50" when none does."""
+    """The default step count whose mean score (higher is better) first reaches `value`, linearly
+    interpolated between the counts of EQUIVALENT_STEPS; "> 50" when none does."""
     previous = None
     for steps, mean in default_means.items():
         if mean >= value:
@@ -345,14 +345,17 @@ def equivalent_steps(default_means, value):
 
 
 def miniature_evidence(args):
-    """For each miniature and L in --mini-steps, on the same held-out contexts: the default,
-    the best time shift (chosen on other contexts), the learned global and instance-level schedules
-    of each seed; scored by the digit reward, the classifier's accuracy and the teacher error (minus
-    the 50-step default solution's squared distance); the default step count that matches each; and
-    the digit reward on the training paraphrases with the same held-out noise seeds."""
+    """For each miniature and L in --mini-steps, on the same held-out contexts: the default, the
+    best time shift (chosen on other contexts), the learned global and instance-level schedules
+    of each seed; scored by the preference reward, the classifier's accuracy, the realism measures
+    (realism.py) and the teacher error (minus the 50-step default solution's squared distance);
+    the default step count that matches each row's reward, and the one that matches its realism.
+    Writes the table to out_dir/results.md and to docs/RESULTS.md (section "miniatures")."""
     from checkpoints import load_checkpoint
     from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
     from miniature import prompt_lists
+    from realism import Realism, realism_table
+    from results import record
     from rewards import load_reward
 
     selected = args.mini_trainings or ["global", "instance"]
@@ -377,39 +380,50 @@ def miniature_evidence(args):
     train_prompts, heldout_prompts = prompt_lists()
     prompts, seeds = heldout_contexts(heldout_prompts, HELDOUT_CONTEXTS)
     fit_prompts, fit_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS, FIT_SEED)
-    # held-out noise, seen wording
-    seen_prompts, seen_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS)
-    lines, figure_policies = [], {}
+    floor = Realism().floor(HELDOUT_CONTEXTS)
+    lines, figure_policies = (
+        [
+            f"{HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise) per row; "
+            f"learned rows: mean over training seeds {args.seeds} (min to max in brackets), each "
+            "trained with the miniature's defaults (JS baseline, preference reward). Real digits "
+            f"against the reference at the same N: Frechet {floor['frechet']:.3f}, precision "
+            f"{floor['precision']:.3f}, recall {floor['recall']:.3f}."
+        ],
+        {},
+    )
     for name in args.backbones:
         backbone = backbones.load_backbone(name)
         rewards = {
-            "digit": load_reward("digit", backbone),
+            "preference": load_reward("preference", backbone),
             "teacher": load_reward("teacher", backbone),
         }
-        digit_only = {"digit": rewards["digit"]}
+        preference_only = {"preference": rewards["preference"]}
         defaults = {n: default_schedule(backbone, n) for n in EQUIVALENT_STEPS}
-        default_means = {
-            n: score["digit"].mean().item()
+        default_reward = {
+            n: score["preference"].mean().item()
             for n, score in score_table(
-                backbone, digit_only, prompts, seeds, defaults, batch_size=128
+                backbone, preference_only, prompts, seeds, defaults, batch_size=128
             ).items()
         }
+        default_realism = realism_table(backbone, defaults, prompts, seeds)
+        minus_frechet = {n: -row["frechet"] for n, row in default_realism.items()}
         lines += [
-            f"\n{name}: {HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), "
-            f"seeds {args.seeds}",
-            "| L | schedule | digit log-prob (spread) | accuracy | teacher error "
-            "| equivalent default steps | digit log-prob, training paraphrases | s / iteration |",
-            "|---|---|---|---|---|---|---|---|",
+            f"\n{name} (guidance {backbone.guidance})",
+            "",
+            "| L | schedule | preference reward | accuracy | Frechet distance | precision "
+            "| recall | teacher error | default steps, same reward | default steps, same "
+            "Frechet | s / iteration |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for steps in args.mini_steps:
             default = backbone.default_times(steps)
             shifts = {s: fixed_schedule(shifted(default, s)) for s in SHIFTS}
-            fit = score_table(backbone, digit_only, fit_prompts, fit_seeds, shifts, batch_size=128)
-            best = max(SHIFTS, key=lambda s: fit[s]["digit"].mean().item())
-            methods = {
-                "default": fixed_schedule(default),
-                f"best time shift (x{best})": shifts[best],
-            }
+            fit = score_table(
+                backbone, preference_only, fit_prompts, fit_seeds, shifts, batch_size=128
+            )
+            best = max(SHIFTS, key=lambda s: fit[s]["preference"].mean().item())
+            shift_row = f"best time shift (x{best})"
+            methods = {"default": fixed_schedule(default), shift_row: shifts[best]}
             for training in selected:
                 for seed in args.seeds:
                     policy = load_checkpoint(
@@ -418,44 +432,53 @@ def miniature_evidence(args):
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
             scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)
-            seen = score_table(  # training paraphrases
-                backbone, digit_only, seen_prompts, seen_seeds, methods, batch_size=128
-            )
-            rows = {
-                "default": ["default"],
-                f"best time shift (x{best})": [f"best time shift (x{best})"],
-            }
+            realism = realism_table(backbone, methods, prompts, seeds)
+            rows = {"default": ["default"], shift_row: [shift_row]}
             rows.update(
                 {f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in selected}
             )
             for row, members in rows.items():
                 per_seed = {
                     column: [scores[m][column].mean().item() for m in members]
-                    for column in ("digit", "digit accuracy", "teacher")
+                    for column in ("preference", "digit accuracy", "teacher")
                 }
-                seen_digit = statistics.mean(seen[m]["digit"].mean().item() for m in members)
-                digit = per_seed["digit"]
-                spread = f" ({min(digit):.4f} to {max(digit):.4f})" if len(digit) > 1 else ""
-                mean_digit = statistics.mean(digit)
+                per_seed.update(
+                    {key: [realism[m][key] for m in members] for key in realism[members[0]]}
+                )
+
+                def cell(column, digits=3, sign=1):
+                    values = [sign * v for v in per_seed[column]]
+                    spread = f" ({min(values):.{digits}f} to {max(values):.{digits}f})"
+                    mean = f"{statistics.mean(values):.{digits}f}"
+                    return mean + (spread if len(values) > 1 else "")
+
                 seconds = "-"
                 if row.startswith("learned "):
                     folders = [run_dir(name, row[8:], s, args, steps) for s in args.seeds]
                     seconds = f"{statistics.mean(map(seconds_per_iteration, folders)):.2f}"
+                reward = statistics.mean(per_seed["preference"])
+                frechet = statistics.mean(per_seed["frechet"])
                 lines.append(
-                    f"| {steps} | {row} | {mean_digit:.4f}{spread} | "
-                    f"{statistics.mean(per_seed['digit accuracy']):.3f} | "
-                    f"{-statistics.mean(per_seed['teacher']):.4f} | "
-                    f"{equivalent_steps(default_means, mean_digit)} | {seen_digit:.4f} | "
-                    f"{seconds} |"
+                    f"| {steps} | {row} | {cell('preference')} | {cell('digit accuracy')} | "
+                    f"{cell('frechet')} | {cell('precision')} | {cell('recall')} | "
+                    f"{cell('teacher', 4, -1)} | {equivalent_steps(default_reward, reward)} | "
+                    f"{equivalent_steps(minus_frechet, -frechet)} | {seconds} |"
                 )
-        curve = ", ".join(f"{n}: {m:.4f}" for n, m in default_means.items())
-        lines.append(f"default schedule's digit log-prob by step count: {curve}")
+        lines += [
+            "",
+            "default schedule by step count, preference reward: "
+            + ", ".join(f"{n}: {m:.3f}" for n, m in default_reward.items()),
+            "",
+            "default schedule by step count, Frechet distance: "
+            + ", ".join(f"{n}: {-m:.3f}" for n, m in minus_frechet.items()),
+        ]
     if {2, 3} <= set(args.mini_steps):
         figure = os.path.join(args.out_dir, "miniatures.png")
         plot_miniatures(figure, args.backbones, figure_policies, args.seeds[0])
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
+    record("miniatures", " ".join(["python ablation.py", *sys.argv[1:]]), lines)
 
 
 @torch.no_grad()

@@ -95,9 +95,11 @@ BACKBONES = {
     # The trained miniatures (miniature.py): the real families' classes with shipped 16x16 digit
     # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
     # repository; prompts: (training, held-out) paraphrase files; the reward reads their pixels.
-    "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=4.0),
-    "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=3.5),
-    "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=5.0),
+    # guidance: as a real model's default is chosen, the most realistic 50-step samples of which at
+    # least 95% show the prompted digit (`python miniature.py --guidance-sweep`, docs/RESULTS.md).
+    "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=1.25),
+    "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=1.5),
+    "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=1.25),
 }
 
 

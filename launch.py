@@ -38,6 +38,7 @@ from evaluate import (
 )
 from figures import context_labels, plot_training
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
+from realism import Realism, realism_table
 from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
 
 LEAST = dict(
@@ -114,10 +115,11 @@ def check_config(config, world_size):
             f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
             "--device cpu to insist (or try --backbone digits)"
         )
-    if config.reward == "digit" and "folder" not in spec:
+    if config.reward in ("digit", "preference") and "folder" not in spec:
         _fail(
-            "the digit reward reads the 16x16 handwritten digits that only the mini-* backbones "
-            f"draw, not {config.backbone}'s images; use --reward teacher, or a mini-* backbone"
+            f"the {config.reward} reward reads the 16x16 handwritten digits that only the mini-* "
+            f"backbones draw, not {config.backbone}'s images; use --reward teacher, or a mini-* "
+            "backbone"
         )
     if spec["family"] == "mixture" and config.reward in IMAGE_CONTENT:
         _fail(
@@ -311,10 +313,19 @@ def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_nam
         f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n"
         f"{format_table(rows)}"
     )
-    write_json_atomic(
-        os.path.join(out_dir, "eval.json"),
-        dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name),
-    )
+    report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
+    if BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
+        realism = realism_table(backbone, dict(list(methods.items())[:2]), prompts, seeds)
+        floor = Realism().floor(len(seeds))
+        print(
+            "realism against real digits (Frechet distance lower, precision and recall higher):\n"
+            + "\n".join(
+                f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items())
+                for name, row in {**realism, "real digits (floor)": floor}.items()
+            )
+        )
+        report.update(realism=realism, realism_floor=floor)
+    write_json_atomic(os.path.join(out_dir, "eval.json"), report)
 
 
 def check_finite(config, run, iteration, rewards):

@@ -1,23 +1,28 @@
 """
 Trained miniature text-to-image pipelines: real SD3, Flux and SD-XL architectures, small enough to
-train on a laptop CPU and to ship in the repository (miniatures/, about 10 MB with the classifier).
+train on a laptop CPU and to ship in the repository (miniatures/, about 10 MB with the reward
+models).
 
     python miniature.py --family classifier   # the digit reward's classifier (about a minute)
     python miniature.py --family sd3          # miniatures/mini-sd3 from scratch (minutes, 2 cores)
     python miniature.py --family flux         # miniatures/mini-flux
     python miniature.py --family sdxl         # miniatures/mini-sdxl
+    python miniature.py --family preference   # the preference reward's scorer (a few minutes)
+    python miniature.py --guidance-sweep      # how each miniature's default guidance was chosen
+    python miniature.py --agreement           # the rewards against realism per default step count
     python miniature.py --check               # what the shipped folders reach (the README's table)
 
 Why they exist: random weights prove that rollout.py equals the diffusers pipelines, not that a
 learned schedule makes a trained model's images better. These are trained models of the real
 families, loaded with the stock `from_pretrained` of StableDiffusion3Pipeline, FluxPipeline and
-StableDiffusionXLPipeline, with a black-box reward read from their decoded pixels (a classifier, as
-HPSv2 reads images), so the paper's setting runs end to end on a CPU.
+StableDiffusionXLPipeline, with a black-box reward read from their decoded pixels (a preference
+scorer trained as HPSv2 was, below), so the paper's setting runs end to end on a CPU.
 
 Data: scikit-learn's 1,797 handwritten 8x8 digits (they ship inside the package), upsampled to
 16x16 with Pillow's bicubic filter, grey ink replicated to RGB. A seeded half trains the pipelines
-(VAE and denoiser); the other half trains the classifier, which is then tested on the pipelines'
-half: no image it is scored on was seen by it, and the pipelines never saw the classifier's images.
+(VAE and denoiser); the other half, which no pipeline saw, trains the classifier (tested on the
+pipelines' half) and is split again (digit_splits): one half trains the preference scorer, the
+other is the realism measure's reference set (realism.py), seen by neither reward model.
 Prompts are paraphrases, "a handwritten 7", "the digit 7", ... (prompts/digit_train.txt); the
 held-out paraphrases (prompts/digit_heldout.txt) are never seen in training.
 
@@ -56,8 +61,18 @@ parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
 )
 add = parser.add_argument
-add("--family", choices=FAMILIES + ("classifier",), help="what to train (and overwrite)")
+add(
+    "--family",
+    choices=FAMILIES + ("classifier", "preference"),
+    help="what to train (and overwrite); preference reads the shipped miniatures",
+)
 add("--check", action="store_true", help="score the shipped folders")
+add("--agreement", action="store_true", help="the rewards against realism per default step count")
+add(
+    "--guidance-sweep",
+    action="store_true",
+    help="realism and accuracy of 50-step samples per guidance scale (how the defaults were set)",
+)
 add("--seed", type=int, default=0)
 add("--threads", type=int, default=None, help="CPU threads (default: torch's)")
 
@@ -121,6 +136,23 @@ def split():
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
     pipelines, classifier = order[: len(order) // 2], order[len(order) // 2 :]
     return (images[pipelines], labels[pipelines]), (images[classifier], labels[classifier])
+
+
+def digit_splits():
+    """The digits by use, each (images, labels): "pipelines" (the half that trains the miniatures'
+    VAEs and denoisers), and the other half, which no miniature saw: all of it trains the digit
+    classifier; a seeded half of it ("preference") trains the preference scorer, the rest
+    ("reference") is the realism measure's reference set (realism.py), which the scorer never
+    saw."""
+    pipelines, (images, labels) = split()
+    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(1))
+    scorer, reference = order[: len(order) // 2], order[len(order) // 2 :]
+    return dict(
+        pipelines=pipelines,
+        classifier=(images, labels),
+        preference=(images[scorer], labels[scorer]),
+        reference=(images[reference], labels[reference]),
+    )
 
 
 def prompt_lists():
@@ -208,6 +240,176 @@ def train_classifier(epochs=60, seed=0):
     with torch.no_grad():
         accuracy = (model(test_images).argmax(1) == test_labels).float().mean().item()
     return model, accuracy
+
+
+# -----------------------------------------------------------------------------
+# the preference scorer behind the miniatures' quality reward (rewards.PreferenceReward)
+#
+# Built the way HPSv2 was: a scorer of (image, prompted digit) trained with a Bradley-Terry loss,
+# -log sigmoid(s(preferred) - s(other)), on pairs where a person prefers the first image. The
+# preferred image is a real digit of the prompted class from the "preference" split, which no
+# miniature saw and the realism measure's reference set does not hold; the other is, in equal
+# shares: the same digit blurred, averaged with others of its class (the prototype look), noised
+# or partly erased; a real digit of another class; a miniature's sample of that class (few-step,
+# off-schedule or converged). A fifth kind pairs two samples of one context from a miniature: the
+# one closer to the 50-step solution is preferred, when it is at most half as far.
+
+PREFERENCE_SEED, PREFERENCE_CONTEXTS = 3 * 10**6, 256  # sample contexts per miniature
+PREFERENCE_UPDATES, PREFERENCE_BATCH, PREFERENCE_LR = 2000, 64, 2e-3  # pairs of each kind
+
+
+def shifted(images, generator, pixels=1):
+    """Each image moved by up to `pixels` in x and y (zero background enters)."""
+    count, padded = len(images), F.pad(images, [pixels] * 4)
+    dx, dy = torch.randint(0, 2 * pixels + 1, (2, count), generator=generator)
+    return torch.stack(
+        [padded[i, :, dy[i] : dy[i] + SIDE, dx[i] : dx[i] + SIDE] for i in range(count)]
+    )
+
+
+def blurred(images, sigma):
+    """A Gaussian blur of standard deviation sigma[i] pixels on image i (separable, 7 taps)."""
+    count, channels = images.shape[:2]
+    offsets = torch.arange(-3, 4, dtype=images.dtype)
+    kernel = torch.exp(-offsets.square() / (2 * sigma[:, None].square()))
+    kernel = (kernel / kernel.sum(1, keepdim=True)).repeat_interleave(channels, 0)  # (N*C, 7)
+    flat = images.reshape(1, count * channels, SIDE, SIDE)
+    flat = F.conv2d(flat, kernel[:, None, None, :], padding=(0, 3), groups=count * channels)
+    flat = F.conv2d(flat, kernel[:, None, :, None], padding=(3, 0), groups=count * channels)
+    return flat.reshape(images.shape)
+
+
+def degraded(images, labels, pool, pool_labels, generator):
+    """The four corruptions of real digits, one per quarter of the batch: blurred (sigma 0.6-1.5
+    px), the mean of 2-8 digits of the same class, pixel noise (std 0.05-0.25), a rectangle of
+    5-10 px sides erased."""
+    count = len(images)
+    kind = torch.arange(count) % 4
+    uniform = torch.rand(count, generator=generator)
+    blur = blurred(images, 0.6 + 0.9 * uniform)
+    prototype = torch.stack(
+        [
+            pool[pick].mean(0)
+            for label, size in zip(labels, torch.randint(2, 9, (count,), generator=generator))
+            for same in [torch.nonzero(pool_labels == label).squeeze(1)]
+            for pick in [same[torch.randperm(len(same), generator=generator)[:size]]]
+        ]
+    )
+    noisy = images + (0.05 + 0.2 * uniform)[:, None, None, None] * torch.randn(
+        images.shape, generator=generator
+    )
+    erased = images.clone()
+    corner = torch.randint(0, SIDE - 4, (2, count), generator=generator)
+    size = torch.randint(5, 11, (2, count), generator=generator)
+    for i in range(count):
+        (y, x), (h, w) = corner[:, i], size[:, i]
+        erased[i, :, y : y + h, x : x + w] = 0
+    out = torch.where((kind == 0)[:, None, None, None], blur, prototype)
+    out = torch.where((kind == 2)[:, None, None, None], noisy, out)
+    return torch.where((kind == 3)[:, None, None, None], erased, out).clamp(0, 1)
+
+
+@torch.no_grad()
+def sample_bank(family, prompts, seeds, generator):
+    """A miniature's samples of the contexts (prompts[i], seeds[i]) under several schedules: the
+    50-step default, the defaults at L = 1..5, and for L = 2..5 schedules drawn from Dirichlets
+    around the default (concentration 100 and 10) and uniform ones. Returns the images (S, N, 3,
+    16, 16), each one's mean squared pixel distance to its 50-step solution (S, N), the digits
+    (N,)."""
+    import backbones
+    from policy import increments_from_times, times_from_increments
+    from preprocess import quantize
+    from prompts import context_noise
+
+    backbone = backbones.load_backbone(f"mini-{family}")
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    count, schedules = len(prompts), [backbone.default_times(50).expand(len(prompts), -1)]
+    schedules += [backbone.default_times(steps).expand(count, -1) for steps in range(1, 6)]
+    for steps in range(2, 6):
+        default = increments_from_times(backbone.default_times(steps)).clamp_min(0.02)
+        for alpha in (100 * default, 10 * default, torch.ones_like(default)):
+            tau = torch.distributions.Dirichlet(alpha.expand(count, -1)).sample()
+            schedules.append(times_from_increments(tau.clamp_min(1e-3)))
+    images = torch.stack(
+        [quantize(backbone.decode(backbone.sample(noise, cond, t))).clamp(0, 1) for t in schedules]
+    )
+    distance = (images - images[:1]).square().mean((2, 3, 4))
+    digits = torch.tensor([digit_of(prompt) for prompt in prompts])
+    return images, distance, digits
+
+
+def wrong_class(digits, generator):
+    """Another class than each of `digits`, uniformly."""
+    return (digits + torch.randint(1, 10, digits.shape, generator=generator)) % 10
+
+
+def of_class(real, labels, digits, generator):
+    """A random real digit of each class in `digits`, shifted by up to a pixel."""
+    picks = [
+        same[torch.randint(len(same), (1,), generator=generator)]
+        for same in (torch.nonzero(labels == digit).squeeze(1) for digit in digits)
+    ]
+    return shifted(real[torch.cat(picks)], generator)
+
+
+def preference_pairs(real, labels, banks, generator, batch=PREFERENCE_BATCH):
+    """One batch of (preferred, other, digit) pairs: `batch` of each of the five kinds."""
+    images, distance, sample_digits = banks
+    digits = labels[torch.randint(len(real), (2 * batch,), generator=generator)]
+    good = of_class(real, labels, digits, generator)
+    # a real digit against its corruption, and against a real digit of another class
+    chosen = [good]
+    other = [degraded(good[:batch], digits[:batch], real, labels, generator)]
+    other.append(of_class(real, labels, wrong_class(digits[batch:], generator), generator))
+    # a real digit against a miniature's sample of its class
+    schedule = torch.randint(len(images), (batch,), generator=generator)
+    context = torch.randint(images.shape[1], (batch,), generator=generator)
+    chosen.append(of_class(real, labels, sample_digits[context], generator))
+    other.append(images[schedule, context])
+    digits = [digits, sample_digits[context]]
+    # two samples of one context: the one at most half as far from the 50-step solution
+    first, second = torch.randint(len(images), (2, 4 * batch), generator=generator)
+    context = torch.randint(images.shape[1], (4 * batch,), generator=generator)
+    near, far = distance[first, context], distance[second, context]
+    clear = torch.minimum(near, far) <= 0.5 * torch.maximum(near, far)
+    first, second, context = first[clear][:batch], second[clear][:batch], context[clear][:batch]
+    nearer = distance[first, context] <= distance[second, context]
+    chosen.append(images[torch.where(nearer, first, second), context])
+    other.append(images[torch.where(nearer, second, first), context])
+    digits.append(sample_digits[context])
+    return torch.cat(chosen), torch.cat(other), torch.cat(digits)
+
+
+def train_preference(seed=0, log=print):
+    """The preference scorer (PreferenceScorer) from the preference split and the miniatures'
+    samples; returns it and its held-out pair accuracy per kind."""
+    from prompts import heldout_contexts
+    from rewards import PreferenceScorer
+
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    real, labels = digit_splits()["preference"]
+    prompts, seeds = heldout_contexts(prompt_lists()[0], PREFERENCE_CONTEXTS, PREFERENCE_SEED)
+    parts = [sample_bank(family, prompts, seeds, generator) for family in FAMILIES]
+    # the miniatures' banks side by side: (S, 3N, ...) images, (S, 3N) distances, (3N,) digits
+    banks = tuple(
+        torch.cat(tensors, dim=1 if tensors[0].dim() > 1 else 0) for tensors in zip(*parts)
+    )
+    log(f"preference: {banks[0].shape[0] * banks[0].shape[1]} miniature samples")
+    model = PreferenceScorer(width=16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PREFERENCE_LR, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, PREFERENCE_LR, PREFERENCE_UPDATES)
+    for update in range(PREFERENCE_UPDATES):
+        chosen, other, digits = preference_pairs(real, labels, banks, generator)
+        scores = model(torch.cat([chosen, other])).gather(1, digits.repeat(2)[:, None]).squeeze(1)
+        loss = F.softplus(scores[len(chosen) :] - scores[: len(chosen)]).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        scheduler.step()
+        if update % 500 == 0:
+            log(f"preference: update {update}, Bradley-Terry loss {loss.item():.4f}")
+    return model.eval()
 
 
 # -----------------------------------------------------------------------------
@@ -701,6 +903,152 @@ def folder_size(folder):
 
 
 # -----------------------------------------------------------------------------
+# the miniatures' default guidance, chosen as a real model's is
+
+# Contexts for choosing settings: training paraphrases with noise seeds apart from the held-out
+# ones (prompts.HELDOUT_SEED) and from the preference scorer's samples (PREFERENCE_SEED).
+TUNING_SEED, TUNING_CONTEXTS = 2 * 10**6, 512
+GUIDANCES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
+MIN_ACCURACY = 0.95  # of 50-step samples showing the prompted digit
+
+
+def default_samples(backbone, prompts, seeds, steps, batch_size=256):
+    """Decoded 8-bit images of the contexts (prompts[i], seeds[i]) under the default schedule."""
+    from preprocess import quantize
+    from prompts import context_noise
+
+    images = []
+    for start in range(0, len(prompts), batch_size):
+        noise = context_noise(backbone, seeds[start : start + batch_size])
+        cond = backbone.encode_prompts(prompts[start : start + batch_size])
+        times = backbone.default_times(steps).expand(len(noise), -1)
+        images.append(quantize(backbone.decode(backbone.sample(noise, cond, times))).clamp(0, 1))
+    return torch.cat(images)
+
+
+@torch.no_grad()
+def guidance_sweep():
+    """Each miniature's default guidance, chosen as a real model's default is: the best realism
+    (lowest Frechet distance to real digits) at which at least MIN_ACCURACY of 50-step samples show
+    the prompted digit, on training paraphrases and tuning noise (never the held-out contexts)."""
+    import backbones
+    from prompts import heldout_contexts
+    from realism import Realism
+    from results import record
+
+    realism, classifier = Realism(), load_classifier()
+    prompts, seeds = heldout_contexts(prompt_lists()[0], TUNING_CONTEXTS, TUNING_SEED)
+    digits = torch.tensor([digit_of(prompt) for prompt in prompts])
+    floor = realism.floor(TUNING_CONTEXTS)
+    lines = [
+        f"{TUNING_CONTEXTS} contexts (training paraphrases, tuning noise seeds), 50 default steps; "
+        f"real against real at the same N: Frechet {floor['frechet']:.3f}, precision "
+        f"{floor['precision']:.3f}, recall {floor['recall']:.3f}. Chosen (bold): the lowest "
+        f"Frechet distance with accuracy at least {MIN_ACCURACY}.",
+        "",
+        "| miniature | guidance | accuracy | Frechet distance | precision | recall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for family in FAMILIES:
+        rows = {}
+        for guidance in GUIDANCES:
+            backbone = backbones.load_backbone(f"mini-{family}", guidance=guidance)
+            images = default_samples(backbone, prompts, seeds, 50)
+            accuracy = (classifier(images).argmax(1) == digits).float().mean().item()
+            rows[guidance] = dict(accuracy=accuracy, **realism(images))
+            print(f"mini-{family} guidance {guidance}: {rows[guidance]}", flush=True)
+        valid = [g for g in GUIDANCES if rows[g]["accuracy"] >= MIN_ACCURACY]
+        chosen = min(valid, key=lambda g: rows[g]["frechet"]) if valid else None
+        for guidance, row in rows.items():
+            mark = "**" if guidance == chosen else ""
+            lines.append(
+                f"| mini-{family} | {mark}{guidance}{mark} | {row['accuracy']:.3f} | "
+                f"{row['frechet']:.3f} | {row['precision']:.3f} | {row['recall']:.3f} |"
+            )
+    record("guidance", "python miniature.py --guidance-sweep", lines)
+    print("\n".join(lines))
+
+
+# -----------------------------------------------------------------------------
+# does the reward measure quality? Against realism, per default step count
+
+AGREEMENT_STEPS = (1, 2, 3, 5, 10, 50)
+
+
+@torch.no_grad()
+def reward_agreement(contexts=256):
+    """Per miniature at its default guidance, on the held-out contexts: the preference reward and
+    the digit reward of the default schedule at AGREEMENT_STEPS, beside the realism measures; the
+    rank correlation of each reward with minus the Frechet distance over the step counts; the real
+    reference digits (which neither the scorer nor any miniature saw) as the top row."""
+    from scipy.stats import spearmanr
+
+    import backbones
+    from prompts import heldout_contexts
+    from realism import Realism
+    from results import record
+    from rewards import load_scorer
+
+    realism, classifier, scorer = Realism(), load_classifier(), load_scorer()
+    prompts, seeds = heldout_contexts(prompt_lists()[1], contexts)
+    digits = torch.tensor([digit_of(prompt) for prompt in prompts])
+    real, real_labels = digit_splits()["reference"]
+
+    def rewards(images, labels):
+        preference = scorer(images).gather(1, labels[:, None]).squeeze(1)
+        log_probs = torch.log_softmax(classifier(images), 1)
+        digit = log_probs.gather(1, labels[:, None]).squeeze(1)
+        accuracy = (log_probs.argmax(1) == labels).float().mean().item()
+        return preference, digit, accuracy
+
+    def interval(values):
+        return f"{values.mean():.3f} ± {1.96 * values.std() / len(values) ** 0.5:.3f}"
+
+    floor = realism.floor(contexts)
+    preference, digit, accuracy = rewards(real, real_labels)
+    lines = [
+        f"{contexts} held-out contexts (held-out paraphrases, held-out noise) per row, each "
+        "miniature at its default guidance; mean ± 95% interval. Real digits: the reference set "
+        f"({len(real)} digits no miniature and no reward model saw) for the rewards; their realism "
+        f"row is {contexts} other unseen real digits against the reference (the floor at this N).",
+        "",
+        "| miniature | default steps | preference reward | digit log-prob | accuracy "
+        "| Frechet distance | precision | recall |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    real_row = (
+        f"| real digits | - | {interval(preference)} | {interval(digit)} | {accuracy:.3f} | "
+        f"{floor['frechet']:.3f} | {floor['precision']:.3f} | {floor['recall']:.3f} |"
+    )
+    summary = []
+    for family in FAMILIES:
+        backbone = backbones.load_backbone(f"mini-{family}")
+        means, frechets = {"preference": [], "digit": []}, []
+        lines.append(real_row)
+        for steps in AGREEMENT_STEPS:
+            images = default_samples(backbone, prompts, seeds, steps)
+            preference, digit, accuracy = rewards(images, digits)
+            measured = realism(images)
+            means["preference"].append(preference.mean().item())
+            means["digit"].append(digit.mean().item())
+            frechets.append(-measured["frechet"])
+            lines.append(
+                f"| mini-{family} | {steps} | {interval(preference)} | {interval(digit)} | "
+                f"{accuracy:.3f} | {measured['frechet']:.3f} | {measured['precision']:.3f} | "
+                f"{measured['recall']:.3f} |"
+            )
+        correlations = {name: spearmanr(values, frechets)[0] for name, values in means.items()}
+        summary.append(
+            f"- mini-{family}: rank correlation with minus the Frechet distance over "
+            f"{list(AGREEMENT_STEPS)} steps: preference reward {correlations['preference']:.2f}, "
+            f"digit log-prob {correlations['digit']:.2f}; guidance {backbone.guidance}"
+        )
+    lines += ["", *summary]
+    record("agreement", "python miniature.py --agreement", lines)
+    print("\n".join(lines))
+
+
+# -----------------------------------------------------------------------------
 # what the shipped folders reach
 
 
@@ -772,7 +1120,15 @@ if __name__ == "__main__":
         model, accuracy = train_classifier(seed=args.seed)
         model.save_pretrained(os.path.join(FOLDER, "classifier"))
         print(f"classifier: held-out accuracy {accuracy:.4f} ({time.time() - began:.0f} s)")
+    elif args.family == "preference":
+        began = time.time()
+        train_preference(seed=args.seed).save_pretrained(os.path.join(FOLDER, "preference"))
+        print(f"preference: saved miniatures/preference ({time.time() - began:.0f} s)")
     elif args.family:
         train_family(args.family, args.seed)
-    if args.check or not args.family:
+    if args.guidance_sweep:
+        guidance_sweep()
+    if args.agreement:
+        reward_agreement()
+    if args.check or not (args.family or args.guidance_sweep or args.agreement):
         check()

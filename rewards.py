@@ -24,9 +24,15 @@ a batch repeated K times with repeat_interleave), is built once and reused, and 
   prompt-alignment reward for machines without the HPS environment.
 - "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads in the image, the
   paper's text-rendering reward; evaluate.py reports 1 - normalised edit distance beside it.
+- "preference": the miniatures' HPSv2, the default reward of the mini-* backbones: a small scorer
+  of (image, prompted digit) that miniature.py trains as HPSv2 was trained, with a Bradley-Terry
+  loss on preference pairs (a real digit over the same digit blurred, averaged, noised, erased,
+  over another digit, over a miniature's sample; of two samples, the one nearer convergence), on
+  digits no miniature saw. A black box on their decoded pixels; evaluate.py reports the
+  classifier's accuracy beside it, and realism.py the realism of the samples.
 - "digit": log p(prompted digit | image) under the small classifier that miniature.py trains on
-  digits the miniature pipelines never saw: the default reward of the mini-* backbones, a black box
-  on their decoded pixels as HPSv2 is on a real model's; evaluate.py reports its accuracy beside it.
+  digits the miniature pipelines never saw: prompt alignment only (it scores a blurry class mean
+  above a real digit); evaluate.py reports its accuracy beside it.
 - "geneval" (geneval.py): the fraction of a GenEval prompt's requirements (objects, counts,
   colours, positions) that Mask2Former and CLIP find met; evaluate.py reports GenEval's binary
   correctness beside it. Both read text or objects, which the 8x8 embedded backbones do not have.
@@ -351,23 +357,32 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
         return self.head(self.features(2.0 * images - 1.0))
 
 
-def classifier_folder(folder=None):
-    """Where the classifier is: `folder`, else the shipped one. ValueError in one line if absent."""
-    folder = folder or os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "miniatures", "classifier"
-    )
+class PreferenceScorer(DigitClassifier):
+    """The miniatures' preference model, built as HPSv2 is (a scorer of image and prompt trained on
+    pairwise preferences): the same CNN, its 10 outputs read as the score of an image for each
+    prompted digit, trained with a Bradley-Terry loss by miniature.py (train_preference)."""
+
+
+def model_folder(kind, folder=None):
+    """Where the miniatures' `kind` ("classifier" or "preference") is: `folder`, else the shipped
+    one. ValueError in one line if absent."""
+    folder = folder or os.path.join(os.path.dirname(os.path.abspath(__file__)), "miniatures", kind)
     if not all(
         os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")
     ):
         raise ValueError(
-            f"no digit classifier in {folder}; restore miniatures/classifier with git, retrain it "
-            "with `python miniature.py --family classifier`, or pass --reward-checkpoint FOLDER"
+            f"no digit {kind} in {folder}; restore miniatures/{kind} with git, retrain it with "
+            f"`python miniature.py --family {kind}`, or pass --reward-checkpoint FOLDER"
         )
     return folder
 
 
 def load_classifier(folder=None):
-    return DigitClassifier.from_pretrained(classifier_folder(folder)).eval()
+    return DigitClassifier.from_pretrained(model_folder("classifier", folder)).eval()
+
+
+def load_scorer(folder=None):
+    return PreferenceScorer.from_pretrained(model_folder("preference", folder)).eval()
 
 
 class DigitReward:
@@ -377,23 +392,25 @@ class DigitReward:
     certainty. The classifier was trained on digits that no miniature saw (miniature.py)."""
 
     def __init__(self, backbone, checkpoint=None, device=None):
-
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.model = load_classifier(checkpoint).to(self.device).requires_grad_(False)
 
-    def log_probs(self, latents):
+    def pixels(self, latents):
+        """The decoded 8-bit images at the models' side: (N, 3, 16, 16) in [0, 1]."""
         images = quantize(self.backbone.decode(latents)).to(self.device)
         side = self.model.side
         if images.shape[-1] != side or images.shape[-2] != side:
             images = F.interpolate(
                 images, (side, side), mode="bicubic", align_corners=False, antialias=True
             )
-        return torch.log_softmax(self.model(images.clamp(0, 1)).float(), dim=1)  # (N, 10)
+        return images.clamp(0, 1)
+
+    def log_probs(self, latents):
+        return torch.log_softmax(self.model(self.pixels(latents)).float(), dim=1)  # (N, 10)
 
     @torch.no_grad()
     def details(self, latents, prompts):
-
         log_probs = self.log_probs(latents)
         digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=log_probs.device)
         correct = (log_probs.argmax(1) == digits).float()
@@ -403,8 +420,30 @@ class DigitReward:
         return self.details(latents, prompts)[0]
 
 
+class PreferenceReward(DigitReward):
+    """The miniatures' quality reward, their HPSv2: the preference scorer's score of the image for
+    the prompted digit (higher is preferred; real digits score highest, blurred, averaged, noisy,
+    erased, wrong and unconverged ones lower). details() also gives the classifier's accuracy."""
+
+    def __init__(self, backbone, checkpoint=None, device=None):
+        super().__init__(backbone, device=device)
+        self.scorer = load_scorer(checkpoint).to(self.device).requires_grad_(False)
+
+    @torch.no_grad()
+    def details(self, latents, prompts):
+        images = self.pixels(latents)
+        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)
+        scores = self.scorer(images).float().gather(1, digits[:, None]).squeeze(1)
+        correct = (self.model(images).argmax(1) == digits).float()
+        return scores, correct
+
+
 def load_digit(backbone, device=None, checkpoint=None):
     return DigitReward(backbone, checkpoint=checkpoint, device=device)
+
+
+def load_preference(backbone, device=None, checkpoint=None):
+    return PreferenceReward(backbone, checkpoint=checkpoint, device=device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -435,6 +474,7 @@ REWARDS = {
     "ocr": load_ocr,
     "geneval": load_geneval,
     "digit": load_digit,
+    "preference": load_preference,
 }
 # rewards that read text or objects: not for the 8x8 embedded backbones
 IMAGE_CONTENT = ("ocr", "geneval")
@@ -442,13 +482,14 @@ COLUMNS = {  # what metrics() returns, per reward
     "ocr": ("ocr", "ocr edit"),
     "geneval": ("geneval", "geneval correct"),
     "digit": ("digit", "digit accuracy"),
+    "preference": ("preference", "digit accuracy"),
 }
 
 
 def check_prompts(name, prompts):
     """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR
     needs a "quoted" target text, GenEval one of its templates."""
-    if name == "digit":
+    if name in ("digit", "preference"):
         for prompt in prompts:
             digit_of(prompt)
     if name in IMAGE_CONTENT:
@@ -475,9 +516,9 @@ def metrics(reward, name, latents, prompts, noise, cond):
             "geneval": torch.tensor([row["reward"] for row in rows]),
             "geneval correct": torch.tensor([float(row["correct"]) for row in rows]),
         }
-    if name == "digit":
-        log_prob, correct = reward.details(latents, prompts)
-        return {"digit": log_prob.cpu(), "digit accuracy": correct.cpu()}
+    if name in ("digit", "preference"):
+        score, correct = reward.details(latents, prompts)
+        return {name: score.cpu(), "digit accuracy": correct.cpu()}
     return {name: reward(latents, prompts, noise, cond).float().cpu()}
 
 
@@ -505,7 +546,10 @@ def check_reward(name, checkpoint=None):
             checkpoint or DETECTOR_DEFAULT, "GenEval detector", also=(GENEVAL_CLIP, "CLIP model")
         )
     if name == "digit":
-        classifier_folder(checkpoint)
+        model_folder("classifier", checkpoint)
+    if name == "preference":  # the scorer (its checkpoint) and the classifier behind its accuracy
+        model_folder("preference", checkpoint)
+        model_folder("classifier")
     if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
         model = checkpoint or CLIP_DEFAULT
         hub_file(

@@ -89,7 +89,13 @@ class Config:
 HUB = dict(steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2")
 EMBEDDED = dict(steps=4, contexts=32, iterations=300, lr=3e-3, reward="teacher", rollout_batch=None)
 MINIATURE = dict(
-    steps=3, contexts=16, rollouts=4, iterations=200, lr=3e-3, reward="digit", rollout_batch=None
+    steps=3,
+    contexts=16,
+    rollouts=4,
+    iterations=200,
+    lr=3e-3,
+    reward="preference",
+    rollout_batch=None,
 )
 TRAINING = {
     "sd35m": dict(HUB, contexts=32, rollout_batch=16),
@@ -113,7 +119,7 @@ CHOICES = dict(
     backbone=list(TRAINING),
     policy=["instance", "global", "stepwise"],
     init=["default", "uniform"],
-    reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit"],
+    reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit", "preference"],
     baseline=["js", "js-unbiased", "rloo", "xctx"],
     lr_decay=["cosine", "constant"],
     optimizer=["reinforce", "ppo"],

@@ -1,0 +1,129 @@
+"""
+How realistic the miniatures' samples are, measured against real handwritten digits that no
+miniature saw, with the two measures the field uses for generative models:
+
+- Frechet distance (Heusel et al., 2017, FID): the distance between Gaussians fitted to the
+  features of samples and of real images, |mu_s - mu_r|^2 + Tr(S_s + S_r - 2 (S_s S_r)^(1/2)).
+- k-NN precision and recall (Kynkaanniemi et al., 2019, "Improved Precision and Recall Metric for
+  Assessing Generative Models"): each real feature gets a ball reaching its k-th nearest real
+  neighbour; precision is the share of samples inside some real ball (are samples realistic?),
+  recall the share of real images inside some sample ball, built the same way from the samples
+  (is the real variety covered?). k = 3 as in the paper.
+
+The feature space is fixed: the leading principal components of the reference digits' grey pixels
+(FID's Inception features have no 16x16 counterpart that sees blur; a classifier's features are
+trained to ignore it). Both measures depend on the number of samples, so every table gives the
+real-against-real value at the same N (`floor`): real digits the miniatures never saw, against the
+same reference.
+
+    python realism.py  # the floor at N = 64, 128, 256 and the reference set's size
+"""
+
+import torch
+
+COMPONENTS = 32  # principal components kept (about 90% of the digits' pixel variance)
+NEIGHBOURS = 3  # k of the k-NN balls (Kynkaanniemi et al.'s default)
+
+
+def grey(images):
+    """(N, 3, H, W) images in [0, 1] -> (N, H*W) float64 grey pixels of their 8-bit form."""
+    quantized = images.float().clamp(0, 1).mul(255).round().div(255)
+    return quantized.mean(1).flatten(1).double()
+
+
+class FeatureSpace:
+    """PCA of the reference images' grey pixels, fitted once: (N, 3, H, W) -> (N, COMPONENTS)."""
+
+    def __init__(self, reference_images, components=COMPONENTS):
+        pixels = grey(reference_images)
+        self.mean = pixels.mean(0)
+        _, _, directions = torch.linalg.svd(pixels - self.mean, full_matrices=False)
+        self.directions = directions[:components].T  # (H*W, components)
+
+    def __call__(self, images):
+        return (grey(images) - self.mean) @ self.directions
+
+
+def frechet_distance(features, reference):
+    """Frechet distance between Gaussians fitted to two feature sets (N, D) and (M, D)."""
+    mean_a, mean_b = features.mean(0), reference.mean(0)
+    cov_a, cov_b = features.T.cov(), reference.T.cov()
+    # Tr((A B)^(1/2)) = Tr((A^(1/2) B A^(1/2))^(1/2)), a symmetric PSD matrix: exact by eigh
+    values, vectors = torch.linalg.eigh(cov_a)
+    root_a = vectors @ torch.diag(values.clamp(min=0).sqrt()) @ vectors.T
+    cross = torch.linalg.eigvalsh(root_a @ cov_b @ root_a).clamp(min=0).sqrt().sum()
+    return ((mean_a - mean_b).square().sum() + cov_a.trace() + cov_b.trace() - 2 * cross).item()
+
+
+def knn_radii(features, k=NEIGHBOURS):
+    """Distance of each point to its k-th nearest other point of the same set."""
+    distances = torch.cdist(features, features)
+    return distances.kthvalue(k + 1, dim=1).values  # the first is the point itself
+
+
+def precision_recall(features, reference, k=NEIGHBOURS):
+    """Kynkaanniemi et al.'s (precision, recall) of samples `features` against `reference`."""
+    distances = torch.cdist(features, reference)  # (N, M)
+    precision = (distances <= knn_radii(reference, k)[None, :]).any(1).double().mean()
+    recall = (distances <= knn_radii(features, k)[:, None]).any(0).double().mean()
+    return precision.item(), recall.item()
+
+
+class Realism:
+    """The realism measures of sample images against the miniatures' reference digits."""
+
+    def __init__(self, reference_images=None):
+        if reference_images is None:
+            from miniature import digit_splits
+
+            reference_images = digit_splits()["reference"][0]
+        self.space = FeatureSpace(reference_images)
+        self.reference = self.space(reference_images)
+
+    def __call__(self, images):
+        """images (N, 3, H, W) in [0, 1] -> dict(frechet, precision, recall)."""
+        features = self.space(images)
+        precision, recall = precision_recall(features, self.reference)
+        return dict(
+            frechet=frechet_distance(features, self.reference), precision=precision, recall=recall
+        )
+
+    def floor(self, count):
+        """The measures of `count` real digits that no miniature saw, outside the reference."""
+        from miniature import digit_splits
+
+        real = digit_splits()["preference"][0]
+        return self(
+            real[torch.randperm(len(real), generator=torch.Generator().manual_seed(0))][:count]
+        )
+
+
+@torch.no_grad()
+def realism_table(backbone, methods, prompts, seeds, batch_size=128):
+    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i]), on the
+    same noises; methods as evaluate.py's (callables (noise, cond) -> times)."""
+    from evaluate import run_method
+    from preprocess import quantize
+    from prompts import context_noise
+
+    realism, table = Realism(), {}
+    for name, method in methods.items():
+        images = []
+        for start in range(0, len(prompts), batch_size):
+            noise = context_noise(backbone, seeds[start : start + batch_size])
+            cond = backbone.encode_prompts(prompts[start : start + batch_size])
+            latents = run_method(backbone, method, noise, cond)[1]
+            images.append(quantize(backbone.decode(latents)).clamp(0, 1).cpu())
+        table[name] = realism(torch.cat(images))
+    return table
+
+
+if __name__ == "__main__":
+    realism = Realism()
+    print(f"reference: {len(realism.reference)} real digits that no miniature saw")
+    for count in (64, 128, 256):
+        values = realism.floor(count)
+        print(
+            f"real against real, N = {count}: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in values.items())
+        )

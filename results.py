@@ -1,0 +1,61 @@
+"""
+docs/RESULTS.md, the project's evidence: every table in it is written there by the command that
+measured it, under that command and the commit it ran at, so no table is copied by hand and a
+rerun replaces its own section only.
+
+    from results import record
+    record("guidance", "python miniature.py --guidance-sweep", table_lines)
+"""
+
+import os
+import subprocess
+
+REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+RESULTS = os.path.join(REPOSITORY, "docs", "RESULTS.md")
+HEADER = [
+    "# Results",
+    "",
+    "Every section below is written by the command above it, at the commit it names; rerun the "
+    "command to regenerate it. Nothing here is edited by hand.",
+]
+
+
+def commit():
+    """The checked-out commit, marked when the working tree differs from it."""
+
+    def git(*args):
+        return subprocess.run(
+            ["git", *args], cwd=REPOSITORY, capture_output=True, text=True
+        ).stdout.strip()
+
+    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    return head + (" with uncommitted changes" if dirty else "")
+
+
+def sections(text):
+    """The sections of RESULTS.md in order: name -> its lines between the markers."""
+    found, name = {}, None
+    for line in text.splitlines():
+        if line.startswith("<!-- section: "):
+            name = line[len("<!-- section: ") : -len(" -->")]
+            found[name] = []
+        elif line.startswith("<!-- end: "):
+            name = None
+        elif name is not None:
+            found[name].append(line)
+    return found
+
+
+def record(name, command, lines, path=RESULTS):
+    """Write (or replace) the section `name` of RESULTS.md: its command, the commit and `lines`."""
+    existing = sections(open(path).read()) if os.path.exists(path) else {}
+    existing[name] = ["", f"`{command}`", "", f"at commit {commit()}", "", *lines, ""]
+    body = list(HEADER)
+    for section, section_lines in existing.items():
+        body += ["", f"<!-- section: {section} -->", *section_lines, f"<!-- end: {section} -->"]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = path + ".tmp"
+    with open(temporary, "w") as handle:
+        handle.write("\n".join(body) + "\n")
+    os.replace(temporary, path)
