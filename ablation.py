@@ -355,9 +355,10 @@ def miniature_evidence(args):
     from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
     from miniature import prompt_lists
     from realism import Realism, realism_table
-    from results import record
+    from results import commit, record
     from rewards import load_reward
 
+    started = commit()
     selected = args.mini_trainings or ["global", "instance"]
     if not set(selected) <= set(MINI_TRAININGS) or "instance" not in selected:
         sys.exit(
@@ -478,7 +479,7 @@ def miniature_evidence(args):
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
-    record("miniatures", " ".join(["python ablation.py", *sys.argv[1:]]), lines)
+    record("miniatures", " ".join(["python ablation.py", *sys.argv[1:]]), lines, at=started)
 
 
 @torch.no_grad()

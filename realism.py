@@ -89,7 +89,8 @@ class Realism:
         )
 
     def floor(self, count):
-        """The measures of `count` real digits that no miniature saw, outside the reference."""
+        """The measures of `count` real digits that no miniature saw, outside the reference (all 449
+        of them when `count` is larger)."""
         from miniature import digit_splits
 
         real = digit_splits()["preference"][0]

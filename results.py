@@ -3,8 +3,11 @@ docs/RESULTS.md, the project's evidence: every table in it is written there by t
 measured it, under that command and the commit it ran at, so no table is copied by hand and a
 rerun replaces its own section only.
 
-    from results import record
-    record("guidance", "python miniature.py --guidance-sweep", table_lines)
+    from results import commit, record
+
+    started = commit()  # the code that runs, should files change before the command ends
+    table_lines = measure()
+    record("guidance", "python miniature.py --guidance-sweep", table_lines, at=started)
 """
 
 import os
@@ -47,10 +50,11 @@ def sections(text):
     return found
 
 
-def record(name, command, lines, path=RESULTS):
-    """Write (or replace) the section `name` of RESULTS.md: its command, the commit and `lines`."""
+def record(name, command, lines, at=None, path=RESULTS):
+    """Write (or replace) the section `name` of RESULTS.md: its command, the commit it ran at (`at`,
+    taken when the command started; default: now) and `lines`."""
     existing = sections(open(path).read()) if os.path.exists(path) else {}
-    existing[name] = ["", f"`{command}`", "", f"at commit {commit()}", "", *lines, ""]
+    existing[name] = ["", f"`{command}`", "", f"at commit {at or commit()}", "", *lines, ""]
     body = list(HEADER)
     for section, section_lines in existing.items():
         body += ["", f"<!-- section: {section} -->", *section_lines, f"<!-- end: {section} -->"]
