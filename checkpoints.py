@@ -118,6 +118,10 @@ def save_policy(folder, policy, config, iteration):
     training = dict(config, iteration=iteration)
     arguments = dict(policy.config, backbone=config["backbone"], training_config=training)
     policy.save_pretrained(folder, config=arguments)
+    umask = os.umask(0)  # safetensors writes 0600: readable as any other file of the run
+    os.umask(umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def load_checkpoint(source, backbone=None, steps=None):

@@ -247,25 +247,30 @@ def setup(config):
             missing.append(str(error))
     if missing:
         _fail("; ".join(missing))
-    try:  # one writer per run folder until this process ends (held by keeping the file open)
-        with written(config.out_dir):
-            run.lock = claim_run(config.out_dir, fresh=not checkpoint) if run.master else None
-    except ValueError as error:
-        _fail(error)
 
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    run.backbone = load_backbone(
-        config.backbone,
-        path=config.model_path,
-        device=device,
-        dtype=dtype,
-        resolution=config.resolution,
-        guidance=config.guidance,
-    )
+    try:
+        run.backbone = load_backbone(
+            config.backbone,
+            path=config.model_path,
+            device=device,
+            dtype=dtype,
+            resolution=config.resolution,
+            guidance=config.guidance,
+        )
+    except ValueError as error:
+        _fail(error)
     run.prompts = prompts or run.backbone.prompts
     run.heldout = heldout_contexts(heldout or run.backbone.prompts, config.eval_contexts)
     try:  # a prompt the backbone cannot take fails here, not at an iteration
         run.backbone.check_prompts(run.prompts + run.heldout[0], config.reward)
+    except ValueError as error:
+        _fail(error)
+    # one writer per run folder until this process ends (held by keeping the file open), taken
+    # once the inputs passed: a refused start leaves no folder behind
+    try:
+        with written(config.out_dir):
+            run.lock = claim_run(config.out_dir, fresh=not checkpoint) if run.master else None
     except ValueError as error:
         _fail(error)
     run.reward = load_reward(
@@ -379,7 +384,8 @@ def finish(config, run):
         default = run.backbone.default_times(run.raw_policy.steps).cpu()
         labels = context_labels(prompts, seeds)
         with written(config.out_dir):
-            plot_training(config.out_dir, learned, default, labels, config.reward)
+            curve = len(run.heldout[0][:32])  # the contexts of heldout_curve
+            plot_training(config.out_dir, learned, default, labels, config.reward, curve)
             save_policy(
                 os.path.join(config.out_dir, "policy"),
                 run.raw_policy,

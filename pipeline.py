@@ -165,6 +165,21 @@ def generate(
     pipeline is left as it was found (its scheduler, modules' modes, grad flags, progress bar)."""
     if policy.config["kind"] == "stepwise":
         raise ValueError(STEPWISE)
+    family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
+    if family not in (None, *backbones.FAMILIES):
+        raise ValueError(
+            f"this policy was trained on the embedded {policy.backbone} backbone, which no "
+            "diffusers pipeline runs: sample it with sample.py"
+        )
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if "prompt_embeds" not in pipe_kwargs and (
+        not isinstance(prompts, (list, tuple))
+        or not prompts
+        or not all(isinstance(text, str) for text in prompts)
+    ):
+        raise ValueError(f"prompt takes a string or a non-empty list of strings, got {prompt!r}")
+    if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+        raise ValueError(f"num_images_per_prompt must be at least 1, got {num_images_per_prompt!r}")
     for key in REFUSED:
         if key in pipe_kwargs:
             raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
@@ -184,7 +199,6 @@ def generate(
         backbone = backbones.from_pipeline(
             pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale")
         )
-        family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
         if family and not isinstance(backbone, backbones.FAMILIES[family]):
             raise ValueError(
                 f"this policy was trained on {policy.backbone} ({family}), "
@@ -211,7 +225,7 @@ def generate(
                 ),
             )
         else:
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            prompts = list(prompts)
             accepted = inspect.signature(backbone.encode_prompts).parameters
             cond = backbone.encode_prompts(
                 prompts, **{k: v for k, v in text.items() if k in accepted}
