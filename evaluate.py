@@ -299,6 +299,7 @@ def main(argv=None):
         store = checkpoints.score_store(store_path, identity)
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
+    created = not os.path.isdir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     keys = [f"{seed}|{prompt}" for prompt, seed in zip(prompts, seeds)]
     contexts = zip(keys, prompts, seeds, styles)
@@ -319,7 +320,12 @@ def main(argv=None):
                     column.update({keys[i]: v for i, v in values.items()})
                 row_times = {keys[i]: t for i, t in times.get(name, {}).items()}
                 store["times"].setdefault(name, {}).update(row_times)
-            checkpoints.write_json_atomic(store_path, store)
+            try:  # a full disk or read-only storage: one line, the last scores.json kept
+                checkpoints.write_json_atomic(store_path, store)
+            except ValueError as error:
+                if created and not os.listdir(out_dir):  # no empty folder left behind
+                    os.rmdir(out_dir)
+                sys.exit(f"evaluate.py: error: {error}")
 
     lines = [
         f"# Evaluation of {os.path.abspath(args.ckpt)}\n\nbackbone {trained_on}, L = {steps} "
@@ -350,8 +356,10 @@ def main(argv=None):
                 overall.append(f"{row} {mean:.4g}")
             lines += [f"mean over the {len(groups)} groups: " + ", ".join(overall), ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
-    with open(os.path.join(out_dir, "results.md"), "w") as handle:
-        handle.write("\n".join(lines))
+    try:
+        checkpoints.write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)])
+    except ValueError as error:
+        sys.exit(f"evaluate.py: error: {error}")
     learned_times = {name: in_order(store["times"][name]) for name in policies}
     default_times = backbone.default_times(steps).cpu()
     plot_results(os.path.join(out_dir, "results.png"), tables, learned_times, default_times)

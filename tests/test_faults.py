@@ -259,6 +259,13 @@ CASES = [
         ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/out"],
         r"could not write .*metrics.jsonl: the disk is full",
     ),
+    (
+        "disk-full-scores",
+        nothing,
+        full_disk("scores.json.tmp"),
+        ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/eval", "--limit", "2"],
+        r"could not write .*eval/scores.json: the disk is full",
+    ),
     # 3. read-only storage
     (
         "read-only-out-dir",
