@@ -553,3 +553,17 @@ def test_figure_labels_keep_the_digit_and_steps_stay_readable(tmp_path):
     first = figure_axes["axes"][0]
     first.figure.canvas.draw()
     assert first.xaxis.get_offset_text().get_text() == ""
+
+
+def test_a_prompt_past_the_window_is_refused_where_the_reward_reads_it_else_noted(capsys):
+    import backbones
+
+    backbone = backbones.load_backbone("mini-sd3", device="cpu")
+    short = "an image of a handwritten 7"
+    backbone.check_prompts([short] * 3, "digit")  # within the 12 tokens
+    with pytest.raises(ValueError, match="the digit reward scores the words that are cut"):
+        backbone.check_prompts([short, LONG.strip()], "digit")
+    capsys.readouterr()
+    backbone.check_prompts([LONG.strip()] * 3, "teacher")  # the same prompt: one note, one line
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("note: 1 prompt(s) are longer") and "\n" not in printed

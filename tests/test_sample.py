@@ -319,3 +319,23 @@ def test_a_stepwise_checkpoint_samples_and_its_schedules_replay(tmp_path, digits
     torch.testing.assert_close(backbone.decode(backbone.sample(noise, cond, times)), images)
     with pytest.raises(SystemExit, match="step-wise policy .* without --pipeline"):
         sample.main(["--ckpt", ckpt, "--pipeline", "--out-dir", str(out)])
+
+
+def test_contexts_are_compared_by_the_runs_reward(ckpt):
+    """The score of each image is the run's reward (here a stand-in: the mean latent), or minus
+    the distance to the teacher when the teacher is the reward."""
+    _, policy = load_checkpoint(ckpt)
+    backbone = backbones.load_backbone("digits")
+    prompts, seeds = ["a handwritten 3", "a handwritten 8"], [0, 1]
+
+    def brightness(latents, prompts, noise, cond):
+        return latents.flatten(1).mean(1)
+
+    scored = sample.sample_contexts(backbone, policy, prompts, seeds, reward=brightness)
+    noise, cond = evaluate.context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    for name in ("default", "learned"):
+        _, times, _, scores = scored[name]
+        latents = backbone.sample(noise, cond, times)
+        torch.testing.assert_close(scores, latents.flatten(1).mean(1))
+    plain = sample.sample_contexts(backbone, policy, prompts, seeds)
+    torch.testing.assert_close(plain["learned"][3], -plain["learned"][2])
