@@ -2,12 +2,14 @@
 A training run on disk, and loading what it trained.
 
 train.py writes into its --out-dir: ckpt.pt (everything to resume: policy, optimizer, iteration,
-configuration, RNG state; atomic), metrics.jsonl, eval.json, the figure, and policy/: the trained
-policy in the Hugging Face Hub format (config.json + model.safetensors, no pickle; the backbone, L
-and the training configuration in config.json), to share with `policy.push_to_hub(repo_id)` and load
-with load_policy. evaluate.py, sample.py and pipeline.py take either ckpt.pt or such a folder / hub
-id and rebuild the policy and its frozen backbone from it alone. Every way a file can be missing,
-truncated or of another run ends in one line that says what to do; check_evaluation checks
+configuration, RNG state, the metrics rows; atomic), metrics.jsonl, eval.json, the figure, and
+policy/: the trained policy in the Hugging Face Hub format (config.json + model.safetensors, no
+pickle; the backbone, L and the training configuration in config.json), to share with
+`policy.push_to_hub(repo_id)` and load with load_policy. evaluate.py, sample.py and pipeline.py take
+either ckpt.pt or such a folder / hub id and rebuild the policy and its frozen backbone from it
+alone. Every way a file can be missing, truncated or of another run ends in one line that says what
+to do (check_backbone_files checks a model folder before it loads); a write that fails (a full disk,
+read-only storage) keeps the last good file and says so in one line; check_evaluation checks
 evaluate.py's command line against the checkpoints it names.
 """
 
@@ -98,8 +100,9 @@ def read_checkpoint(path):
         ) from None
     required = {"policy", "policy_config", "config", "iteration"}
     if not isinstance(state, dict) or not required <= set(state):
-        held = f"its keys: {sorted(map(str, state))[:6]}" if isinstance(state, dict) else "a "
-        held += "" if isinstance(state, dict) else type(state).__name__
+        held = f"a {type(state).__name__}"
+        if isinstance(state, dict):
+            held = f"its keys: {sorted(map(str, state))[:6]}"
         raise ValueError(
             f"{path} is not a checkpoint written by train.py ({held}); pass the ckpt.pt or "
             "policy/ folder of a train.py run"
@@ -374,10 +377,10 @@ def check_writable(folder, flag="--out-dir"):
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        itself = parent == os.path.abspath(folder)
         if not os.path.isdir(parent):
-            what = "a file, not a folder" if parent == os.path.abspath(folder) else None
-            what = what or f"not writable here ({parent} is a file)"
-        elif parent == os.path.abspath(folder):
+            what = "a file, not a folder" if itself else f"not writable here ({parent} is a file)"
+        elif itself:
             what = "a folder this user cannot write (read-only storage or permissions)"
         else:
             what = f"not writable here ({parent} is read-only for this user)"

@@ -160,7 +160,7 @@ def check_config(config, world_size):
         config.eval_prompts or shipped[1],
     )
     try:
-        if not config.out_dir:
+        if not config.out_dir:  # else existing_run would take the working folder for the run's
             check_writable(config.out_dir)
         prompts = load_prompt_file(config.prompts) if config.prompts else None
         heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
@@ -374,9 +374,9 @@ def check_finite(config, run, iteration, rewards):
 
 
 def finish(config, run):
-    """The held-out report, the training figure and the policy in the Hub format (rank 0), then
-    the end of the process group."""
-    if run.master:  # eval.json last: its presence says the run is finished
+    """The training figure, the policy in the Hub format and the held-out report (rank 0; its
+    eval.json last, as it marks the run finished), then the end of the process group."""
+    if run.master:
         prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
         noise, cond = context_noise(run.backbone, seeds), run.backbone.encode_prompts(prompts)
         used = policy_schedule(run.raw_policy, run.backbone)(noise, cond)

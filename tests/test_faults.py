@@ -489,7 +489,19 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_the_rerun_continues(
     resumed = run_case(tmp_path, command, NONE)  # space is back
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "continuing" in resumed.stdout and read_rows(out) == [1, 2, 3]
-    assert (out / "eval.json").is_file()
+    # exactly the run that had room all along: the same rows and the same policy
+    whole = tmp_path / "whole"
+    run_case(tmp_path, ["train.py", *RUN_ARGS, "--iterations", "3", "--out-dir", str(whole)], NONE)
+    timing = ("rollout_s", "step_s", "clip_fraction")  # clip_fraction: nan without PPO
+
+    def rows(folder):
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
+
+    assert rows(out) == rows(whole)
+    final, expected = (torch.load(f / "ckpt.pt", weights_only=True)["policy"] for f in (out, whole))
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=0)
 
 
 def test_a_torn_row_of_the_checkpoint_iteration_is_written_back(finished_run, tmp_path):
