@@ -214,6 +214,10 @@ def check_safetensors(path, advice):
         raise ValueError(f"{path} is truncated ({size:,} of {expected:,} bytes); {advice}")
 
 
+# the files a tokenizer reads its vocabulary from (fast tokenizers, CLIP's BPE, T5's SentencePiece)
+VOCABULARIES = ("tokenizer.json", "vocab.json", "spiece.model", "vocab.txt")
+
+
 def check_backbone_files(name, path=None):
     """Where backbone `name` loads from (backbones.locate_weights: ValueError in one line when
     missing), checked before anything loads: the folder holds the pipeline class of the backbone's
@@ -256,6 +260,9 @@ def check_backbone_files(name, path=None):
         configs = [file for file in files if file.endswith("config.json")]
         if not configs:
             raise ValueError(f"{subfolder} has no configuration (config.json); {advice}")
+        # without its vocabulary a tokenizer can load as nothing at all, and its encoder goes unused
+        if "Tokenizer" in entry[1] and not any(file in VOCABULARIES for file in files):
+            raise ValueError(f"{subfolder} has no vocabulary ({entry[1]}); {advice}")
         for file in configs:
             read_json(os.path.join(subfolder, file), advice)
         for file in files:
@@ -264,27 +271,50 @@ def check_backbone_files(name, path=None):
     return location
 
 
+def check_classifier(folder=None):
+    """The digit reward's classifier folder (rewards.classifier_folder) whole: ValueError in one
+    line naming a damaged file."""
+    import rewards
+
+    folder = rewards.classifier_folder(folder)
+    advice = (
+        "restore it with `git checkout miniatures/classifier`, or retrain it with "
+        "`python miniature.py --family classifier`"
+    )
+    read_json(os.path.join(folder, "config.json"), advice)
+    check_safetensors(os.path.join(folder, "model.safetensors"), advice)
+
+
 def check_reward_files(name, checkpoint=None):
     """rewards.check_reward (the reward's packages and weights are here), and the digit reward's
-    classifier folder whole: ValueError in one line naming a damaged file."""
+    classifier whole."""
     import rewards
 
     rewards.check_reward(name, checkpoint)
     if name == "digit":
-        folder = rewards.classifier_folder(checkpoint)
-        advice = (
-            "restore it with `git checkout miniatures/classifier`, or retrain it with "
-            "`python miniature.py --family classifier`"
-        )
-        read_json(os.path.join(folder, "config.json"), advice)
-        check_safetensors(os.path.join(folder, "model.safetensors"), advice)
+        check_classifier(checkpoint)
+
+
+def open_backbone(name, path=None, **options):
+    """backbones.load_backbone after check_backbone_files. Weights that the model classes refuse
+    although every file is whole (shapes other than the configuration says) end in one line naming
+    the folder, not in the library's advice alone."""
+    location = check_backbone_files(name, path)
+    try:
+        return backbones.load_backbone(name, path=path, **options)
+    except ValueError as error:
+        if str(error).startswith(f"{name}:"):  # backbones' own one-line message
+            raise
+        reason = str(error).splitlines()[0]
+        raise ValueError(
+            f"{name}: {location} does not load ({reason}); pass the folder of a {name} model"
+        ) from None
 
 
 def trained_backbone(config, device):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone
-    (its files checked first: check_backbone_files)."""
-    check_backbone_files(config["backbone"], config["model_path"])
-    return backbones.load_backbone(
+    (its files checked first: open_backbone)."""
+    return open_backbone(
         config["backbone"],
         path=config["model_path"],
         device=device,

@@ -85,10 +85,10 @@ def plot_results(path, scores_per_reward, learned_times, default_times, baseline
         others = [name for name in scores if name != baseline]
         differences = {name: scores[name] - scores[baseline] for name in others}
         everything = torch.cat([torch.zeros(1), *differences.values()])
-        low, high = everything.min().item(), everything.max().item()
+        low, high, edges = everything.min().item(), everything.max().item(), 31
         if high - low < 1e-9:  # the same score on every context (accuracy 1 for both): one bar
-            low, high = low - 0.5, high + 0.5
-        bins = torch.linspace(low, high, 31).tolist()
+            low, high, edges = low - 0.5, high + 0.5, 32  # centred on the value
+        bins = torch.linspace(low, high, edges).tolist()
         for name, values in differences.items():
             label = f"{name} (mean {values.mean():+.4g})"
             ax.hist(values.tolist(), bins=bins, histtype="step", linewidth=1.5, label=label)

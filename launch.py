@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from backbones import BACKBONES, load_backbone, make_policy, update_cost
+from backbones import BACKBONES, make_policy, update_cost
 from baselines import MIN_CONTEXTS
 from checkpoints import (
     WriteFailed,
@@ -29,6 +29,7 @@ from checkpoints import (
     claim_run,
     existing_run,
     metric_rows,
+    open_backbone,
     restore,
     save_checkpoint,
     save_policy,
@@ -250,7 +251,7 @@ def setup(config):
 
     dtype = getattr(torch, config.dtype) if config.dtype else None
     try:
-        run.backbone = load_backbone(
+        run.backbone = open_backbone(
             config.backbone,
             path=config.model_path,
             device=device,

@@ -200,6 +200,20 @@ CASES = [
         r"transformer/config.json is damaged \(not JSON",
     ),
     (
+        "model-path-no-vocabulary",
+        miniature_copy(lambda m: (m / "tokenizer_3/tokenizer.json").unlink()),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"m/tokenizer_3 has no vocabulary \(T5Tokenizer\)",
+    ),
+    (
+        "model-path-weights-of-other-shapes",
+        miniature_copy(lambda m: (m / "transformer/config.json").write_text('{"in_channels": 3}')),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"mini-sd3: .*/m does not load \(.*expected shape.*\); pass the folder of a mini-sd3 model",
+    ),
+    (
         "model-path-of-another-family",
         nothing,
         NONE,
