@@ -11,8 +11,9 @@ CPU, the embedded digits backbone (after `python train.py`):
     python evaluate.py [--global-ckpt out/digits-L4-global-s0/ckpt.pt]
 One GPU, HPSv2 and CLIP on the 3,200 HPDv2 test prompts (once: `hf download zhwang/HPDv2
 --repo-type dataset --include "benchmark/*.json" --local-dir data/HPDv2`):
-    python evaluate.py --ckpt out_sd35m/ckpt.pt --hpdv2 data/HPDv2/benchmark --rewards hpsv2 clip
-    python evaluate.py --ckpt out_flux/ckpt.pt --hpdv2 data/HPDv2/benchmark --schnell --limit 400
+    python evaluate.py --ckpt out/sd35m-L10-instance-s0/ckpt.pt --hpdv2 data/HPDv2/benchmark
+    python evaluate.py --ckpt out/flux-dev-L5-instance-s0/ckpt.pt --hpdv2 data/HPDv2/benchmark \
+        --schnell --limit 400
 
 Writes under --out-dir (default: eval/ next to the checkpoint): results.md (mean and 95% CI per
 method, paired difference to default with its CI, per style for HPDv2), scores.json (every score,

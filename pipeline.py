@@ -161,8 +161,10 @@ def generate(
     arguments: the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip,
     precomputed prompt_embeds, ...) reach the pipeline as given and the policy through the
     pipeline's encode_prompt; height, width, guidance_scale, output_type, return_dict behave as in
-    the pipeline. num_inference_steps is the policy's L; timesteps and sigmas are refused. The
-    pipeline is left as it was found (its scheduler, modules' modes, grad flags, progress bar)."""
+    the pipeline. num_inference_steps is the policy's L; timesteps and sigmas, a policy of an
+    embedded backbone, an empty prompt and num_images_per_prompt < 1 are refused (ValueError, one
+    line). The pipeline is left as it was found (its scheduler, modules' modes, grad flags,
+    progress bar)."""
     if policy.config["kind"] == "stepwise":
         raise ValueError(STEPWISE)
     family = backbones.BACKBONES.get(policy.backbone, {}).get("family")

@@ -9,12 +9,13 @@ CPU, the embedded digits backbone (after `python train.py`; one context per clas
     python sample.py --ckpt out/digits-L4-instance-s0/ckpt.pt --prompt "a handwritten 3" --seeds 0 1
 CPU, a miniature (after `python train.py --backbone mini-sd3 --steps 3`):
     python sample.py --ckpt out/mini-sd3-L3-instance-s0/ckpt.pt
-One GPU (--pipeline: through the stock diffusers pipeline; --export: a global schedule for other
-tools):
-    python sample.py --ckpt out_sd35m/ckpt.pt --prompt "a red fox in fresh snow, photo" --seeds 0 1
-    python sample.py --ckpt out_sd35m/policy --prompts prompts/heldout.jsonl --out-dir samples_sd35m
-    python sample.py --ckpt out_sd35m/policy --prompt "a red fox" --pipeline
-    python sample.py --ckpt out_global/policy --export schedule.json
+One GPU, after `python train.py --backbone sd35m --steps 10` (--pipeline: through the stock
+diffusers pipeline; --export: a global schedule for other tools):
+    RUN=out/sd35m-L10-instance-s0
+    python sample.py --ckpt $RUN/ckpt.pt --prompt "a red fox in fresh snow, photo" --seeds 0 1
+    python sample.py --ckpt $RUN/policy --prompts prompts/heldout.jsonl --out-dir samples_sd35m
+    python sample.py --ckpt $RUN/policy --prompt "a red fox" --pipeline
+    python sample.py --ckpt out/digits-L4-global-s0/policy --export schedule.json
 
 Writes under --out-dir (default: samples/ next to the checkpoint): one PNG per context and method
 (NNN_<prompt>_seedS_default.png / _learned.png / _teacher.png; small images are upscaled with
