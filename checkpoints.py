@@ -445,13 +445,18 @@ def lock_run(out_dir):
 
 def metric_rows(path):
     """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at
-    most the last one unfinished): those are skipped, not fatal."""
+    most the last one unfinished; damage, any): those are skipped, not fatal, as every checkpoint
+    carries the rows up to its iteration."""
     rows, torn = [], 0
-    with open(path) as file:
+    with open(path, errors="replace") as file:
         for line in file:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("iteration"), int):
+                rows.append(row)
+            else:
                 torn += 1
     return rows, torn
 

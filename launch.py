@@ -30,6 +30,7 @@ from checkpoints import (
     existing_run,
     metric_rows,
     open_backbone,
+    read_json,
     restore,
     save_checkpoint,
     save_policy,
@@ -195,8 +196,11 @@ def ranks(config):
 def report_finished(config, checkpoint, eval_path):
     """The same command again on a finished run: say what is there, neither failing nor
     overwriting."""
-    with open(eval_path) as file:
-        table = format_table(json.load(file)["rows"])
+    again = "delete it and run the same command again to write the held-out report afresh"
+    report = read_json(eval_path, again)
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        _fail(f"{eval_path} is not the held-out report of train.py; {again}")
+    table = format_table(report["rows"])
     print(
         f"{config.out_dir} holds this run, finished at iteration {checkpoint['iteration']}; its "
         f"held-out table:\n{table}\nto train again, pass another --out-dir (or --iterations N > "
@@ -220,7 +224,10 @@ def setup(config):
     )
     if finished(config, checkpoint):
         if run.master:
-            report_finished(config, checkpoint, run.eval_path)
+            try:
+                report_finished(config, checkpoint, run.eval_path)
+            except ValueError as error:
+                _fail(error)
         return None
     if config.threads:
         torch.set_num_threads(config.threads)

@@ -153,6 +153,12 @@ def nothing(tmp, run):
     pass
 
 
+def garbled_metrics(out):
+    """An unfinished run (no eval.json) whose metrics.jsonl is random bytes."""
+    (out / "eval.json").unlink()
+    randomise(out / "metrics.jsonl")
+
+
 MINI = ["train.py", "--backbone", "mini-sd3", "--out-dir", "{tmp}/out"]
 GENERATE = (
     "import torch, checkpoints, pipeline, backbones; "
@@ -256,6 +262,20 @@ CASES = [
         NONE,
         ["evaluate.py", "--ckpt", "{tmp}/run/ckpt.pt"],
         "run/ckpt.pt is not a readable checkpoint",
+    ),
+    (
+        "eval-json-damaged",
+        run_copy(lambda out: (out / "eval.json").write_text("{")),
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/run"],
+        r"run/eval.json is damaged \(not JSON.*delete it and run the same command again",
+    ),
+    (
+        "metrics-garbled-resumes",
+        run_copy(garbled_metrics),
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/run"],
+        "continuing .*run/ckpt.pt from iteration 2",
     ),
     # 2. a full disk during a checkpoint (the rerun: test_a_full_disk_at_a_checkpoint_...)
     (
