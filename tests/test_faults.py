@@ -315,6 +315,13 @@ CASES = [
         ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/run"],
         "holds this run, finished at iteration 2",
     ),
+    (
+        "read-only-run-evaluated",
+        run_copy(),
+        read_only("/run"),
+        ["evaluate.py", "--ckpt", "{tmp}/run/ckpt.pt"],
+        r"--out-dir .*/run/eval is not writable here \(.*/run is read-only for this user\)",
+    ),
     # 4. sample.py checks its inputs before loading, and leaves no empty folder
     (
         "sample-out-dir-file",
