@@ -17,8 +17,9 @@ The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniatur
 oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out paraphrases,
 fresh noise), the default schedule, the best time shift (picked on other contexts), the learned
 global and instance-level schedules (JS, each miniature's defaults, three seeds), scored by the
-digit reward, the classifier's accuracy and the teacher error, and the number of default steps
-that matches each row's digit reward; and docs/miniatures.png.
+preference reward, the classifier's accuracy, the realism measures (realism.py) and the teacher
+error, with the number of default steps that matches each row's reward and its realism; it goes to
+docs/RESULTS.md, and the figure to docs/miniatures.png.
 
 Each training is `python train.py --backbone B --seed S [--baseline ...] [--policy global]` with
 that backbone's defaults; runs already finished (their eval.json exists) and oracles already
@@ -474,7 +475,7 @@ def miniature_evidence(args):
             + ", ".join(f"{n}: {-m:.3f}" for n, m in minus_frechet.items()),
         ]
     if {2, 3} <= set(args.mini_steps):
-        figure = os.path.join(args.out_dir, "miniatures.png")
+        figure = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "miniatures.png")
         plot_miniatures(figure, args.backbones, figure_policies, args.seeds[0])
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:

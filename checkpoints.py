@@ -2,19 +2,23 @@
 A training run on disk, and loading what it trained.
 
 train.py writes into its --out-dir: ckpt.pt (everything to resume: policy, optimizer, iteration,
-configuration, RNG state; atomic), metrics.jsonl, eval.json, the figure, and policy/: the trained
-policy in the Hugging Face Hub format (config.json + model.safetensors, no pickle; the backbone, L
-and the training configuration in config.json), to share with `policy.push_to_hub(repo_id)` and load
-with load_policy. evaluate.py, sample.py and pipeline.py take either ckpt.pt or such a folder / hub
-id and rebuild the policy and its frozen backbone from it alone. Every way a file can be missing,
-truncated or of another run ends in one line that says what to do; check_evaluation checks
+configuration, RNG state, the metrics rows; atomic), metrics.jsonl, eval.json, the figure, and
+policy/: the trained policy in the Hugging Face Hub format (config.json + model.safetensors, no
+pickle; the backbone, L and the training configuration in config.json), to share with
+`policy.push_to_hub(repo_id)` and load with load_policy. evaluate.py, sample.py and pipeline.py take
+either ckpt.pt or such a folder / hub id and rebuild the policy and its frozen backbone from it
+alone. Every way a file can be missing, truncated or of another run ends in one line that says what
+to do (check_backbone_files checks a model folder before it loads); a write that fails (a full disk,
+read-only storage) keeps the last good file and says so in one line; check_evaluation checks
 evaluate.py's command line against the checkpoints it names.
 """
 
 import contextlib
+import errno
 import io
 import json
 import os
+import shutil
 
 import torch
 
@@ -27,17 +31,54 @@ EARLIER_NETWORK = (
 )
 
 
+class WriteFailed(ValueError):
+    """A write to a run folder failed (write_failed says why, in one line)."""
+
+
+def write_failed(path, error, needed=None):
+    """The one line that ends a run whose write failed: which folder, why, and (disk full) how much
+    free space the write needs."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(folder).free
+        size = f"{needed / 2**20:.1f} MiB free" if needed else "more free space"
+        return WriteFailed(
+            f"could not write {path}: the disk is full ({free / 2**20:.1f} MiB free in {folder}, "
+            f"the write needs {size}); free some space and run the same command again: it "
+            "continues from the last checkpoint"
+        )
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return WriteFailed(
+            f"could not write {path}: {folder} is not writable ({error.strerror}); make it "
+            "writable, or pass another --out-dir"
+        )
+    return WriteFailed(f"could not write {path}: {error.strerror or error}")
+
+
+def write_bytes_atomic(path, data):
+    """Written to a temporary file, then renamed: a kill never leaves a corrupt file. A write that
+    fails (disk full, read-only storage) removes its temporary file, leaves the earlier file as it
+    was and raises ValueError in one line (write_failed)."""
+    try:
+        with open(path + ".tmp", "wb") as file:
+            file.write(data)
+        os.replace(path + ".tmp", path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise write_failed(path, error, len(data)) from None
+
+
 def save_checkpoint(path, state):
-    """Written to a temporary file, then renamed: a kill never leaves a corrupt checkpoint."""
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    """Serialised in memory first (its size is known before the disk is touched), then written
+    atomically (write_bytes_atomic)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def write_lines_atomic(path, lines):
-    """Written to a temporary file, then renamed, as save_checkpoint."""
-    with open(path + ".tmp", "w") as file:
-        file.writelines(lines)
-    os.replace(path + ".tmp", path)
+    write_bytes_atomic(path, "".join(lines).encode())
 
 
 def write_json_atomic(path, data):
@@ -59,8 +100,13 @@ def read_checkpoint(path):
         ) from None
     required = {"policy", "policy_config", "config", "iteration"}
     if not isinstance(state, dict) or not required <= set(state):
-        keys = sorted(state)[:6]
-        raise ValueError(f"{path} is not a checkpoint written by train.py (its keys: {keys})")
+        held = f"a {type(state).__name__}"
+        if isinstance(state, dict):
+            held = f"its keys: {sorted(map(str, state))[:6]}"
+        raise ValueError(
+            f"{path} is not a checkpoint written by train.py ({held}); pass the ckpt.pt or "
+            "policy/ folder of a train.py run"
+        )
     built = backbones.build_policy(dict(state["policy_config"])).state_dict()  # what it builds
     if any(
         name not in built or built[name].shape != w.shape for name, w in state["policy"].items()
@@ -75,6 +121,10 @@ def save_policy(folder, policy, config, iteration):
     training = dict(config, iteration=iteration)
     arguments = dict(policy.config, backbone=config["backbone"], training_config=training)
     policy.save_pretrained(folder, config=arguments)
+    umask = os.umask(0)  # safetensors writes 0600: readable as any other file of the run
+    os.umask(umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
 
 
 def load_checkpoint(source, backbone=None, steps=None):
@@ -99,9 +149,10 @@ def load_checkpoint(source, backbone=None, steps=None):
             files = {name: os.path.join(source, name) for name in names}
         else:
             files = {name: backbones.hub_file(source, name, missing) for name in names}
-        with open(files["config.json"]) as handle:
-            saved = json.load(handle)
-        if "steps" not in saved:
+        again = "train again, or pass the policy/ folder of another run"
+        saved = read_json(files["config.json"], again)
+        check_safetensors(files["model.safetensors"], again)
+        if not isinstance(saved, dict) or "steps" not in saved:
             raise ValueError(missing)
         # whatever save_pretrained / push_to_hub wrote: the training configuration when there is
         # one ("training" in older folders), else what the folder itself says (backbone, L)
@@ -133,9 +184,140 @@ def load_policy(source, backbone=None, steps=None):
     return load_checkpoint(source, backbone, steps)[1]
 
 
+def read_json(path, advice):
+    """A JSON file's content; ValueError in one line naming the file if it is not JSON."""
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(
+            f"{path} is damaged (not JSON: {type(error).__name__}); {advice}"
+        ) from None
+
+
+def check_safetensors(path, advice):
+    """ValueError in one line unless `path` is a whole safetensors file: its header parses and its
+    tensors' data ends where the file ends (a truncated or random file fails). Reads the header
+    only, so it is cheap for a model of any size."""
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as handle:
+            length = int.from_bytes(handle.read(8), "little")
+            if size < 8 or length > size - 8:
+                raise ValueError
+            header = json.loads(handle.read(length))
+        ends = [item["data_offsets"][1] for key, item in header.items() if key != "__metadata__"]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, UnicodeDecodeError):
+        raise ValueError(f"{path} is damaged (not a safetensors file); {advice}") from None
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        raise ValueError(f"{path} is truncated ({size:,} of {expected:,} bytes); {advice}")
+
+
+# the files a tokenizer reads its vocabulary from (fast tokenizers, CLIP's BPE, T5's SentencePiece)
+VOCABULARIES = ("tokenizer.json", "vocab.json", "spiece.model", "vocab.txt")
+
+
+def check_backbone_files(name, path=None):
+    """Where backbone `name` loads from (backbones.locate_weights: ValueError in one line when
+    missing), checked before anything loads: the folder holds the pipeline class of the backbone's
+    family, and every component it lists has its configuration and whole weight files. ValueError
+    in one line naming the file, what is wrong and what to do."""
+    spec = backbones.BACKBONES[name]
+    if spec["family"] == "mixture":
+        return None
+    location = backbones.locate_weights(name, path)
+    folder = location
+    if not os.path.isdir(location):  # a hub id, found in the local cache (or just downloaded)
+        from huggingface_hub import try_to_load_from_cache
+
+        index = try_to_load_from_cache(location, "model_index.json")
+        if not isinstance(index, str):
+            return location  # from_pretrained downloads it
+        folder = os.path.dirname(index)
+    if path is None and spec.get("folder"):
+        advice = (
+            f"restore it with `git checkout {spec['folder']}`, or retrain it with "
+            f"`python miniature.py --family {spec['family']}`"
+        )
+    elif path is not None:
+        advice = "download the model again, or pass another --model-path"
+    else:
+        advice = f"delete {location} from the hub cache and run again to download it afresh"
+    index = read_json(os.path.join(folder, "model_index.json"), advice)
+    wanted = backbones.PIPELINES[spec["family"]]
+    if not isinstance(index, dict) or index.get("_class_name") != wanted:
+        held = index.get("_class_name") if isinstance(index, dict) else None
+        raise ValueError(
+            f"{folder} holds a {held}, not the {wanted} that {name} runs; pass the folder of "
+            f"a {spec['family']} model"
+        )
+    for component, entry in index.items():
+        if component.startswith("_") or not isinstance(entry, list) or None in entry:
+            continue
+        subfolder = os.path.join(folder, component)
+        files = os.listdir(subfolder) if os.path.isdir(subfolder) else []
+        configs = [file for file in files if file.endswith("config.json")]
+        if not configs:
+            raise ValueError(f"{subfolder} has no configuration (config.json); {advice}")
+        # without its vocabulary a tokenizer can load as nothing at all, and its encoder goes unused
+        if "Tokenizer" in entry[1] and not any(file in VOCABULARIES for file in files):
+            raise ValueError(f"{subfolder} has no vocabulary ({entry[1]}); {advice}")
+        for file in configs:
+            read_json(os.path.join(subfolder, file), advice)
+        for file in files:
+            if file.endswith(".safetensors"):
+                check_safetensors(os.path.join(subfolder, file), advice)
+    return location
+
+
+def check_reward_model(kind, folder=None):
+    """A digit reward model's folder (rewards.model_folder: "classifier" or "preference") whole:
+    ValueError in one line naming a damaged file."""
+    import rewards
+
+    folder = rewards.model_folder(kind, folder)
+    advice = (
+        f"restore it with `git checkout miniatures/{kind}`, or retrain it with "
+        f"`python miniature.py --family {kind}`"
+    )
+    read_json(os.path.join(folder, "config.json"), advice)
+    check_safetensors(os.path.join(folder, "model.safetensors"), advice)
+
+
+def check_reward_files(name, checkpoint=None):
+    """rewards.check_reward (the reward's packages and weights are here), and the digit rewards'
+    models whole (the preference reward also reads the classifier, for its accuracy column)."""
+    import rewards
+
+    rewards.check_reward(name, checkpoint)
+    if name == "digit":
+        check_reward_model("classifier", checkpoint)
+    if name == "preference":
+        check_reward_model("preference", checkpoint)
+        check_reward_model("classifier")
+
+
+def open_backbone(name, path=None, **options):
+    """backbones.load_backbone after check_backbone_files. Weights that the model classes refuse
+    although every file is whole (shapes other than the configuration says) end in one line naming
+    the folder, not in the library's advice alone."""
+    location = check_backbone_files(name, path)
+    try:
+        return backbones.load_backbone(name, path=path, **options)
+    except ValueError as error:
+        if str(error).startswith(f"{name}:"):  # backbones' own one-line message
+            raise
+        reason = str(error).splitlines()[0]
+        raise ValueError(
+            f"{name}: {location} does not load ({reason}); pass the folder of a {name} model"
+        ) from None
+
+
 def trained_backbone(config, device):
-    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
-    return backbones.load_backbone(
+    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone
+    (its files checked first: open_backbone)."""
+    return open_backbone(
         config["backbone"],
         path=config["model_path"],
         device=device,
@@ -174,7 +356,7 @@ def existing_run(config):
             flag = "--" + key.replace("_", "-")
             raise ValueError(
                 f"{config['out_dir']} holds a run with {key}={saved!r}, not {value!r}; pass "
-                f"{flag} {saved} to continue it, or another --out-dir for a new run"
+                f"another --out-dir for this run (or {flag} {saved} to continue that one)"
             )
     if not os.path.isfile(os.path.join(config["out_dir"], "metrics.jsonl")):
         raise ValueError(
@@ -188,15 +370,12 @@ def score_store(path, rows):
     """evaluate.py's resumable scores (scores.json: rows, contexts, scores, times), empty when
     absent. ValueError in one line if the file is damaged or defines one of `rows` otherwise."""
     store = dict(rows={}, contexts={}, scores={}, times={})
+    advice = "move it away to score afresh, or use another --out-dir"
     if os.path.isfile(path):
-        try:
-            with open(path) as handle:
-                store = json.load(handle)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ValueError(
-                f"{path} is damaged ({type(error).__name__}); move it away to score afresh, "
-                "or use another --out-dir"
-            ) from None
+        store = read_json(path, advice)
+        parts = ("rows", "contexts", "scores", "times")
+        if not isinstance(store, dict) or not all(isinstance(store.get(k), dict) for k in parts):
+            raise ValueError(f"{path} is not a scores.json of evaluate.py; {advice}")
     for name, value in rows.items():
         if store["rows"].setdefault(name, value) != value:
             raise ValueError(
@@ -206,16 +385,39 @@ def score_store(path, rows):
     return store
 
 
-def check_writable(folder):
+def check_device(name):
+    """The torch.device of a --device flag (None: cuda when available, else cpu). ValueError in one
+    line for a name that is not a device here."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not a device: pass cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}, but this machine has no CUDA device; pass --device cpu")
+    return device
+
+
+def check_writable(folder, flag="--out-dir"):
     """ValueError in one line unless `folder` is, or can be made, a folder this user writes to;
     creates nothing (the nearest existing ancestor is what is checked)."""
+    if not folder:
+        raise ValueError(f"{flag} is empty; pass a folder, or drop {flag} for the default")
     parent = os.path.abspath(folder)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        is_file = parent == os.path.abspath(folder)
-        what = "a file, not a folder" if is_file else f"not writable here ({parent})"
-        raise ValueError(f"--out-dir {folder} is {what}; pass a folder this user can write")
+        itself = parent == os.path.abspath(folder)
+        if not os.path.isdir(parent):
+            what = "a file, not a folder" if itself else f"not writable here ({parent} is a file)"
+        elif itself:
+            what = "a folder this user cannot write (read-only storage or permissions)"
+        else:
+            what = f"not writable here ({parent} is read-only for this user)"
+        raise ValueError(f"{flag} {folder} is {what}; pass a folder this user can write")
 
 
 def lock_run(out_dir):
@@ -246,13 +448,18 @@ def lock_run(out_dir):
 
 def metric_rows(path):
     """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at
-    most the last one unfinished): those are skipped, not fatal."""
+    most the last one unfinished; damage, any): those are skipped, not fatal, as every checkpoint
+    carries the rows up to its iteration."""
     rows, torn = [], 0
-    with open(path) as file:
+    with open(path, errors="replace") as file:
         for line in file:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("iteration"), int):
+                rows.append(row)
+            else:
                 torn += 1
     return rows, torn
 
@@ -285,8 +492,12 @@ def restore(checkpoint, policy, optimizer, metrics_path=None):
             f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)"
         )
     iteration = checkpoint["iteration"]
-    kept = [json.dumps(row) + "\n" for row in rows if row["iteration"] <= iteration]
-    write_lines_atomic(metrics_path, kept)
+    kept = {row["iteration"]: row for row in rows if row["iteration"] <= iteration}
+    # the checkpoint carries the rows up to its iteration: a row lost to a torn line comes back
+    carried = [row for row in checkpoint.get("metrics", []) if row["iteration"] <= iteration]
+    kept = {**{row["iteration"]: row for row in carried}, **kept}
+    lines = [json.dumps(kept[done]) + "\n" for done in sorted(kept)]
+    write_lines_atomic(metrics_path, lines)
     return iteration
 
 
@@ -296,6 +507,9 @@ def claim_run(out_dir, fresh):
     checkpoint left: it is kept as metrics.jsonl.failed (replacing an older one), with a note, so
     that the two runs' rows are never mixed. Returns the lock: keep it referenced."""
     lock = lock_run(out_dir)
+    for name in os.listdir(out_dir):  # what a write cut short left (write_bytes_atomic)
+        if name.endswith(".tmp"):
+            os.remove(os.path.join(out_dir, name))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if fresh and os.path.isfile(metrics_path):
         rows, _ = metric_rows(metrics_path)
@@ -325,6 +539,13 @@ def check_evaluation(args):
             raise ValueError(f"--reward-checkpoint takes NAME=PATH ({example}), got {item!r}")
     local = {trained_reward: config["reward_checkpoint"]}  # reward -> its local weights
     local.update(item.split("=", 1) for item in args.reward_checkpoint)
+    spec = backbones.BACKBONES[trained_on]
+    for name in args.rewards or []:  # as train.py refuses it (launch.check_config)
+        if name in ("digit", "preference") and "folder" not in spec:
+            raise ValueError(
+                f"the {name} reward reads the 16x16 handwritten digits that only the mini-* "
+                f"backbones draw, not {trained_on}'s images; use --rewards teacher"
+            )
     if args.schnell and trained_on != "flux-dev":
         raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
     sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}

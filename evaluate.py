@@ -8,11 +8,12 @@ A method is a callable (noise, cond) -> times (N, L+1), or -> (times, latents) w
 itself (a step-wise policy chooses its times inside the sampling loop).
 
 CPU, the embedded digits backbone (after `python train.py`):
-    python evaluate.py --ckpt out/ckpt.pt [--global-ckpt out_global/ckpt.pt]
+    python evaluate.py [--global-ckpt out/digits-L4-global-s0/ckpt.pt]
 One GPU, HPSv2 and CLIP on the 3,200 HPDv2 test prompts (once: `hf download zhwang/HPDv2
 --repo-type dataset --include "benchmark/*.json" --local-dir data/HPDv2`):
-    python evaluate.py --ckpt out_sd35m/ckpt.pt --hpdv2 data/HPDv2/benchmark --rewards hpsv2 clip
-    python evaluate.py --ckpt out_flux/ckpt.pt --hpdv2 data/HPDv2/benchmark --schnell --limit 400
+    python evaluate.py --ckpt out/sd35m-L10-instance-s0/ckpt.pt --hpdv2 data/HPDv2/benchmark
+    python evaluate.py --ckpt out/flux-dev-L5-instance-s0/ckpt.pt --hpdv2 data/HPDv2/benchmark \
+        --schnell --limit 400
 
 Writes under --out-dir (default: eval/ next to the checkpoint): results.md (mean and 95% CI per
 method, paired difference to default with its CI, per style for HPDv2), scores.json (every score,
@@ -31,7 +32,8 @@ parser = argparse.ArgumentParser(description="Paired evaluation of learned sampl
 parser.error = lambda message: parser.exit(2, f"evaluate.py: error: {message}\n")  # no usage
 add = parser.add_argument
 # I/O
-add("--ckpt", default="out/ckpt.pt", help="instance-level checkpoint written by train.py")
+MAIN_RUN = "out/digits-L4-instance-s0/ckpt.pt"  # where `python train.py` writes
+add("--ckpt", default=MAIN_RUN, help="instance-level checkpoint written by train.py")
 add("--global-ckpt", help="optional checkpoint of a global schedule (same backbone and L)")
 add("--out-dir", help="output folder; default: eval/ next to --ckpt")
 # contexts
@@ -243,10 +245,12 @@ def main(argv=None):
             prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
         elif prompt_file := args.prompts or config["eval_prompts"]:
             prompt_list, styles = load_prompt_file(prompt_file), prompt_groups(prompt_file)
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = checkpoints.check_device(args.device)
+        store_path = os.path.join(out_dir, "scores.json")
+        checkpoints.score_store(store_path, {})  # a damaged one fails before anything loads
         torch.set_num_threads(backbones.BACKBONES[trained_on]["threads"] or torch.get_num_threads())
         backbone = checkpoints.trained_backbone(config, device)
-        backbone.check_prompts(prompt_list or [])
+        backbone.check_prompts(prompt_list or [], config["reward"])
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
     own = not (args.hpdv2 or args.prompts)  # train.py's held-out prompts: its count by default
@@ -259,6 +263,8 @@ def main(argv=None):
     for name in reward_names:
         try:
             options = dict(device=device, checkpoint=local.get(name))
+            if name in ("digit", "preference"):  # a damaged model is named, not skipped
+                checkpoints.check_reward_files(name, local.get(name))
             rewards[name] = reward_lib.load_reward(name, backbone, **options)
         except (ImportError, ValueError, OSError) as error:
             print(f"skipping reward {name!r}: {error}")
@@ -291,12 +297,12 @@ def main(argv=None):
         f"rewards {list(rewards)}, output {out_dir}"
     )
 
-    os.makedirs(out_dir, exist_ok=True)
-    store_path = os.path.join(out_dir, "scores.json")
     try:
         store = checkpoints.score_store(store_path, identity)
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
+    created = not os.path.isdir(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
     keys = [f"{seed}|{prompt}" for prompt, seed in zip(prompts, seeds)]
     contexts = zip(keys, prompts, seeds, styles)
     store["contexts"].update({key: dict(prompt=p, seed=s, style=y) for key, p, s, y in contexts})
@@ -316,7 +322,12 @@ def main(argv=None):
                     column.update({keys[i]: v for i, v in values.items()})
                 row_times = {keys[i]: t for i, t in times.get(name, {}).items()}
                 store["times"].setdefault(name, {}).update(row_times)
-            checkpoints.write_json_atomic(store_path, store)
+            try:  # a full disk or read-only storage: one line, the last scores.json kept
+                checkpoints.write_json_atomic(store_path, store)
+            except ValueError as error:
+                if created and not os.listdir(out_dir):  # no empty folder left behind
+                    os.rmdir(out_dir)
+                sys.exit(f"evaluate.py: error: {error}")
 
     lines = [
         f"# Evaluation of {os.path.abspath(args.ckpt)}\n\nbackbone {trained_on}, L = {steps} "
@@ -347,8 +358,10 @@ def main(argv=None):
                 overall.append(f"{row} {mean:.4g}")
             lines += [f"mean over the {len(groups)} groups: " + ", ".join(overall), ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
-    with open(os.path.join(out_dir, "results.md"), "w") as handle:
-        handle.write("\n".join(lines))
+    try:
+        checkpoints.write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)])
+    except ValueError as error:
+        sys.exit(f"evaluate.py: error: {error}")
     learned_times = {name: in_order(store["times"][name]) for name in policies}
     default_times = backbone.default_times(steps).cpu()
     plot_results(os.path.join(out_dir, "results.png"), tables, learned_times, default_times)

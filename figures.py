@@ -10,9 +10,24 @@ import os
 import torch
 
 
-def context_labels(prompts, seeds):
-    """The legend entry of each context (prompt, noise seed)."""
-    return [f"{prompt[:24]}, seed {seed}" for prompt, seed in zip(prompts, seeds)]
+def context_labels(prompts, seeds, length=40):
+    """The legend entry of each context (prompt, noise seed); a long prompt keeps its start and its
+    end (where the miniatures' prompts name the digit)."""
+    cut = [
+        text if len(text) <= length else f"{text[: length // 2 - 2]}...{text[-(length // 2 - 1) :]}"
+        for text in prompts
+    ]
+    return [f"{prompt}, seed {seed}" for prompt, seed in zip(cut, seeds)]
+
+
+def step_ticks(ax, steps):
+    """One x tick per step index up to 20 steps; integer ticks chosen by matplotlib beyond."""
+    from matplotlib.ticker import MaxNLocator
+
+    if len(steps) <= 21:
+        ax.set_xticks(list(steps))
+    else:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def draw_schedules(ax, learned_times, default_times, labels=None):
@@ -28,14 +43,15 @@ def draw_schedules(ax, learned_times, default_times, labels=None):
         label = None if labels is None else labels[index]
         ax.plot(steps, times, "-", marker=".", color=colors(index), label=label)
     ax.plot(steps, default_times, "k--o", markersize=4, label="default")
-    ax.set(xlabel="step index l", ylabel="time t_l (1 = noise, 0 = data)", xticks=steps)
+    ax.set(xlabel="step index l", ylabel="time t_l (1 = noise, 0 = data)")
+    step_ticks(ax, steps)
     ax.legend(fontsize=6)
 
 
-def plot_training(out_dir, learned_times, default_times, labels, reward_name):
+def plot_training(out_dir, learned_times, default_times, labels, reward_name, contexts=32):
     """train.png: at each checkpoint, the learned mean schedule's reward gain over the default on
-    the same 32 held-out contexts (metrics.jsonl, heldout_gain), against the noisy batch reward of
-    changing contexts; and the learned schedules of a few held-out contexts against the default."""
+    the same `contexts` held-out contexts (metrics.jsonl, heldout_gain); and the learned schedules
+    of a few held-out contexts against the default."""
     from matplotlib.figure import Figure
 
     with open(os.path.join(out_dir, "metrics.jsonl")) as file:
@@ -43,9 +59,10 @@ def plot_training(out_dir, learned_times, default_times, labels, reward_name):
     checkpoints = [row for row in rows if "heldout_gain" in row]
     figure = Figure(figsize=(11, 4), layout="tight")
     left, right = figure.subplots(1, 2)
-    iterations = [0] + [row["iteration"] for row in checkpoints]
-    gains = [0] + [row["heldout_gain"] for row in checkpoints]
-    left.plot(iterations, gains, "-o", label="held out: learned - default, same 32 contexts")
+    iterations = [row["iteration"] for row in checkpoints]
+    gains = [row["heldout_gain"] for row in checkpoints]
+    label = f"held out: learned - default, the same {contexts} contexts at every checkpoint"
+    left.plot(iterations, gains, "-o", label=label)
     left.axhline(0.0, color="black", linestyle="--", linewidth=0.8)
     ylabel = f"{reward_name} gain over the default (> 0: better)"
     left.set(xlabel="iteration", ylabel=ylabel, title="training progress")
@@ -68,13 +85,17 @@ def plot_results(path, scores_per_reward, learned_times, default_times, baseline
         others = [name for name in scores if name != baseline]
         differences = {name: scores[name] - scores[baseline] for name in others}
         everything = torch.cat([torch.zeros(1), *differences.values()])
-        bins = torch.linspace(everything.min().item(), everything.max().item() + 1e-9, 31).tolist()
+        low, high, edges = everything.min().item(), everything.max().item(), 31
+        if high - low < 1e-9:  # the same score on every context (accuracy 1 for both): one bar
+            low, high, edges = low - 0.5, high + 0.5, 32  # centred on the value
+        bins = torch.linspace(low, high, edges).tolist()
         for name, values in differences.items():
             label = f"{name} (mean {values.mean():+.4g})"
             ax.hist(values.tolist(), bins=bins, histtype="step", linewidth=1.5, label=label)
         ax.axvline(0.0, color="black", linestyle="--")
         ax.set(xlabel=f"{reward_name}: method - {baseline}, same context (> 0: better)")
         ax.set(ylabel="contexts")
+        ax.ticklabel_format(axis="x", useOffset=False)
         ax.legend(fontsize=8)
     # the times differ from the default's by far less than their range 0..1: drawn as learned -
     # default, the spread over contexts (10-90% and min-max bands) is visible
@@ -89,7 +110,8 @@ def plot_results(path, scores_per_reward, learned_times, default_times, baseline
         last.fill_between(steps, low, high, color=color, alpha=0.3, label=f"{name}: 10-90%")
         last.fill_between(steps, lowest, highest, color=color, alpha=0.1, label=f"{name}: min-max")
     last.set(xlabel="step index l", ylabel="t_l learned - t_l default (> 0: noisier)")
-    last.set(xticks=steps.tolist(), title="where the learned schedules move each step")
+    last.set(title="where the learned schedules move each step")
+    step_ticks(last, steps.tolist())
     last.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -7,6 +7,7 @@ Bad input fails here in one line (SystemExit "error: ..."), before anything heav
 nothing a run folder already holds is changed by a refused start.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -18,15 +19,22 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from backbones import BACKBONES, load_backbone, locate_weights, make_policy, update_cost
+from backbones import BACKBONES, make_policy, update_cost
 from baselines import MIN_CONTEXTS
 from checkpoints import (
+    WriteFailed,
+    check_backbone_files,
+    check_reward_files,
     check_writable,
     claim_run,
     existing_run,
+    metric_rows,
+    open_backbone,
+    read_json,
     restore,
     save_checkpoint,
     save_policy,
+    write_failed,
     write_json_atomic,
 )
 from evaluate import (
@@ -39,7 +47,7 @@ from evaluate import (
 from figures import context_labels, plot_training
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from realism import Realism, realism_table
-from rewards import IMAGE_CONTENT, check_prompts, check_reward, load_reward
+from rewards import IMAGE_CONTENT, check_prompts, load_reward
 
 LEAST = dict(
     steps=1,
@@ -56,8 +64,30 @@ LEAST = dict(
 )
 
 
+# a larger seed would take the training contexts' noise seeds (prompts.context_seed) past 2^63
+MAX_SEED = 2**27
+
+
 def _fail(message):
     raise SystemExit(f"error: {message}")
+
+
+@contextlib.contextmanager
+def written(path=None):
+    """Writes to the run folder: one that fails (disk full, read-only storage) ends in one line
+    naming the folder (checkpoints.write_failed); the last good checkpoint stays as it was."""
+    try:
+        yield
+    except WriteFailed as error:
+        _fail(error)
+    except OSError as error:
+        _fail(write_failed(error.filename or path, error))
+
+
+def finished(config, checkpoint):
+    """Whether out_dir holds this run, finished: its last checkpoint and its held-out report."""
+    done = checkpoint is not None and checkpoint["iteration"] >= config.iterations
+    return done and os.path.isfile(os.path.join(config.out_dir, "eval.json"))
 
 
 def default_prompts(config):
@@ -92,6 +122,8 @@ def check_config(config, world_size):
         ):
             bound = "> 0" if positive else ">= 0"
             _fail(f"--{key.replace('_', '-')} must be a finite number {bound} (got {value})")
+    if not 0 <= config.seed < MAX_SEED:
+        _fail(f"--seed must be an integer from 0 to {MAX_SEED - 1:,} (got {config.seed})")
     if config.device == "cuda" and not torch.cuda.is_available():
         _fail(
             f"--device cuda, but this machine has no CUDA device (torch {torch.__version__}); drop "
@@ -132,11 +164,15 @@ def check_config(config, world_size):
         config.eval_prompts or shipped[1],
     )
     try:
-        check_writable(config.out_dir)
+        if not config.out_dir:  # else existing_run would take the working folder for the run's
+            check_writable(config.out_dir)
         prompts = load_prompt_file(config.prompts) if config.prompts else None
         heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
         check_prompts(config.reward, (prompts or []) + (heldout or []))
-        return prompts, heldout, existing_run(dataclasses.asdict(config))
+        checkpoint = existing_run(dataclasses.asdict(config))
+        if not finished(config, checkpoint):  # a finished run is reported, even if read-only
+            check_writable(config.out_dir)
+        return prompts, heldout, checkpoint
     except ValueError as error:
         _fail(error)
 
@@ -162,8 +198,11 @@ def ranks(config):
 def report_finished(config, checkpoint, eval_path):
     """The same command again on a finished run: say what is there, neither failing nor
     overwriting."""
-    with open(eval_path) as file:
-        table = format_table(json.load(file)["rows"])
+    again = "delete it and run the same command again to write the held-out report afresh"
+    report = read_json(eval_path, again)
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        _fail(f"{eval_path} is not the held-out report of train.py; {again}")
+    table = format_table(report["rows"])
     print(
         f"{config.out_dir} holds this run, finished at iteration {checkpoint['iteration']}; its "
         f"held-out table:\n{table}\nto train again, pass another --out-dir (or --iterations N > "
@@ -185,13 +224,12 @@ def setup(config):
     run.ckpt_path, run.metrics_path, run.eval_path = (
         os.path.join(config.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl", "eval.json")
     )
-    if (
-        checkpoint
-        and checkpoint["iteration"] >= config.iterations
-        and os.path.isfile(run.eval_path)
-    ):
+    if finished(config, checkpoint):
         if run.master:
-            report_finished(config, checkpoint, run.eval_path)
+            try:
+                report_finished(config, checkpoint, run.eval_path)
+            except ValueError as error:
+                _fail(error)
         return None
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -210,8 +248,8 @@ def setup(config):
         )
     missing = []  # every missing piece in one message, before either model loads
     for check in (
-        lambda: check_reward(config.reward, config.reward_checkpoint),
-        lambda: locate_weights(config.backbone, config.model_path),
+        lambda: check_reward_files(config.reward, config.reward_checkpoint),
+        lambda: check_backbone_files(config.backbone, config.model_path),
     ):
         try:
             check()
@@ -219,24 +257,30 @@ def setup(config):
             missing.append(str(error))
     if missing:
         _fail("; ".join(missing))
-    try:  # one writer per run folder until this process ends (held by keeping the file open)
-        run.lock = claim_run(config.out_dir, fresh=not checkpoint) if run.master else None
-    except ValueError as error:
-        _fail(error)
 
     dtype = getattr(torch, config.dtype) if config.dtype else None
-    run.backbone = load_backbone(
-        config.backbone,
-        path=config.model_path,
-        device=device,
-        dtype=dtype,
-        resolution=config.resolution,
-        guidance=config.guidance,
-    )
+    try:
+        run.backbone = open_backbone(
+            config.backbone,
+            path=config.model_path,
+            device=device,
+            dtype=dtype,
+            resolution=config.resolution,
+            guidance=config.guidance,
+        )
+    except ValueError as error:
+        _fail(error)
     run.prompts = prompts or run.backbone.prompts
     run.heldout = heldout_contexts(heldout or run.backbone.prompts, config.eval_contexts)
     try:  # a prompt the backbone cannot take fails here, not at an iteration
-        run.backbone.check_prompts(run.prompts + run.heldout[0])
+        run.backbone.check_prompts(run.prompts + run.heldout[0], config.reward)
+    except ValueError as error:
+        _fail(error)
+    # one writer per run folder until this process ends (held by keeping the file open), taken
+    # once the inputs passed: a refused start leaves no folder behind
+    try:
+        with written(config.out_dir):
+            run.lock = claim_run(config.out_dir, fresh=not checkpoint) if run.master else None
     except ValueError as error:
         _fail(error)
     run.reward = load_reward(
@@ -260,12 +304,14 @@ def setup(config):
     run.optimizer = torch.optim.AdamW(
         run.raw_policy.parameters(), lr=config.lr, weight_decay=config.weight_decay
     )
-    run.start = 0
+    run.start, run.rows = 0, []  # the rows of metrics.jsonl, which every checkpoint carries
     if checkpoint:
-        run.start = restore(
-            checkpoint, run.raw_policy, run.optimizer, run.metrics_path if run.master else None
-        )
+        with written():
+            run.start = restore(
+                checkpoint, run.raw_policy, run.optimizer, run.metrics_path if run.master else None
+            )
         if run.master:
+            run.rows = metric_rows(run.metrics_path)[0]
             print(f"continuing {run.ckpt_path} from iteration {run.start}")
     run.policy = DistributedDataParallel(run.raw_policy) if distributed else run.raw_policy
     if run.master:
@@ -347,31 +393,33 @@ def check_finite(config, run, iteration, rewards):
 
 
 def finish(config, run):
-    """The held-out report, the training figure and the policy in the Hub format (rank 0), then
-    the end of the process group."""
+    """The training figure, the policy in the Hub format and the held-out report (rank 0; its
+    eval.json last, as it marks the run finished), then the end of the process group."""
     if run.master:
-        heldout_report(
-            config.out_dir,
-            run.backbone,
-            run.reward,
-            run.raw_policy,
-            *run.heldout,
-            config.reward,
-            config.seed,
-        )
         prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
         noise, cond = context_noise(run.backbone, seeds), run.backbone.encode_prompts(prompts)
         used = policy_schedule(run.raw_policy, run.backbone)(noise, cond)
         learned = (used[0] if isinstance(used, tuple) else used).cpu()  # step-wise: with latents
         default = run.backbone.default_times(run.raw_policy.steps).cpu()
         labels = context_labels(prompts, seeds)
-        plot_training(config.out_dir, learned, default, labels, config.reward)
-        save_policy(
-            os.path.join(config.out_dir, "policy"),
-            run.raw_policy,
-            dataclasses.asdict(config),
-            config.iterations,
-        )
+        with written(config.out_dir):
+            curve = len(run.heldout[0][:32])  # the contexts of heldout_curve
+            plot_training(config.out_dir, learned, default, labels, config.reward, curve)
+            save_policy(
+                os.path.join(config.out_dir, "policy"),
+                run.raw_policy,
+                dataclasses.asdict(config),
+                config.iterations,
+            )
+            heldout_report(
+                config.out_dir,
+                run.backbone,
+                run.reward,
+                run.raw_policy,
+                *run.heldout,
+                config.reward,
+                config.seed,
+            )
         print(
             f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}, the figure train.png and "
             f"policy/ (Hub format) in {config.out_dir}"
@@ -383,7 +431,8 @@ def finish(config, run):
 
 def log(config, run, row, progress):
     """One row of metrics.jsonl per iteration; a line on the console every log_interval."""
-    with open(run.metrics_path, "a") as file:
+    run.rows.append(row)
+    with written(run.metrics_path), open(run.metrics_path, "a") as file:
         file.write(json.dumps(row) + "\n")
     done = row["iteration"]
     if done % config.log_interval == 0 or done == config.iterations:
@@ -412,8 +461,10 @@ def checkpoint(config, run, done):
         iteration=done,
         config=dataclasses.asdict(config),
         rng={"torch": torch.get_rng_state()},
+        metrics=run.rows,  # restore() writes back a row that a torn line of metrics.jsonl lost
     )
-    save_checkpoint(run.ckpt_path, state)
+    with written(run.ckpt_path):
+        save_checkpoint(run.ckpt_path, state)
 
 
 def gather(run, rewards):

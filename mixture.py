@@ -70,7 +70,7 @@ class MixtureBackbone(Backbone):
         self.word_embeddings = torch.randn(len(DIGIT_VOCAB), DIGIT_WIDTH, generator=generator)
         self.position_embeddings = 0.1 * torch.randn(DIGIT_TOKENS, DIGIT_WIDTH, generator=generator)
 
-    def check_prompts(self, prompts):
+    def check_prompts(self, prompts, reward=None):
         unknown = [prompt for prompt in prompts if prompt not in self.prompts]
         if unknown:
             raise ValueError(

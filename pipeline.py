@@ -3,7 +3,7 @@ A trained schedule inside a stock diffusers pipeline.
 
     model = "stabilityai/stable-diffusion-3.5-medium"
     pipe = StableDiffusion3Pipeline.from_pretrained(model, torch_dtype=torch.bfloat16).to("cuda")
-    policy = checkpoints.load_policy("out/policy").to("cuda")   # what train.py saved, or a hub id
+    policy = checkpoints.load_policy("out/sd35m-L10-instance-s0/policy").to("cuda")  # or a hub id
     generator = torch.Generator("cuda").manual_seed(0)
     images = generate(pipe, policy, "a red fox in fresh snow", generator=generator).images
 
@@ -161,10 +161,27 @@ def generate(
     arguments: the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip,
     precomputed prompt_embeds, ...) reach the pipeline as given and the policy through the
     pipeline's encode_prompt; height, width, guidance_scale, output_type, return_dict behave as in
-    the pipeline. num_inference_steps is the policy's L; timesteps and sigmas are refused. The
-    pipeline is left as it was found (its scheduler, modules' modes, grad flags, progress bar)."""
+    the pipeline. num_inference_steps is the policy's L; timesteps and sigmas, a policy of an
+    embedded backbone, an empty prompt and num_images_per_prompt < 1 are refused (ValueError, one
+    line). The pipeline is left as it was found (its scheduler, modules' modes, grad flags,
+    progress bar)."""
     if policy.config["kind"] == "stepwise":
         raise ValueError(STEPWISE)
+    family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
+    if family not in (None, *backbones.FAMILIES):
+        raise ValueError(
+            f"this policy was trained on the embedded {policy.backbone} backbone, which no "
+            "diffusers pipeline runs: sample it with sample.py"
+        )
+    prompts = [prompt] if isinstance(prompt, str) else prompt
+    if "prompt_embeds" not in pipe_kwargs and (
+        not isinstance(prompts, (list, tuple))
+        or not prompts
+        or not all(isinstance(text, str) for text in prompts)
+    ):
+        raise ValueError(f"prompt takes a string or a non-empty list of strings, got {prompt!r}")
+    if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
+        raise ValueError(f"num_images_per_prompt must be at least 1, got {num_images_per_prompt!r}")
     for key in REFUSED:
         if key in pipe_kwargs:
             raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
@@ -184,7 +201,6 @@ def generate(
         backbone = backbones.from_pipeline(
             pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale")
         )
-        family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
         if family and not isinstance(backbone, backbones.FAMILIES[family]):
             raise ValueError(
                 f"this policy was trained on {policy.backbone} ({family}), "
@@ -211,7 +227,7 @@ def generate(
                 ),
             )
         else:
-            prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+            prompts = list(prompts)
             accepted = inspect.signature(backbone.encode_prompts).parameters
             cond = backbone.encode_prompts(
                 prompts, **{k: v for k, v in text.items() if k in accepted}

@@ -39,6 +39,21 @@ ALPHA_MIN = 1e-3
 # (a Gamma(0.01) draw is below 1e-30 about half of the time), and two float32 times closer than the
 # float32 spacing near 1 (1.2e-7) would be equal; 1e-6 keeps every schedule strictly decreasing.
 TAU_FLOOR = 1e-6
+# The README.md that save_pretrained writes beside config.json (the mixin's default one asks for
+# "[More Information Needed]")
+MODEL_CARD = """
+---
+{{ card_data }}
+---
+
+A sampling-schedule policy: for an initial noise and a prompt it proposes when a frozen
+text-to-image sampler takes its L steps. Trained with
+REINFORCE and a James-Stein baseline, after Yu et al., "Designing Instance-Level Sampling Schedules
+via REINFORCE with James-Stein Shrinkage" (CVPR 2026, {{ paper_url }}). config.json names the
+backbone, L and the training configuration. Load it with `checkpoints.load_policy(folder or repo
+id)` and sample with `pipeline.generate(pipe, policy, prompt)`, from the repository that trained it.
+"""
+HUB = dict(model_card_template=MODEL_CARD, paper_url="https://arxiv.org/abs/2511.22177")
 
 
 # -----------------------------------------------------------------------------
@@ -200,7 +215,7 @@ class CrossAttentionBlock(nn.Module):
         return x + self.mlp(self.norm_mlp(x))
 
 
-class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
+class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
     """Instance-level policy: (x_T, prompt) -> Dirichlet concentrations alpha (N, L+1), float32.
     Keep it in float32; inputs may come in any float dtype (bf16 from the backbone) and are cast."""
 
@@ -299,7 +314,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin):
         return tokens.mean(1)
 
 
-class GlobalPolicy(nn.Module, PyTorchModelHubMixin):
+class GlobalPolicy(nn.Module, PyTorchModelHubMixin, **HUB):
     """One concentration vector for every context: the schedule ignores x_T and the prompt."""
 
     def __init__(

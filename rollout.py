@@ -23,6 +23,9 @@ import inspect
 
 import torch
 
+# the rewards that score named words of the prompt (the digit, the quoted text, the objects)
+PROMPT_REWARDS = ("digit", "ocr", "geneval")
+
 
 class Backbone:
     """What every backbone offers; train.py, evaluate.py and the rewards use nothing else.
@@ -47,8 +50,36 @@ class Backbone:
 
     reference_steps = 50  # the diffusers backbones' teacher: the default schedule at 50 steps
 
-    def check_prompts(self, prompts):
-        pass  # a text encoder takes any prompt
+    def check_prompts(self, prompts, reward=None):
+        """A prompt longer than every text encoder's window is cut, and the cut words never reach
+        the model: refused in one line (ValueError) when `reward` scores the prompt's words
+        (PROMPT_REWARDS), else reported in one line."""
+        pipe, cut = getattr(self, "pipe", None), []
+        tokenizers = [
+            getattr(pipe, name, None) for name in ("tokenizer", "tokenizer_2", "tokenizer_3")
+        ]
+        tokenizers = [tokenizer for tokenizer in tokenizers if tokenizer is not None]
+        for prompt in dict.fromkeys(prompts) if tokenizers else []:
+            counts = []
+            for tokenizer in tokenizers:
+                window = tokenizer.model_max_length
+                if "T5" in type(tokenizer).__name__:  # the pipeline's max_sequence_length
+                    window = min(window, self.text_length)
+                counts.append((len(tokenizer(prompt, verbose=False).input_ids), window))
+            if all(count > window for count, window in counts):
+                cut.append((prompt, *max(counts, key=lambda pair: pair[1])))
+        if not cut:
+            return
+        prompt, count, window = cut[0]
+        what = (
+            f"{len(cut)} prompt(s) are longer than the text encoders' window, so their end is cut "
+            f"(e.g. {prompt!r}: {count} tokens, the window {window})"
+        )
+        if reward in PROMPT_REWARDS:
+            raise ValueError(
+                f"{what}; the {reward} reward scores the words that are cut: shorten them"
+            )
+        print(f"note: {what}")
 
     def sample_noise(self, n, generator=None):
         return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)

@@ -6,19 +6,24 @@ Everything (policy, backbone, L) is rebuilt from the checkpoint alone.
 
 CPU, the embedded digits backbone (after `python train.py`; one context per class by default):
     python sample.py
-    python sample.py --ckpt out/ckpt.pt --prompt "a handwritten 3" --seeds 0 1 2 --stochastic
-One GPU (--pipeline: through the stock diffusers pipeline; --export: a global schedule for other
-tools):
-    python sample.py --ckpt out_sd35m/ckpt.pt --prompt "a red fox in fresh snow, photo" --seeds 0 1
-    python sample.py --ckpt out_sd35m/policy --prompts prompts/heldout.jsonl --out-dir samples_sd35m
-    python sample.py --ckpt out_sd35m/policy --prompt "a red fox" --pipeline
-    python sample.py --ckpt out_global/policy --export schedule.json
+    python sample.py --ckpt out/digits-L4-instance-s0/ckpt.pt --prompt "a handwritten 3" --seeds 0 1
+CPU, a miniature (after `python train.py --backbone mini-sd3 --steps 3`):
+    python sample.py --ckpt out/mini-sd3-L3-instance-s0/ckpt.pt
+One GPU, after `python train.py --backbone sd35m --steps 10` (--pipeline: through the stock
+diffusers pipeline; --export: a global schedule for other tools):
+    RUN=out/sd35m-L10-instance-s0
+    python sample.py --ckpt $RUN/ckpt.pt --prompt "a red fox in fresh snow, photo" --seeds 0 1
+    python sample.py --ckpt $RUN/policy --prompts prompts/heldout.jsonl --out-dir samples_sd35m
+    python sample.py --ckpt $RUN/policy --prompt "a red fox" --pipeline
+    python sample.py --ckpt out/digits-L4-global-s0/policy --export schedule.json
 
 Writes under --out-dir (default: samples/ next to the checkpoint): one PNG per context and method
 (NNN_<prompt>_seedS_default.png / _learned.png / _teacher.png; small images are upscaled with
 nearest neighbours), grid.png (rows = contexts, columns = default | learned | teacher, each image
 titled with its mean squared distance to the teacher), schedules.png (time per step index, one
-colour per context, against the default) and schedules.json (the times used, per context). With
+colour per context, against the default) and schedules.json (the times used, per context). Each
+context is compared by the run's own reward (the preference reward on the miniatures; the distance
+to the teacher where that is the reward), with the distance to the teacher beside it. With
 --pipeline the images come from the diffusers pipeline itself (pipeline.generate for the learned
 schedule, the pipeline's own call for the default, from the same seeds): *_default.png and
 *_learned.png.
@@ -39,7 +44,8 @@ parser = argparse.ArgumentParser(description="Sample with a learned schedule nex
 parser.error = lambda message: parser.exit(2, f"sample.py: error: {message}\n")  # no usage
 add = parser.add_argument
 # I/O
-add("--ckpt", default="out/ckpt.pt", help="train.py's checkpoint, or its policy folder / a hub id")
+MAIN_RUN = "out/digits-L4-instance-s0/ckpt.pt"  # where `python train.py` writes
+add("--ckpt", default=MAIN_RUN, help="train.py's checkpoint, or its policy folder / a hub id")
 add("--out-dir", help="output folder; default: samples/ next to --ckpt")
 # contexts
 add("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -47,7 +53,7 @@ add("--prompts", help="prompt file (.txt, .json, .jsonl)")
 add("--seeds", type=noise_seed, nargs="+", default=[0], help="noise seeds; each with every prompt")
 # schedule
 add("--stochastic", action="store_true", help="draw the schedule (Dirichlet / Beta), not its mean")
-add("--draw-seed", type=int, default=0, help="seed of the Dirichlet draws with --stochastic")
+add("--draw-seed", type=noise_seed, default=0, help="seed of the Dirichlet draws with --stochastic")
 add("--pipeline", action="store_true", help="through the stock diffusers pipeline (generate)")
 add("--export", metavar="JSON", help="write a global policy's schedule (times, sigmas) and exit")
 # consistency checks against the checkpoint
@@ -60,10 +66,19 @@ add("--device", help="default: cuda when available, else cpu")
 if __name__ == "__main__":
     parser.parse_args()  # --help and bad flags answer here, before torch and the models load
 
+import shutil
+
 import torch
 
 import backbones
-from checkpoints import load_checkpoint, trained_backbone
+from checkpoints import (
+    check_device,
+    check_reward_files,
+    check_writable,
+    load_checkpoint,
+    trained_backbone,
+    write_failed,
+)
 from evaluate import default_schedule, policy_schedule, run_method
 from figures import context_labels, draw_schedules
 from prompts import context_noise, load_prompt_file
@@ -94,18 +109,21 @@ def image_name(index, prompt, seed, method):
 
 
 @torch.no_grad()
-def sample_contexts(backbone, policy, prompts, seeds, stochastic=False, draw_seed=0, batch_size=8):
+def sample_contexts(
+    backbone, policy, prompts, seeds, stochastic=False, draw_seed=0, batch_size=8, reward=None
+):
     """For contexts (prompts[i], seeds[i]), from the same noise: the default and the learned
-    schedule's images, times and mean squared distance (in latent space) to the teacher, and the
-    teacher's images. Returns dict method -> (images (N, 3, H, W) on CPU, times (N, L+1) or None,
-    errors (N,))."""
+    schedule's images, times, mean squared distance (in latent space) to the teacher and score, and
+    the teacher's images. The score is `reward`'s (rewards.py's signature), or minus the distance
+    (the teacher reward) when None. Returns dict method -> (images (N, 3, H, W) on CPU, times
+    (N, L+1) or None, errors (N,), scores (N,))."""
     generator = torch.Generator().manual_seed(draw_seed)
     mode = "sample" if stochastic else "mean"
     methods = {
         "default": default_schedule(backbone, policy.steps),
         "learned": policy_schedule(policy, backbone, mode=mode, generator=generator),
     }
-    results = {name: ([], [], []) for name in [*methods, "teacher"]}
+    results = {name: ([], [], [], []) for name in [*methods, "teacher"]}
     for start in range(0, len(prompts), batch_size):
         noise = context_noise(backbone, seeds[start : start + batch_size])
         cond = backbone.encode_prompts(prompts[start : start + batch_size])
@@ -118,9 +136,18 @@ def sample_contexts(backbone, policy, prompts, seeds, stochastic=False, draw_see
             results[name][1].append(None if times is None else times.float().cpu())
             error = (latents.float() - teacher.float()).square().flatten(1).mean(1)
             results[name][2].append(error.cpu())
+            score = -error
+            if reward is not None:
+                score = reward(latents, prompts[start : start + batch_size], noise, cond)
+            results[name][3].append(score.float().cpu())
     return {
-        name: (torch.cat(images), None if times[0] is None else torch.cat(times), torch.cat(errors))
-        for name, (images, times, errors) in results.items()
+        name: (
+            torch.cat(images),
+            None if times[0] is None else torch.cat(times),
+            torch.cat(errors),
+            torch.cat(scores),
+        )
+        for name, (images, times, errors, scores) in results.items()
     }
 
 
@@ -146,38 +173,52 @@ def pipeline_contexts(backbone, policy, prompts, seeds):
     return results
 
 
-def save_figures(out_dir, contexts, results, label):
-    """grid.png: rows = contexts, columns = methods, each image titled with its distance to the
-    teacher; schedules.png: the learned schedule of every context against the default."""
+def gains(results):
+    """learned - default score per context (> 0: the learned schedule is better)."""
+    return (results["learned"][3] - results["default"][3]).tolist()
+
+
+def verdict(results, measure):
+    """The per-context wins and losses and the mean gain, in words, without claiming a gain that
+    is not there."""
+    per_context = gains(results)
+    better, count = sum(gain > 0 for gain in per_context), len(per_context)
+    mean = sum(per_context) / count
+    text = (
+        f"by {measure}, the learned schedule is better on {better} of {count} contexts, worse on "
+        f"{count - better}, {'better' if mean > 0 else 'worse'} by {abs(mean):.4f} on average"
+    )
+    if mean > 0 and better < count:
+        text += ": a mean gain comes with per-context losses"
+    return text
+
+
+def save_figures(out_dir, contexts, results, label, measure):
+    """grid.png: rows = contexts, columns = methods, each image titled with its score by `measure`
+    (the run's reward); schedules.png: the learned schedule of every context against the default."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     names = list(results)
-    distances = zip(results["default"][2], results["learned"][2])
-    gains = [float(default - learned) for default, learned in distances]  # > 0: learned better
+    per_context = gains(results)
     size = (2.4 * len(names), 2.5 * len(contexts))
     figure, axes = plt.subplots(len(contexts), len(names), figsize=size, squeeze=False)
     for row, (prompt, seed) in enumerate(contexts):
         for col, name in enumerate(names):
-            images, _, errors = results[name]
+            images, _, _, scores = results[name]
             axes[row][col].imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
-            title = f"{name}: {errors[row]:.4f}" if name != "teacher" else "teacher"
+            title = f"{name}: {scores[row]:.4f}" if name != "teacher" else "teacher"
             if name == "learned":  # this context's gain or loss: a mean gain has per-context losses
-                title += f"\n{'better' if gains[row] > 0 else 'worse'} by {abs(gains[row]):.4f}"
+                gain = per_context[row]
+                title += f"\n{'better' if gain > 0 else 'worse'} by {abs(gain):.4f}"
             axes[row][col].set(xticks=[], yticks=[], title=title)
             axes[row][col].title.set_fontsize(7)
             if name == "learned":
-                axes[row][col].title.set_color("tab:green" if gains[row] > 0 else "tab:red")
-        axes[row][0].set_ylabel(f"{prompt[:28]}\nseed {seed}", fontsize=7)
-    better, mean = sum(gain > 0 for gain in gains), sum(gains) / len(gains)
-    title = (
-        "each image's mean squared distance to the teacher (lower is better); the learned "
-        f"schedule is better on {better} of these {len(gains)} contexts, worse on "
-        f"{len(gains) - better}, and {'closer' if mean > 0 else 'farther'} by {abs(mean):.4f} on "
-        "average: a mean gain does not mean a gain on every context"
-    )
+                axes[row][col].title.set_color("tab:green" if per_context[row] > 0 else "tab:red")
+        axes[row][0].set_ylabel(f"{prompt[:40]}\nseed {seed}", fontsize=7)
+    title = f"each image's {measure} (higher is better); {verdict(results, measure)}"
     figure.suptitle(title, fontsize=7, wrap=True)
     figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (2.5 * len(contexts))))  # room for the title
     figure.savefig(os.path.join(out_dir, "grid.png"), dpi=150)
@@ -191,9 +232,43 @@ def save_figures(out_dir, contexts, results, label):
     plt.close(figure)
 
 
+def run_reward(config, backbone, device):
+    """The run's own reward and its name in the printed comparisons; the teacher reward is the
+    distance to the teacher, computed anyway (None). A reward that cannot load here falls back to
+    that distance, with a note."""
+    name = config["reward"]
+    if name == "teacher":
+        return None, "minus the distance to the teacher"
+    from rewards import load_reward
+
+    try:
+        check_reward_files(name, config["reward_checkpoint"])
+        reward = load_reward(name, backbone, device=device, checkpoint=config["reward_checkpoint"])
+        return reward, f"the {name} reward"
+    except (ImportError, ValueError, OSError) as error:
+        print(f"note: the {name} reward is not available ({error}); comparing by the teacher")
+        return None, "minus the distance to the teacher"
+
+
+def write_outputs(out_dir, write):
+    """write() into out_dir, created if needed; a write that fails ends in one line, and a folder
+    this call created is removed rather than left empty or half written."""
+    created = not os.path.isdir(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        write()
+    except OSError as error:
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        sys.exit(f"sample.py: error: {write_failed(error.filename or out_dir, error)}")
+
+
 def main(argv=None):
     args = parser.parse_args(argv)
-    try:
+    try:  # every input is checked before the backbone loads, and nothing is written before
+        if args.batch_size < 1:
+            raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size})")
+        device = check_device(args.device)
         ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
         config = ckpt["config"]
         prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
@@ -205,10 +280,21 @@ def main(argv=None):
             raise ValueError(
                 f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE"
             )
+        if args.pipeline and policy.config["kind"] == "stepwise":
+            from pipeline import STEPWISE
+
+            raise ValueError(STEPWISE)
+        if args.pipeline and spec["family"] == "mixture":
+            raise ValueError(f"--pipeline needs a diffusers backbone, not {config['backbone']!r}")
+        default_out = os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
+        out_dir = args.out_dir or default_out
+        if args.export:
+            check_writable(os.path.dirname(os.path.abspath(args.export)), "--export")
+        else:
+            check_writable(out_dir)
         torch.set_num_threads(spec["threads"] or torch.get_num_threads())
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         backbone = trained_backbone(config, device)
-        backbone.check_prompts(prompts)
+        backbone.check_prompts(prompts, config["reward"])
         contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
     except ValueError as error:
         sys.exit(f"sample.py: error: {error}")
@@ -219,11 +305,13 @@ def main(argv=None):
             schedule = schedule_json(policy, backbone)
         except ValueError as error:
             sys.exit(f"sample.py: error: {error}")
-        with open(args.export, "w") as handle:
-            json.dump(schedule, handle, indent=1)
+
+        def write_schedule():
+            with open(args.export, "w") as handle:
+                json.dump(schedule, handle, indent=1)
+
+        write_outputs(os.path.dirname(os.path.abspath(args.export)), write_schedule)
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
-    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
-    os.makedirs(out_dir, exist_ok=True)
     label = "learned (one Dirichlet draw)" if args.stochastic else "learned (Dirichlet mean)"
     if policy.config["kind"] == "stepwise":
         label = (
@@ -233,52 +321,61 @@ def main(argv=None):
     prompts, seeds = [prompt for prompt, _ in contexts], [seed for _, seed in contexts]
     policy = policy.to(backbone.device)
     if args.pipeline:
-        from pipeline import STEPWISE
-
-        if policy.config["kind"] == "stepwise":
-            sys.exit(f"sample.py: error: {STEPWISE}")
-        if not hasattr(backbone, "pipe"):
-            needs = f"--pipeline needs a diffusers backbone, not {config['backbone']!r}"
-            sys.exit(f"sample.py: error: {needs}")
         images = pipeline_contexts(backbone, policy, prompts, seeds)
-        for index, (prompt, seed) in enumerate(contexts):
-            for name, pictures in images.items():
-                pictures[index].save(os.path.join(out_dir, image_name(index, prompt, seed, name)))
+
+        def write_pipeline_images():
+            for index, (prompt, seed) in enumerate(contexts):
+                for name, pictures in images.items():
+                    path = os.path.join(out_dir, image_name(index, prompt, seed, name))
+                    pictures[index].save(path)
+
+        write_outputs(out_dir, write_pipeline_images)
         return print(f"wrote {2 * len(contexts)} images from the diffusers pipeline to {out_dir}")
 
+    reward, measure = run_reward(config, backbone, device)
     results = sample_contexts(
-        backbone, policy, prompts, seeds, args.stochastic, args.draw_seed, args.batch_size
+        backbone, policy, prompts, seeds, args.stochastic, args.draw_seed, args.batch_size, reward
     )
-    for index, (prompt, seed) in enumerate(contexts):
-        for name, (images, _, _) in results.items():
-            to_pil(images[index]).save(os.path.join(out_dir, image_name(index, prompt, seed, name)))
-    save_figures(out_dir, contexts, results, label)
     default_times = results["default"][1][0]
-    _, learned_times, learned_errors = results["learned"]
-    with open(os.path.join(out_dir, "schedules.json"), "w") as handle:
+    _, learned_times, learned_errors, learned_scores = results["learned"]
+    _, _, default_errors, default_scores = results["default"]
+
+    def write_samples():
+        for index, (prompt, seed) in enumerate(contexts):
+            for name, (images, _, _, _) in results.items():
+                path = os.path.join(out_dir, image_name(index, prompt, seed, name))
+                to_pil(images[index]).save(path)
+        save_figures(out_dir, contexts, results, label, measure)
         learned = [
             dict(prompt=prompt, seed=seed, learned=learned_times[index].tolist())
             for index, (prompt, seed) in enumerate(contexts)
         ]
         mode = "sample" if args.stochastic else "mean"
         saved = dict(default=default_times.tolist(), learned_mode=mode, contexts=learned)
-        json.dump(saved, handle, indent=1)
-    default_errors = results["default"][2]
+        with open(os.path.join(out_dir, "schedules.json"), "w") as handle:
+            json.dump(saved, handle, indent=1)
+
+    write_outputs(out_dir, write_samples)
     for index, (prompt, seed) in enumerate(contexts):
         times = ", ".join(f"{t:.3f}" for t in learned_times[index].tolist())
+        scored = (
+            ""
+            if reward is None
+            else (
+                f"{config['reward']} reward {learned_scores[index]:.4f} (default "
+                f"{default_scores[index]:.4f}), "
+            )
+        )
         print(
-            f"{prompt!r} seed {seed}: learned times [{times}], distance to the teacher "
+            f"{prompt!r} seed {seed}: learned times [{times}], {scored}distance to the teacher "
             f"{learned_errors[index]:.4f} (default {default_errors[index]:.4f})"
         )
     print(f"default times [{', '.join(f'{t:.3f}' for t in default_times.tolist())}]")
-    closer, count = int((learned_errors < default_errors).sum()), len(contexts)
+    print(verdict(results, measure))
     print(
-        f"the learned schedule is closer to the teacher on {closer} of {count} contexts, farther "
-        f"on {count - closer}: a mean gain comes with per-context losses"
-    )
-    print(
-        f"wrote {3 * count} images to {out_dir}, the grid {os.path.join(out_dir, 'grid.png')}, "
-        f"the schedules {os.path.join(out_dir, 'schedules.png')} and schedules.json"
+        f"wrote {3 * len(contexts)} images to {out_dir}, the grid "
+        f"{os.path.join(out_dir, 'grid.png')}, the schedules "
+        f"{os.path.join(out_dir, 'schedules.png')} and schedules.json"
     )
 
 

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import types
 from dataclasses import dataclass, field
 
@@ -39,7 +40,7 @@ def arg(default, help):
 @dataclass
 class Config:
     # I/O
-    out_dir: str = arg("out", "ckpt.pt, metrics.jsonl, eval.json, the figure and policy/ go here")
+    out_dir: str | None = arg(None, "run folder; None: out/<backbone>-L<steps>-<policy>-s<seed>")
     resume: bool = arg(False, "insist on continuing out_dir/ckpt.pt (a run is never overwritten)")
     ckpt_interval: int = arg(50, "iterations between checkpoints (a kill loses at most this many)")
     log_interval: int = arg(10, "iterations between log lines")
@@ -174,6 +175,10 @@ def parse_config(argv=None):
                 config.lr *= GLOBAL_LR_FACTOR
             if key == "lr" and config.optimizer == "ppo":
                 config.lr *= PPO_LR_FACTOR
+    if config.out_dir is None:  # one folder per run: the same command finds its own run again
+        ppo = "-ppo" if config.optimizer == "ppo" else ""
+        name = f"{config.backbone}-L{config.steps}-{config.policy}{ppo}-s{config.seed}"
+        config.out_dir = os.path.join("out", name)
     return config
 
 

@@ -449,7 +449,7 @@ def test_bad_evaluate_input_fails_in_one_line_before_loading(
 def test_a_damaged_score_store_fails_in_one_line_and_is_kept(tmp_path, ckpt):
     (tmp_path / "scores.json").write_text('{"rows": {')
     with pytest.raises(
-        SystemExit, match="scores.json is damaged \\(JSONDecodeError\\); move it away"
+        SystemExit, match="scores.json is damaged \\(not JSON: JSONDecodeError\\); move it away"
     ) as error:
         evaluate.main(["--ckpt", ckpt, "--out-dir", str(tmp_path), "--limit", "2"])
     assert "\n" not in str(error.value) and (tmp_path / "scores.json").read_text() == '{"rows": {'

@@ -1,6 +1,7 @@
 """sample.py on the digits backbone: the files it promises, what they hold, and its errors."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -28,13 +29,14 @@ def run_sample(args, cwd):
 
 
 def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt, monkeypatch, capsys):
-    # `python sample.py` where `python train.py` left out/ckpt.pt in the working directory
-    (tmp_path / "out").mkdir()
-    shutil.copy(ckpt, tmp_path / "out" / "ckpt.pt")
+    # `python sample.py` where `python train.py` left its run in the working directory
+    run = tmp_path / os.path.dirname(sample.MAIN_RUN)
+    run.mkdir(parents=True)
+    shutil.copy(ckpt, run / "ckpt.pt")
     monkeypatch.chdir(tmp_path)
     sample.main([])
     stdout = capsys.readouterr().out
-    samples = tmp_path / "out" / "samples"
+    samples = run / "samples"
     assert str(samples) in stdout
     images = sorted(path.name for path in samples.glob("0*.png"))
     assert len(images) == 3 * 10  # one context per class: default, learned and the teacher
@@ -46,7 +48,7 @@ def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt, mo
     assert grid.height >= 2.5 * grid.width  # ten rows of three square columns
     # every context's distance to the teacher, learned and default, is printed (and titles the
     # grid's images)
-    assert stdout.count("distance to the teacher") == 10
+    assert stdout.count("learned times") == stdout.count("distance to the teacher 0") == 10
     assert (samples / "schedules.png").stat().st_size > 0
     saved = json.loads((samples / "schedules.json").read_text())
     assert saved["default"] == pytest.approx([1.0, 0.75, 0.5, 0.25, 0.0])
@@ -60,7 +62,7 @@ def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt, mo
     closer = sum(
         float(pair.split()[0]) < float(pair.split("(default ")[1].rstrip(")")) for pair in pairs
     )
-    assert f"closer to the teacher on {closer} of 10 contexts, farther on {10 - closer}" in stdout
+    assert f"better on {closer} of 10 contexts, worse on {10 - closer}" in stdout
 
 
 def test_a_global_schedule_is_drawn_as_one_line():
@@ -310,10 +312,30 @@ def test_a_stepwise_checkpoint_samples_and_its_schedules_replay(tmp_path, digits
     _, policy = load_checkpoint(ckpt)
     backbone = backbones.load_backbone("digits")
     results = sample.sample_contexts(backbone, policy, ["a handwritten 3"] * 2, [0, 1])
-    images, times, _ = results["learned"]
+    images, times, _, _ = results["learned"]
     torch.testing.assert_close(times, learned)
     noise = evaluate.context_noise(backbone, [0, 1])
     cond = backbone.encode_prompts(["a handwritten 3"] * 2)
     torch.testing.assert_close(backbone.decode(backbone.sample(noise, cond, times)), images)
     with pytest.raises(SystemExit, match="step-wise policy .* without --pipeline"):
         sample.main(["--ckpt", ckpt, "--pipeline", "--out-dir", str(out)])
+
+
+def test_contexts_are_compared_by_the_runs_reward(ckpt):
+    """The score of each image is the run's reward (here a stand-in: the mean latent), or minus
+    the distance to the teacher when the teacher is the reward."""
+    _, policy = load_checkpoint(ckpt)
+    backbone = backbones.load_backbone("digits")
+    prompts, seeds = ["a handwritten 3", "a handwritten 8"], [0, 1]
+
+    def brightness(latents, prompts, noise, cond):
+        return latents.flatten(1).mean(1)
+
+    scored = sample.sample_contexts(backbone, policy, prompts, seeds, reward=brightness)
+    noise, cond = evaluate.context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    for name in ("default", "learned"):
+        _, times, _, scores = scored[name]
+        latents = backbone.sample(noise, cond, times)
+        torch.testing.assert_close(scores, latents.flatten(1).mean(1))
+    plain = sample.sample_contexts(backbone, policy, prompts, seeds)
+    torch.testing.assert_close(plain["learned"][3], -plain["learned"][2])

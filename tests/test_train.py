@@ -116,12 +116,12 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt.pt")
     checkpoints.save_checkpoint(path, {"iteration": 1})
 
-    def dies_halfway(state, file):
-        with open(file, "wb") as handle:
+    def dies_halfway(file, mode="r"):  # killed while writing the temporary file
+        with open(file, mode) as handle:
             handle.write(b"half a checkpoint")
         raise Killed
 
-    monkeypatch.setattr(torch, "save", dies_halfway)
+    monkeypatch.setattr(checkpoints, "open", dies_halfway, raising=False)
     with pytest.raises(Killed):
         checkpoints.save_checkpoint(path, {"iteration": 2})
     assert torch.load(path, weights_only=False) == {"iteration": 1}
@@ -381,7 +381,8 @@ def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
     [
         (
             ["--baseline", "rloo"],
-            "holds a run with baseline='js', not 'rloo'; pass --baseline js to continue it",
+            "holds a run with baseline='js', not 'rloo'; pass another --out-dir for this run "
+            r"\(or --baseline js to continue that one\)",
         ),
         (["--seed", "1"], "holds a run with seed=0, not 1"),
         (["--steps", "8"], "holds a run with steps=4, not 8"),

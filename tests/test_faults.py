@@ -1,0 +1,622 @@
+"""Bad input and faults as a new user meets them. Each case of CASES runs a script (or a few lines
+of Python) in a fresh process, after an optional fault: a damaged file, a full disk, read-only
+storage. It must end in one line that says what is wrong and what to do, and leave no folder
+empty. A new probe is one more line of CASES. Every case fails before a model loads, except the
+prompt-window one (it loads the 16x16 mini-sd3 to count tokens)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ENV, ROOT, train_in_process
+
+import figures
+import sample
+import train
+
+# a finished digits run, small enough to build in seconds
+RUN_ARGS = ["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "1"]
+PRELUDE = """
+import os, runpy, sys
+fault, script, *args = sys.argv[1:]
+sys.path.insert(0, {root!r})
+exec(fault)
+if script == "-c":  # an API call: its one-line ValueError is what a caller sees
+    try:
+        exec(args[0])
+    except ValueError as error:
+        sys.exit(f"ValueError: {{error}}")
+else:
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
+"""
+
+# -----------------------------------------------------------------------------
+# faults: code run in the subprocess before the script
+NONE = ""
+
+
+def full_disk(name, after=0):
+    """Writing a file called `name` fails with ENOSPC halfway, from its (after + 1)-th opening on
+    (the earlier ones succeed): a disk that fills up during a run."""
+    return f"""
+import builtins, errno
+_open, _opened = builtins.open, []
+class _Full:
+    def __init__(self, handle): self.handle = handle
+    def write(self, data):
+        self.handle.write(data[: len(data) // 2]); self.handle.flush()
+        raise OSError(errno.ENOSPC, "No space left on device")
+    def __enter__(self): return self
+    def __exit__(self, *exc): self.handle.close()
+    def __getattr__(self, name): return getattr(self.handle, name)
+def _full(file, mode="r", *args, **kwargs):
+    handle = _open(file, mode, *args, **kwargs)
+    if os.path.basename(str(file)) == {name!r} and ("w" in mode or "a" in mode):
+        _opened.append(file)
+        if len(_opened) > {after}:
+            return _Full(handle)
+    return handle
+builtins.open = _full
+"""
+
+
+def read_only(fragment):
+    """Every path containing `fragment` is on read-only storage (the tests run as root, for whom
+    permission bits do not hold): os.access says so, writes and mkdir fail with EROFS."""
+    return f"""
+import builtins, errno
+_access, _open, _mkdir = os.access, builtins.open, os.mkdir
+def _ro(path): return {fragment!r} in os.path.abspath(str(path))
+def _refuse(path): raise OSError(errno.EROFS, "Read-only file system", str(path))
+def _access_ro(path, mode, **kwargs):
+    return False if _ro(path) and mode & os.W_OK else _access(path, mode, **kwargs)
+def _open_ro(file, mode="r", *args, **kwargs):
+    if isinstance(file, (str, os.PathLike)) and _ro(file) and any(c in mode for c in "wax+"):
+        _refuse(file)
+    return _open(file, mode, *args, **kwargs)
+os.access, builtins.open = _access_ro, _open_ro
+os.mkdir = lambda path, *a, **k: _refuse(path) if _ro(path) else _mkdir(path, *a, **k)
+"""
+
+
+# the shipped miniatures are looked for under the case's folder (damaged copies)
+MINIATURES_HERE = "import backbones; backbones.REPOSITORY = os.getcwd()"
+
+
+# -----------------------------------------------------------------------------
+# damage: functions (case folder, finished run) -> None, run before the command
+def miniature_copy(damage, where="m"):
+    """A copy of the shipped mini-sd3 in the case folder (at `where`), then damage(copy)."""
+
+    def make(tmp, run):
+        copy = tmp / where
+        shutil.copytree(os.path.join(ROOT, "miniatures", "mini-sd3"), copy)
+        damage(copy)
+
+    return make
+
+
+def truncate(path):
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) // 2)
+
+
+def randomise(path):
+    path.write_bytes(torch.randint(256, (5000,), dtype=torch.uint8).numpy().tobytes())
+
+
+TRANSFORMER = "transformer/diffusion_pytorch_model.safetensors"
+
+
+def policy_copy(damage):
+    def make(tmp, run):
+        shutil.copytree(run / "policy", tmp / "policy")
+        damage(tmp / "policy")
+
+    return make
+
+
+def classifier_copy(damage):
+    def make(tmp, run):
+        shutil.copytree(os.path.join(ROOT, "miniatures", "classifier"), tmp / "classifier")
+        damage(tmp / "classifier")
+
+    return make
+
+
+def write(name, text):
+    def make(tmp, run):
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_text(text)
+
+    return make
+
+
+def saved(name, value):
+    return lambda tmp, run: torch.save(value, tmp / name)
+
+
+def run_copy(damage=lambda out: None):
+    def make(tmp, run):
+        shutil.copytree(run, tmp / "run")
+        damage(tmp / "run")
+
+    return make
+
+
+def nothing(tmp, run):
+    pass
+
+
+def garbled_metrics(out):
+    """An unfinished run (no eval.json) whose metrics.jsonl is random bytes."""
+    (out / "eval.json").unlink()
+    randomise(out / "metrics.jsonl")
+
+
+MINI = ["train.py", "--backbone", "mini-sd3", "--out-dir", "{tmp}/out"]
+GENERATE = (
+    "import torch, checkpoints, pipeline, backbones; "
+    "policy = checkpoints.load_policy('{run}/policy'); "
+)
+MINI_POLICY = (
+    "import torch, backbones, pipeline; "
+    "policy = backbones.make_policy('instance', dict(latent_channels=16, text_dim=32, "
+    "pooled_dim=64), 3, backbone='mini-sd3'); "
+)
+LONG = "an image of a handwritten digit drawn slowly with a thick black marker, the digit 7\n"
+
+# (id, damage, fault, command, expected): the one line the command ends in (stderr), or, for a
+# command that must work, what it prints (stdout). {tmp}: the case's folder (the working
+# directory), {run}: a finished digits run (RUN_ARGS), {root}: this repository.
+CASES = [
+    # 1. damaged or wrong model files
+    (
+        "model-path-truncated",
+        miniature_copy(lambda m: truncate(m / TRANSFORMER)),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"m/transformer/diffusion_pytorch_model.safetensors is (truncated|damaged).*download the "
+        "model again, or pass another --model-path",
+    ),
+    (
+        "model-path-random",
+        miniature_copy(lambda m: randomise(m / "vae/diffusion_pytorch_model.safetensors")),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"vae/diffusion_pytorch_model.safetensors is damaged \(not a safetensors file\)",
+    ),
+    (
+        "model-path-no-vae-config",
+        miniature_copy(lambda m: (m / "vae/config.json").unlink()),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"m/vae has no configuration \(config.json\)",
+    ),
+    (
+        "model-path-bad-json",
+        miniature_copy(lambda m: (m / "transformer/config.json").write_text("{")),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"transformer/config.json is damaged \(not JSON",
+    ),
+    (
+        "model-path-no-vocabulary",
+        miniature_copy(lambda m: (m / "tokenizer_3/tokenizer.json").unlink()),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"m/tokenizer_3 has no vocabulary \(T5Tokenizer\)",
+    ),
+    (
+        "model-path-weights-of-other-shapes",
+        miniature_copy(lambda m: (m / "transformer/config.json").write_text('{"in_channels": 3}')),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"mini-sd3: .*/m does not load \(.*expected shape.*\); pass the folder of a mini-sd3 model",
+    ),
+    (
+        "model-path-of-another-family",
+        nothing,
+        NONE,
+        [*MINI, "--model-path", "{root}/miniatures/mini-sdxl"],
+        "holds a StableDiffusionXLPipeline, not the StableDiffusion3Pipeline that mini-sd3 runs",
+    ),
+    (
+        "miniature-truncated",
+        miniature_copy(lambda m: truncate(m / TRANSFORMER), "miniatures/mini-sd3"),
+        MINIATURES_HERE,
+        MINI,
+        r"is (truncated|damaged).*git checkout miniatures/mini-sd3.*python miniature.py "
+        "--family sd3",
+    ),
+    (
+        "classifier-truncated",
+        classifier_copy(lambda folder: truncate(folder / "model.safetensors")),
+        NONE,
+        [*MINI, "--reward-checkpoint", "{tmp}/classifier"],
+        r"classifier/model.safetensors is (truncated|damaged).*python miniature.py "
+        "--family classifier",
+    ),
+    (
+        "policy-truncated-evaluate",
+        policy_copy(lambda folder: truncate(folder / "model.safetensors")),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/policy"],
+        r"policy/model.safetensors is (truncated|damaged).*train again",
+    ),
+    (
+        "policy-config-damaged-sample",
+        policy_copy(lambda folder: (folder / "config.json").write_text("{")),
+        NONE,
+        ["sample.py", "--ckpt", "{tmp}/policy"],
+        r"policy/config.json is damaged \(not JSON",
+    ),
+    (
+        "checkpoint-truncated",
+        run_copy(lambda out: truncate(out / "ckpt.pt")),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/run/ckpt.pt"],
+        "run/ckpt.pt is not a readable checkpoint",
+    ),
+    (
+        "eval-json-damaged",
+        run_copy(lambda out: (out / "eval.json").write_text("{")),
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/run"],
+        r"run/eval.json is damaged \(not JSON.*delete it and run the same command again",
+    ),
+    (
+        "metrics-garbled-resumes",
+        run_copy(garbled_metrics),
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/run"],
+        "continuing .*run/ckpt.pt from iteration 2",
+    ),
+    # 2. a full disk during a checkpoint (the rerun: test_a_full_disk_at_a_checkpoint_...)
+    (
+        "disk-full-checkpoint",
+        nothing,
+        full_disk("ckpt.pt.tmp", after=1),
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/out"],
+        r"could not write .*out/ckpt.pt: the disk is full \(.* MiB free in .*out, the write "
+        r"needs .* MiB free\); free some space and run the same command again",
+    ),
+    (
+        "disk-full-metrics",
+        nothing,
+        full_disk("metrics.jsonl"),
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/out"],
+        r"could not write .*metrics.jsonl: the disk is full",
+    ),
+    (
+        "disk-full-scores",
+        nothing,
+        full_disk("scores.json.tmp"),
+        ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/eval", "--limit", "2"],
+        r"could not write .*eval/scores.json: the disk is full",
+    ),
+    # 3. read-only storage
+    (
+        "read-only-out-dir",
+        write("ro/note.txt", "x"),
+        read_only("/ro"),
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/ro"],
+        "--out-dir .*/ro is a folder this user cannot write",
+    ),
+    (
+        "read-only-finished-run-is-reported",
+        run_copy(),
+        read_only("/run"),
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/run"],
+        "holds this run, finished at iteration 2",
+    ),
+    (
+        "read-only-run-evaluated",
+        run_copy(),
+        read_only("/run"),
+        ["evaluate.py", "--ckpt", "{tmp}/run/ckpt.pt"],
+        r"--out-dir .*/run/eval is not writable here \(.*/run is read-only for this user\)",
+    ),
+    # 4. sample.py checks its inputs before loading, and leaves no empty folder
+    (
+        "sample-out-dir-file",
+        write("file", "x"),
+        NONE,
+        ["sample.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/file"],
+        "--out-dir .*/file is a file, not a folder",
+    ),
+    (
+        "sample-batch-size-0",
+        nothing,
+        NONE,
+        ["sample.py", "--ckpt", "{run}/ckpt.pt", "--batch-size", "0"],
+        r"--batch-size must be at least 1 \(got 0\)",
+    ),
+    (
+        "sample-draw-seed-1e23",
+        nothing,
+        NONE,
+        ["sample.py", "--ckpt", "{run}/ckpt.pt", "--draw-seed", str(10**23)],
+        "a seed is an integer from 0 to 2",
+    ),
+    (
+        "sample-device-foo",
+        nothing,
+        NONE,
+        ["sample.py", "--ckpt", "{run}/ckpt.pt", "--device", "foo"],
+        "--device 'foo' is not a device: pass cpu, cuda or cuda:N",
+    ),
+    (
+        "sample-read-only-out-dir",
+        write("ro/note.txt", "x"),
+        read_only("/ro"),
+        ["sample.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/ro"],
+        "--out-dir .*/ro is a folder this user cannot write",
+    ),
+    (
+        "sample-pipeline-on-digits",
+        nothing,
+        NONE,
+        ["sample.py", "--ckpt", "{run}/ckpt.pt", "--pipeline", "--out-dir", "{tmp}/s"],
+        "--pipeline needs a diffusers backbone, not 'digits'",
+    ),
+    # 6. evaluate.py
+    (
+        "evaluate-pt-holding-5",
+        saved("five.pt", 5),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/five.pt"],
+        r"five.pt is not a checkpoint written by train.py \(a int\)",
+    ),
+    (
+        "evaluate-pt-of-other-keys",
+        saved("other.pt", {"weights": 1, 2: 3}),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/other.pt"],
+        r"other.pt is not a checkpoint written by train.py \(its keys: \['2', 'weights'\]\)",
+    ),
+    (
+        "evaluate-scores-list",
+        write("eval/scores.json", "[]"),
+        NONE,
+        ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/eval"],
+        "eval/scores.json is not a scores.json of evaluate.py; move it away",
+    ),
+    (
+        "evaluate-scores-without-parts",
+        write("eval/scores.json", '{"contexts": []}'),
+        NONE,
+        ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/eval"],
+        "eval/scores.json is not a scores.json of evaluate.py; move it away",
+    ),
+    (
+        "evaluate-device-foo",
+        nothing,
+        NONE,
+        ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--device", "foo"],
+        "--device 'foo' is not a device",
+    ),
+    (
+        "evaluate-digit-reward-on-digits",
+        nothing,
+        NONE,
+        ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--rewards", "digit"],
+        "the digit reward reads the 16x16 handwritten digits that only the mini-\\* backbones",
+    ),
+    # 7. pipeline.generate refuses before it touches the pipeline
+    (
+        "generate-digits-policy",
+        nothing,
+        NONE,
+        ["-c", GENERATE + "pipeline.generate(None, policy, 'a handwritten 3')"],
+        "trained on the embedded digits backbone, which no diffusers pipeline runs",
+    ),
+    (
+        "generate-prompt-none",
+        nothing,
+        NONE,
+        ["-c", MINI_POLICY + "pipeline.generate(None, policy, None)"],
+        "prompt takes a string or a non-empty list of strings, got None",
+    ),
+    (
+        "generate-prompt-empty",
+        nothing,
+        NONE,
+        ["-c", MINI_POLICY + "pipeline.generate(None, policy, [])"],
+        r"prompt takes a string or a non-empty list of strings, got \[\]",
+    ),
+    (
+        "generate-no-images",
+        nothing,
+        NONE,
+        ["-c", MINI_POLICY + "pipeline.generate(None, policy, 'a 3', num_images_per_prompt=0)"],
+        "num_images_per_prompt must be at least 1, got 0",
+    ),
+    # 8. train.py
+    (
+        "train-seed-huge",
+        nothing,
+        NONE,
+        ["train.py", "--seed", "99999999999999999999999", "--out-dir", "{tmp}/out"],
+        "--seed must be an integer from 0 to",
+    ),
+    ("train-out-dir-empty", nothing, NONE, ["train.py", "--out-dir", ""], "--out-dir is empty"),
+    # 9. a prompt longer than the text encoders' window, where the reward reads the cut words
+    (
+        "prompt-longer-than-the-window",
+        write("long.txt", LONG),
+        NONE,
+        [*MINI, "--prompts", "{tmp}/long.txt"],
+        r"1 prompt\(s\) are longer than the text encoders' window.*the digit reward scores the "
+        "words that are cut",
+    ),
+    # 10. another run in the default folder of another command: its own folder instead
+    (
+        "another-run-in-the-folder",
+        run_copy(),
+        NONE,
+        ["train.py", *RUN_ARGS, "--seed", "1", "--out-dir", "{tmp}/run", "--resume"],
+        r"holds a run with seed=0, not 1; pass another --out-dir for this run \(or --seed 0",
+    ),
+]
+
+
+def run_case(tmp, command, fault):
+    script, *args = command
+    script = script if script == "-c" else os.path.join(ROOT, script)
+    return subprocess.run(
+        [sys.executable, "-c", PRELUDE.format(root=ROOT), fault, script, *args],
+        cwd=tmp,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def empty_folders(tmp):
+    return [path for path, folders, files in os.walk(tmp) if not (folders or files) and path != tmp]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    return train_in_process(tmp_path_factory.mktemp("faults") / "run", *RUN_ARGS)
+
+
+@pytest.mark.parametrize("name, damage, fault, command, expected", CASES, ids=[c[0] for c in CASES])
+def test_a_fault_ends_in_one_line(tmp_path, finished_run, name, damage, fault, command, expected):
+    damage(tmp_path, finished_run)
+    tmp_path = str(tmp_path)
+    values = dict(tmp=tmp_path, run=str(finished_run), root=ROOT)
+    command = [part.format(**values) for part in command]
+    result = run_case(tmp_path, command, fault.format(**values) if fault else fault)
+    if result.returncode == 0:  # a case that works now: what it prints
+        assert re_search(expected, result.stdout), result.stdout[-2000:]
+        return
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    message = result.stderr.strip().splitlines()[-1]  # after the progress bars, if any
+    assert re_search(expected, message), message
+    assert not empty_folders(tmp_path), empty_folders(tmp_path)
+
+
+def re_search(pattern, text):
+    import re
+
+    return re.search(pattern, text) is not None
+
+
+# -----------------------------------------------------------------------------
+# what the table cannot say in one line: the rerun after a fault, the files and figures
+
+
+def read_rows(out):
+    return [
+        json.loads(line)["iteration"] for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_the_rerun_continues(tmp_path):
+    out = tmp_path / "out"
+    command = ["train.py", *RUN_ARGS, "--iterations", "3", "--out-dir", str(out)]
+    failed = run_case(tmp_path, command, full_disk("ckpt.pt.tmp", after=1))
+    assert failed.returncode == 1 and "the disk is full" in failed.stderr
+    assert not (out / "ckpt.pt.tmp").exists()  # the partial file went with the failure
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iteration"] == 1
+    resumed = run_case(tmp_path, command, NONE)  # space is back
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "continuing" in resumed.stdout and read_rows(out) == [1, 2, 3]
+    # exactly the run that had room all along: the same rows and the same policy
+    whole = tmp_path / "whole"
+    run_case(tmp_path, ["train.py", *RUN_ARGS, "--iterations", "3", "--out-dir", str(whole)], NONE)
+    timing = ("rollout_s", "step_s", "clip_fraction")  # clip_fraction: nan without PPO
+
+    def rows(folder):
+        lines = (folder / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if k not in timing} for line in lines]
+
+    assert rows(out) == rows(whole)
+    final, expected = (torch.load(f / "ckpt.pt", weights_only=True)["policy"] for f in (out, whole))
+    for name in expected:
+        torch.testing.assert_close(final[name], expected[name], rtol=0, atol=0)
+
+
+def test_a_torn_row_of_the_checkpoint_iteration_is_written_back(finished_run, tmp_path):
+    out = shutil.copytree(finished_run, tmp_path / "out")
+    text = (out / "metrics.jsonl").read_text()  # the row of iteration 2, the checkpoint's, torn
+    (out / "metrics.jsonl").write_text(text[: len(text) - len(text.splitlines()[-1]) // 2 - 1])
+    train_in_process(out, *RUN_ARGS, "--iterations", "3")
+    assert read_rows(out) == [1, 2, 3]
+
+
+def test_each_command_of_the_readme_has_its_own_default_folder():
+    main, miniature = train.parse_config([]), train.parse_config(["--backbone", "mini-sd3"])
+    assert main.out_dir == os.path.join("out", "digits-L4-instance-s0")
+    assert miniature.out_dir == os.path.join("out", "mini-sd3-L3-instance-s0")
+    assert sample.MAIN_RUN == os.path.join(main.out_dir, "ckpt.pt")
+    assert train.parse_config(["--out-dir", "mine"]).out_dir == "mine"
+
+
+def test_the_policy_folder_is_readable_and_its_card_says_what_it_is(finished_run):
+    assert os.stat(finished_run / "policy" / "model.safetensors").st_mode & 0o044 == 0o044
+    card = (finished_run / "policy" / "README.md").read_text()
+    assert "More Information Needed" not in card and "arxiv.org/abs/2511.22177" in card
+
+
+def test_a_verdict_without_a_gain_claims_none():
+    def results(default, learned):
+        return {"default": (None, None, None, torch.tensor(default)), "learned": (0, 0, 0, learned)}
+
+    worse = sample.verdict(results([0.0, 0.0], torch.tensor([-1.0, -2.0])), "the digit reward")
+    assert "better on 0 of 2 contexts, worse on 2, worse by 1.5000" in worse
+    assert "mean gain" not in worse
+    mixed = sample.verdict(results([0.0, 0.0], torch.tensor([3.0, -1.0])), "the digit reward")
+    assert mixed.endswith("better by 1.0000 on average: a mean gain comes with per-context losses")
+
+
+def test_figure_labels_keep_the_digit_and_steps_stay_readable(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    label = figures.context_labels(["a very long prompt about how to draw the number 7"], [0])[0]
+    assert "7, seed 0" in label and len(label) < 50
+    ax = Figure().subplots()
+    figures.draw_schedules(ax, torch.rand(2, 1001), torch.linspace(1, 0, 1001))
+    assert len(ax.get_xticks()) <= 21
+    figure_axes, real = {}, Figure.savefig
+
+    def keep(figure, *args, **kwargs):
+        figure_axes["axes"] = figure.axes
+        return real(figure, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Figure, "savefig", keep)
+        figures.plot_results(  # a miniature's accuracy: 1 on every context, for both
+            str(tmp_path / "results.png"),
+            {"accuracy": {"default": torch.ones(5), "learned": torch.ones(5)}},
+            {"learned": torch.linspace(1, 0, 4).expand(5, -1)},
+            torch.linspace(1, 0, 4),
+        )
+    first = figure_axes["axes"][0]
+    first.figure.canvas.draw()
+    assert first.xaxis.get_offset_text().get_text() == ""
+
+
+def test_a_prompt_past_the_window_is_refused_where_the_reward_reads_it_else_noted(capsys):
+    import backbones
+
+    backbone = backbones.load_backbone("mini-sd3", device="cpu")
+    short = "an image of a handwritten 7"
+    backbone.check_prompts([short] * 3, "digit")  # within the 12 tokens
+    with pytest.raises(ValueError, match="the digit reward scores the words that are cut"):
+        backbone.check_prompts([short, LONG.strip()], "digit")
+    capsys.readouterr()
+    backbone.check_prompts([LONG.strip()] * 3, "teacher")  # the same prompt: one note, one line
+    printed = capsys.readouterr().out.strip()
+    assert printed.startswith("note: 1 prompt(s) are longer") and "\n" not in printed
