@@ -354,8 +354,8 @@ def miniature_evidence(args):
     Writes the table to out_dir/results.md and to docs/RESULTS.md (section "miniatures")."""
     from checkpoints import load_checkpoint
     from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
-    from miniature import prompt_lists
-    from realism import Realism, realism_table
+    from miniature import prompt_lists, realism_measure
+    from realism import realism_table
     from results import commit, record
     from rewards import load_reward
 
@@ -382,7 +382,8 @@ def miniature_evidence(args):
     train_prompts, heldout_prompts = prompt_lists()
     prompts, seeds = heldout_contexts(heldout_prompts, HELDOUT_CONTEXTS)
     fit_prompts, fit_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS, FIT_SEED)
-    floor = Realism().floor(HELDOUT_CONTEXTS)
+    measure = realism_measure()
+    floor = measure.floor(HELDOUT_CONTEXTS)
     lines, figure_policies = (
         [
             f"{HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise) per row; "
@@ -407,7 +408,7 @@ def miniature_evidence(args):
                 backbone, preference_only, prompts, seeds, defaults, batch_size=128
             ).items()
         }
-        default_realism = realism_table(backbone, defaults, prompts, seeds)
+        default_realism = realism_table(backbone, defaults, prompts, seeds, measure)
         minus_frechet = {n: -row["frechet"] for n, row in default_realism.items()}
         lines += [
             f"\n{name} (guidance {backbone.guidance})",
@@ -434,7 +435,7 @@ def miniature_evidence(args):
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
             scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)
-            realism = realism_table(backbone, methods, prompts, seeds)
+            realism = realism_table(backbone, methods, prompts, seeds, measure)
             rows = {"default": ["default"], shift_row: [shift_row]}
             rows.update(
                 {f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in selected}

@@ -45,8 +45,9 @@ from evaluate import (
     summarize,
 )
 from figures import context_labels, plot_training
+from miniature import realism_measure
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
-from realism import Realism, realism_table
+from realism import realism_table
 from rewards import IMAGE_CONTENT, check_prompts, load_reward
 
 LEAST = dict(
@@ -361,8 +362,9 @@ def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_nam
     )
     report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
     if BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
-        realism = realism_table(backbone, dict(list(methods.items())[:2]), prompts, seeds)
-        floor = Realism().floor(len(seeds))
+        measure = realism_measure()
+        realism = realism_table(backbone, dict(list(methods.items())[:2]), prompts, seeds, measure)
+        floor = measure.floor(len(seeds))
         print(
             "realism against real digits (Frechet distance lower, precision and recall higher):\n"
             + "\n".join(

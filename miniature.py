@@ -155,6 +155,15 @@ def digit_splits():
     )
 
 
+def realism_measure():
+    """realism.Realism against the reference digits, its floor from the scorer's (both unseen by
+    every miniature)."""
+    from realism import Realism
+
+    splits = digit_splits()
+    return Realism(splits["reference"][0], splits["preference"][0])
+
+
 def prompt_lists():
     from prompts import load_prompt_file
 
@@ -935,11 +944,10 @@ def guidance_sweep():
     the prompted digit, on training paraphrases and tuning noise (never the held-out contexts)."""
     import backbones
     from prompts import heldout_contexts
-    from realism import Realism
     from results import commit, record
 
     started = commit()
-    realism, classifier = Realism(), load_classifier()
+    realism, classifier = realism_measure(), load_classifier()
     prompts, seeds = heldout_contexts(prompt_lists()[0], TUNING_CONTEXTS, TUNING_SEED)
     digits = torch.tensor([digit_of(prompt) for prompt in prompts])
     floor = realism.floor(TUNING_CONTEXTS)
@@ -989,12 +997,11 @@ def reward_agreement(contexts=256):
 
     import backbones
     from prompts import heldout_contexts
-    from realism import Realism
     from results import commit, record
     from rewards import load_scorer
 
     started = commit()
-    realism, classifier, scorer = Realism(), load_classifier(), load_scorer()
+    realism, classifier, scorer = realism_measure(), load_classifier(), load_scorer()
     prompts, seeds = heldout_contexts(prompt_lists()[1], contexts)
     digits = torch.tensor([digit_of(prompt) for prompt in prompts])
     real, real_labels = digit_splits()["reference"]
@@ -1060,19 +1067,21 @@ def reward_agreement(contexts=256):
 def check(contexts=200):
     """What the shipped folders reach: the classifier's held-out accuracy; per miniature, the share
     of contexts of unseen noise recognised at 50 default steps (training and held-out paraphrases)
-    and at 4, 3 and 2 (held-out paraphrases); the digit reward of bfloat16 against float32 (the
+    and at 4, 3 and 2 (held-out paraphrases); the preference reward of bfloat16 against float32 (the
     dtype a GPU run takes) on the held-out contexts at 3 steps; the sizes."""
     import backbones
     from evaluate import default_schedule
     from prompts import heldout_contexts
+    from results import commit, record
     from rewards import load_reward
 
+    started, lines = commit(), []
     classifier = load_classifier()
     (images, labels), _ = split()
     with torch.no_grad():
         accuracy = (classifier(images).argmax(1) == labels).float().mean().item()
-    print(
-        f"classifier: accuracy {accuracy:.4f} on the {len(images)} images the pipelines train on "
+    lines.append(
+        f"- classifier: accuracy {accuracy:.4f} on the {len(images)} images the pipelines train on "
         "(it never saw them)"
     )
     training, heldout = prompt_lists()
@@ -1080,7 +1089,7 @@ def check(contexts=200):
         name, line, rewards = f"mini-{family}", [], {}
         for dtype in (torch.float32, torch.bfloat16):
             backbone = backbones.load_backbone(name, dtype=dtype)
-            reward = load_reward("digit", backbone)
+            reward = load_reward("preference", backbone)  # its accuracy: the classifier's
             runs = [
                 (50, "training"),
                 (50, "held-out"),
@@ -1099,21 +1108,24 @@ def check(contexts=200):
                 latents = backbone.sample(
                     noise, cond, default_schedule(backbone, steps)(noise, cond)
                 )
-                log_prob, correct = reward.details(latents, prompts)
-                rewards[dtype, steps] = log_prob
+                score, correct = reward.details(latents, prompts)
+                rewards[dtype, steps] = score
                 if dtype == torch.float32:
                     line.append(
                         f"{correct.mean().item():.3f} at {steps} steps ({paraphrases} paraphrases)"
                     )
         gap = (rewards[torch.bfloat16, 3] - rewards[torch.float32, 3]).abs()
-        print(
-            f"{name}: recognised {', '.join(line)}, {contexts} contexts of unseen noise each; "
-            f"digit reward at 3 steps {rewards[torch.float32, 3].mean():.4f} in float32, "
+        lines.append(
+            f"- {name} (guidance {backbone.guidance}): recognised {', '.join(line)}, {contexts} "
+            "contexts of unseen noise each; "
+            f"preference reward at 3 steps {rewards[torch.float32, 3].mean():.4f} in float32, "
             f"{rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
             f"(per context |difference| median {gap.median():.4f}, max {gap.max():.4f}); "
             f"{folder_size(os.path.join(FOLDER, name)) / 1e6:.2f} MB"
         )
-    print(f"miniatures/: {folder_size(FOLDER) / 1e6:.2f} MB in all")
+    lines.append(f"- miniatures/: {folder_size(FOLDER) / 1e6:.2f} MB in all")
+    record("check", "python miniature.py --check", lines, at=started)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ The feature space is fixed: the leading principal components of the reference di
 trained to ignore it). Both measures depend on the number of samples, so every table gives the
 real-against-real value at the same N (`floor`): real digits the miniatures never saw, against the
 same reference.
-
-    python realism.py  # the floor at N = 64, 128, 256 and the reference set's size
 """
 
 import torch
@@ -70,15 +68,14 @@ def precision_recall(features, reference, k=NEIGHBOURS):
 
 
 class Realism:
-    """The realism measures of sample images against the miniatures' reference digits."""
+    """The realism measures of sample images against `reference` real images (N, 3, H, W); the
+    floor from `unseen`, other real images of the same kind (miniature.realism_measure builds it
+    from the digits no miniature saw)."""
 
-    def __init__(self, reference_images=None):
-        if reference_images is None:
-            from miniature import digit_splits
-
-            reference_images = digit_splits()["reference"][0]
-        self.space = FeatureSpace(reference_images)
-        self.reference = self.space(reference_images)
+    def __init__(self, reference, unseen):
+        self.space = FeatureSpace(reference)
+        self.reference = self.space(reference)
+        self.unseen = unseen
 
     def __call__(self, images):
         """images (N, 3, H, W) in [0, 1] -> dict(frechet, precision, recall)."""
@@ -89,25 +86,21 @@ class Realism:
         )
 
     def floor(self, count):
-        """The measures of `count` real digits that no miniature saw, outside the reference (all 449
-        of them when `count` is larger)."""
-        from miniature import digit_splits
-
-        real = digit_splits()["preference"][0]
-        return self(
-            real[torch.randperm(len(real), generator=torch.Generator().manual_seed(0))][:count]
-        )
+        """The measures of `count` unseen real images (all of them when `count` is larger): what
+        samples as real as the data would score at this N."""
+        order = torch.randperm(len(self.unseen), generator=torch.Generator().manual_seed(0))
+        return self(self.unseen[order][:count])
 
 
 @torch.no_grad()
-def realism_table(backbone, methods, prompts, seeds, batch_size=128):
+def realism_table(backbone, methods, prompts, seeds, realism, batch_size=128):
     """method name -> the realism of its samples of the contexts (prompts[i], seeds[i]), on the
     same noises; methods as evaluate.py's (callables (noise, cond) -> times)."""
     from evaluate import run_method
     from preprocess import quantize
     from prompts import context_noise
 
-    realism, table = Realism(), {}
+    table = {}
     for name, method in methods.items():
         images = []
         for start in range(0, len(prompts), batch_size):
@@ -117,14 +110,3 @@ def realism_table(backbone, methods, prompts, seeds, batch_size=128):
             images.append(quantize(backbone.decode(latents)).clamp(0, 1).cpu())
         table[name] = realism(torch.cat(images))
     return table
-
-
-if __name__ == "__main__":
-    realism = Realism()
-    print(f"reference: {len(realism.reference)} real digits that no miniature saw")
-    for count in (64, 128, 256):
-        values = realism.floor(count)
-        print(
-            f"real against real, N = {count}: "
-            + ", ".join(f"{k} {v:.3f}" for k, v in values.items())
-        )

@@ -24,7 +24,7 @@ import inspect
 import torch
 
 # the rewards that score named words of the prompt (the digit, the quoted text, the objects)
-PROMPT_REWARDS = ("digit", "ocr", "geneval")
+PROMPT_REWARDS = ("digit", "preference", "ocr", "geneval")
 
 
 class Backbone:

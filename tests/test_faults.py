@@ -121,10 +121,12 @@ def policy_copy(damage):
     return make
 
 
-def classifier_copy(damage):
+def reward_model_copy(kind, damage):
+    """A copy of the shipped miniatures/<kind> (classifier, preference), damaged."""
+
     def make(tmp, run):
-        shutil.copytree(os.path.join(ROOT, "miniatures", "classifier"), tmp / "classifier")
-        damage(tmp / "classifier")
+        shutil.copytree(os.path.join(ROOT, "miniatures", kind), tmp / kind)
+        damage(tmp / kind)
 
     return make
 
@@ -236,11 +238,19 @@ CASES = [
     ),
     (
         "classifier-truncated",
-        classifier_copy(lambda folder: truncate(folder / "model.safetensors")),
+        reward_model_copy("classifier", lambda folder: truncate(folder / "model.safetensors")),
         NONE,
-        [*MINI, "--reward-checkpoint", "{tmp}/classifier"],
+        [*MINI, "--reward", "digit", "--reward-checkpoint", "{tmp}/classifier"],
         r"classifier/model.safetensors is (truncated|damaged).*python miniature.py "
         "--family classifier",
+    ),
+    (
+        "preference-scorer-truncated",
+        reward_model_copy("preference", lambda folder: truncate(folder / "model.safetensors")),
+        NONE,
+        [*MINI, "--reward-checkpoint", "{tmp}/preference"],
+        r"preference/model.safetensors is (truncated|damaged).*python miniature.py "
+        "--family preference",
     ),
     (
         "policy-truncated-evaluate",
@@ -452,8 +462,8 @@ CASES = [
         write("long.txt", LONG),
         NONE,
         [*MINI, "--prompts", "{tmp}/long.txt"],
-        r"1 prompt\(s\) are longer than the text encoders' window.*the digit reward scores the "
-        "words that are cut",
+        r"1 prompt\(s\) are longer than the text encoders' window.*the preference reward scores "
+        "the words that are cut",
     ),
     # 10. another run in the default folder of another command: its own folder instead
     (

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import miniature
-from realism import FeatureSpace, Realism, frechet_distance, knn_radii, precision_recall
+from realism import FeatureSpace, frechet_distance, knn_radii, precision_recall
 
 # four points, mean 0, unbiased covariance diag(2/3, 8/3)
 CROSS = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 2.0], [0.0, -2.0]], dtype=torch.float64)
@@ -58,7 +58,7 @@ def test_real_digits_are_more_realistic_than_blurred_or_averaged_ones():
     by their class means (the failure modes of few-step samples): a Frechet distance under half
     theirs and a higher recall; blur also lowers precision, while class means, central to the real
     digits, keep all of it (precision sees realism, recall the missing variety)."""
-    realism = Realism()
+    realism = miniature.realism_measure()
     real, labels = miniature.digit_splits()["preference"]
     real, labels = real[:256], labels[:256]
     blurred = miniature.blurred(real, torch.full((len(real),), 1.2, dtype=real.dtype))
