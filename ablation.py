@@ -345,6 +345,37 @@ def equivalent_steps(default_means, value):
     return f"> {max(default_means)}"
 
 
+TRAINING_STEPS = 3  # the miniatures' default L (train.py's MINIATURE)
+GAIN_FRECHET, GAIN_PRECISION = 1.05, 0.05  # a gain counts if realism stays within these
+
+
+def default_flags(name, args):
+    """What `python train.py --backbone NAME --seed S` (the default flags) reports on its own
+    held-out contexts (eval.json): the paired gain over the default with its 95% interval, and
+    whether its samples stay as realistic (Frechet distance at most 5% higher, precision at most
+    0.05 lower)."""
+    lines = []
+    for seed in args.seeds:
+        with open(
+            os.path.join(run_dir(name, "instance", seed, args, TRAINING_STEPS), "eval.json")
+        ) as file:
+            report = json.load(file)
+        learned = {row["method"]: row for row in report["rows"]}["learned (mean)"]
+        before, after = report["realism"]["default"], report["realism"]["learned (mean)"]
+        kept = (
+            after["frechet"] <= GAIN_FRECHET * before["frechet"]
+            and after["precision"] >= before["precision"] - GAIN_PRECISION
+        )
+        lines.append(
+            f"- `python train.py --backbone {name} --seed {seed}` (default flags, L = "
+            f"{report['steps']}): gain {learned['diff_mean']:+.3f} ± {learned['diff_ci95']:.3f} "
+            f"(paired 95%); Frechet {before['frechet']:.3f} -> {after['frechet']:.3f}, precision "
+            f"{before['precision']:.3f} -> {after['precision']:.3f}, recall {before['recall']:.3f}"
+            f" -> {after['recall']:.3f}: realism {'kept' if kept else 'LOST'}"
+        )
+    return lines
+
+
 def miniature_evidence(args):
     """For each miniature and L in --mini-steps, on the same held-out contexts: the default, the
     best time shift (chosen on other contexts), the learned global and instance-level schedules
@@ -467,6 +498,7 @@ def miniature_evidence(args):
                     f"{cell('teacher', 4, -1)} | {equivalent_steps(default_reward, reward)} | "
                     f"{equivalent_steps(minus_frechet, -frechet)} | {seconds} |"
                 )
+        lines += ["", *default_flags(name, args)] if TRAINING_STEPS in args.mini_steps else []
         lines += [
             "",
             "default schedule by step count, preference reward: "
