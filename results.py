@@ -24,7 +24,7 @@ HEADER = [
 
 
 def commit():
-    """The checked-out commit, marked when the working tree differs from it."""
+    """The checked-out commit, marked when the code in the working tree differs from it."""
 
     def git(*args):
         return subprocess.run(
@@ -32,7 +32,8 @@ def commit():
         ).stdout.strip()
 
     head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    # the evidence the commands write themselves does not count as a change to the code
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs")
     return head + (" with uncommitted changes" if dirty else "")
 
 
