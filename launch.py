@@ -339,9 +339,22 @@ def setup(config):
             f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts "
             f"= {config.contexts * config.rollouts} samples per update | {world_size} rank(s), "
             f"{config.contexts // world_size} contexts each | baseline {config.baseline} | reward "
-            f"{config.reward}"
+            f"{config.reward}\n{optimizer_line(config)}"
         )
     return run
+
+
+def optimizer_line(config):
+    """The update's settings in one line (with --optimizer ppo, TPDM's by default)."""
+    ppo = f"PPO {config.ppo_epochs} epochs x {config.ppo_minibatches} minibatches, clip "
+    update = ppo + f"{config.ppo_clip:g}" if config.optimizer == "ppo" else "REINFORCE"
+    start = f" | start {config.init}"
+    if config.policy == "stepwise":
+        start += f", inputs {config.policy_inputs}, the Beta {config.inference} at inference"
+    return (
+        f"{update} | AdamW(0.9, {config.adam_beta2:g}), eps {config.adam_eps:g}, weight decay "
+        f"{config.weight_decay:g}, lr {config.lr:g} {config.lr_decay}{start}"
+    )
 
 
 def make_optimizer(config, parameters):

@@ -136,11 +136,11 @@ class StepwisePolicy(SchedulePolicy):
             self.head[-1].bias.zero_()
         self.rate_logits = nn.Parameter(torch.empty(steps, 2))  # (L, 2): a_l, b_l at the start
         if init == "tpdm":
-            start = torch.tensor(TPDM_LOGITS).expand(steps, 2)
+            rates = torch.tensor(TPDM_LOGITS).expand(steps, 2)
         else:
-            start = initial_rates(steps, init, init_times, concentration, stop_margin)
+            rates = initial_rates(steps, init, init_times, concentration, stop_margin)
         with torch.no_grad():  # copied: on any default device (bench.py builds it on "meta")
-            self.rate_logits.copy_(start)
+            self.rate_logits.copy_(rates)
 
     def forward(self, latent, text, text_mask, pooled, time, step, embedding=None):
         # latent (N, 2C, H, W) or the hidden states (N, 2D, h, w); time (N,) t_l; step: an int or
