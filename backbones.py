@@ -218,7 +218,8 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
     """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
 
     Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
-    `options` (concentration, stop_margin, or any width) override the preset.
+    `options` (concentration, stop_margin, any width; for the step-wise policy init="tpdm",
+    inputs="hidden", inference) override the preset.
     """
     start = dict(init="uniform")
     if init_times is not None:
@@ -229,8 +230,15 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
             text_dim=backbone_dims["text_dim"],
             pooled_dim=backbone_dims.get("pooled_dim"),
         )
+        if options.get("inputs") == "hidden":  # the denoiser's hidden states (rollout.py)
+            if "feature_channels" not in backbone_dims:
+                raise ValueError("this backbone has no hidden states a policy could read")
+            dims.update(
+                feature_channels=backbone_dims["feature_channels"],
+                time_dim=backbone_dims["time_dim"],
+            )
         options = {**PRESETS[preset], **options, **dims}
-    return POLICIES[kind](steps, **start, **options)
+    return POLICIES[kind](steps, **{**start, **options})
 
 
 POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}

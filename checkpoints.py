@@ -136,8 +136,15 @@ def load_checkpoint(source, backbone=None, steps=None):
         checkpoint = read_checkpoint(source)
         training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
         arguments = dict(backbone=training["backbone"], training_config=training)
-        policy = backbones.build_policy(dict(checkpoint["policy_config"], **arguments))
-        policy.load_state_dict(checkpoint["policy"])
+        try:  # a policy saved by another version of its class is refused in one line
+            policy = backbones.build_policy(dict(checkpoint["policy_config"], **arguments))
+            policy.load_state_dict(checkpoint["policy"])
+        except (TypeError, RuntimeError, ValueError) as error:
+            kind = checkpoint["policy_config"].get("kind", "instance")
+            raise ValueError(
+                f"{source} holds a {kind} policy this version cannot load "
+                f"({str(error).splitlines()[0][:120]}); train it again"
+            ) from None
     # a folder, or a hub id user/name
     elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
         names = ("config.json", "model.safetensors")

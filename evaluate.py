@@ -74,7 +74,8 @@ from prompts import context_noise, heldout_contexts, load_hpdv2, load_prompt_fil
 # methods: callables (noise, cond) -> times (N, L+1)
 def policy_schedule(policy, backbone, mode="mean", generator=None):
     """A trained policy's schedule: the Dirichlet mean ("mean", deterministic) or one draw; for a
-    step-wise policy the Beta mean or a draw at each step, returned with the latents it sampled."""
+    step-wise policy its deterministic rate at each step (the Beta mode or mean, policy.inference)
+    or a draw, returned with the latents it sampled."""
 
     if policy.config["kind"] == "stepwise":  # it picks its times while sampling
         draws = generator if mode != "mean" else None

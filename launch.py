@@ -115,7 +115,9 @@ def check_config(config, world_size):
             }.get(key, "")
             _fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
     # True: must be > 0, False: >= 0
-    strict = dict(lr=True, grad_clip=True, ppo_clip=True, weight_decay=False, guidance=False)
+    strict = dict(
+        lr=True, grad_clip=True, ppo_clip=True, adam_eps=True, weight_decay=False, guidance=False
+    )
     for key, positive in strict.items():
         value = getattr(config, key)
         if value is not None and not (
@@ -123,6 +125,8 @@ def check_config(config, world_size):
         ):
             bound = "> 0" if positive else ">= 0"
             _fail(f"--{key.replace('_', '-')} must be a finite number {bound} (got {value})")
+    if config.adam_beta2 is not None and not 0 <= config.adam_beta2 < 1:
+        _fail(f"--adam-beta2 must be in [0, 1) (got {config.adam_beta2})")
     if not 0 <= config.seed < MAX_SEED:
         _fail(f"--seed must be an integer from 0 to {MAX_SEED - 1:,} (got {config.seed})")
     if config.device == "cuda" and not torch.cuda.is_available():
@@ -131,6 +135,16 @@ def check_config(config, world_size):
             "--device to run on the CPU"
         )
     spec = BACKBONES[config.backbone]
+    stepwise_only = dict(init="tpdm", policy_inputs="hidden", inference="mode")
+    for key, value in stepwise_only.items():
+        if config.policy != "stepwise" and getattr(config, key) == value:
+            flag = "--" + key.replace("_", "-")
+            _fail(f"{flag} {value} is the step-wise policy's, not the {config.policy} policy's")
+    if config.policy_inputs == "hidden" and spec["family"] == "mixture":
+        _fail(
+            f"--policy-inputs hidden reads a denoiser's hidden states; {config.backbone} is an "
+            "exact mixture with none: use --policy-inputs sampler"
+        )
     config.threads = config.threads or spec["threads"]
     if config.threads and config.threads > (os.cpu_count() or 1):
         print(
@@ -294,6 +308,9 @@ def setup(config):
         )
 
     init_times = run.backbone.default_times(config.steps) if config.init == "default" else None
+    options = dict(init="tpdm") if config.init == "tpdm" else {}
+    if config.policy == "stepwise":
+        options.update(inputs=config.policy_inputs, inference=config.inference)
     run.raw_policy = make_policy(
         config.policy,
         run.backbone.policy_dims,
@@ -301,10 +318,9 @@ def setup(config):
         preset=BACKBONES[config.backbone]["policy"],
         init_times=init_times,
         backbone=config.backbone,
+        **options,
     ).to(device)
-    run.optimizer = torch.optim.AdamW(
-        run.raw_policy.parameters(), lr=config.lr, weight_decay=config.weight_decay
-    )
+    run.optimizer = make_optimizer(config, run.raw_policy.parameters())
     run.start, run.rows = 0, []  # the rows of metrics.jsonl, which every checkpoint carries
     if checkpoint:
         with written():
@@ -323,9 +339,34 @@ def setup(config):
             f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts "
             f"= {config.contexts * config.rollouts} samples per update | {world_size} rank(s), "
             f"{config.contexts // world_size} contexts each | baseline {config.baseline} | reward "
-            f"{config.reward}"
+            f"{config.reward}\n{optimizer_line(config)}"
         )
     return run
+
+
+def optimizer_line(config):
+    """The update's settings in one line (with --optimizer ppo, TPDM's by default)."""
+    ppo = f"PPO {config.ppo_epochs} epochs x {config.ppo_minibatches} minibatches, clip "
+    update = ppo + f"{config.ppo_clip:g}" if config.optimizer == "ppo" else "REINFORCE"
+    start = f" | start {config.init}"
+    if config.policy == "stepwise":
+        start += f", inputs {config.policy_inputs}, the Beta {config.inference} at inference"
+    return (
+        f"{update} | AdamW(0.9, {config.adam_beta2:g}), eps {config.adam_eps:g}, weight decay "
+        f"{config.weight_decay:g}, lr {config.lr:g} {config.lr_decay}{start}"
+    )
+
+
+def make_optimizer(config, parameters):
+    """AdamW with beta1 0.9 and the configuration's beta2, epsilon and weight decay (with
+    --optimizer ppo: TPDM's Adam(0.9, 0.99), eps 1e-5, no weight decay; train.OPTIMIZERS)."""
+    return torch.optim.AdamW(
+        parameters,
+        lr=config.lr,
+        betas=(0.9, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
 
 
 def heldout_curve(backbone, reward, prompts, seeds, steps):

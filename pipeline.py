@@ -206,10 +206,12 @@ def generate(
                 f"this policy was trained on {policy.backbone} ({family}), "
                 f"not for a {type(pipe).__name__}"
             )
-        dims = {key: policy.config.get(key) for key in backbone.policy_dims}
-        if policy.config["kind"] == "instance" and dims != backbone.policy_dims:
+        keys = ("latent_channels", "text_dim", "pooled_dim")  # what an instance policy reads
+        dims = {key: policy.config.get(key) for key in keys}
+        wanted = {key: backbone.policy_dims[key] for key in keys}
+        if policy.config["kind"] == "instance" and dims != wanted:
             raise ValueError(
-                f"this policy was built for {dims}, the pipeline has {backbone.policy_dims}: "
+                f"this policy was built for {dims}, the pipeline has {wanted}: "
                 "train one for this model"
             )
         text = {key: pipe_kwargs.pop(key) for key in TEXT + EMBEDS if key in pipe_kwargs}

@@ -19,7 +19,9 @@ pipeline's own latents (tests/test_rollout_diffusers.py).
     images = backbone.decode(latents)                   # (N, 3, H, W) in [0, 1]
 """
 
+import contextlib
 import inspect
+import math
 
 import torch
 
@@ -41,6 +43,8 @@ class Backbone:
       sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
       as_image(latents) -> latents in the (N, C, H, W) layout the policy reads
+      hidden_states() (the diffusers families): a context of forward hooks on the denoiser, yields
+          read() -> its hidden states at the last model call, what a step-wise policy may read
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
       sample(noise, cond, times, decide=None) -> final latents; times (N, L+1), each row run
           exactly (decide: a step-wise policy choosing the times on the way, run_schedule)
@@ -142,8 +146,41 @@ DECODE_CHUNK = 4  # images per VAE decode call (a 1024^2 decode is memory-hungry
 
 class PipelineBackbone(Backbone):
     """What the three diffusers families share: the frozen pipeline, its model's device and dtype,
-    the guidance (the pipeline's own default unless given), the resolution (the model's native one)
-    and the chunked VAE decode; `vae_input(latents)` is each family's latent -> VAE input."""
+    the guidance (the pipeline's own default unless given), the resolution (the model's native one),
+    the chunked VAE decode and the hidden-state hooks; `vae_input(latents)` is each family's
+    latent -> VAE input, `hidden_layers` its denoiser's (first, last, time embedding) modules."""
+
+    cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
+
+    @contextlib.contextmanager
+    def hidden_states(self):
+        """Forward hooks on the denoiser's `hidden_layers` while the block runs; yields read() ->
+        (features (N, 2D, h, w), embedding (N, E)) float32 of the last model call: the image
+        features as they enter the first block and as they leave the last normalisation, on the
+        token grid, side by side, and the timestep embedding. TPDM's time predictor reads these
+        (its src/models/stable_diffusion_3/transformer_sd3.py returns them; modeling_sd3_pnt.py
+        combines them with the CFG formula of the prediction, as here)."""
+        captured = {}
+
+        def keep(name):
+            return lambda module, inputs, output: captured.__setitem__(name, output)
+
+        handles = [
+            self.model.get_submodule(name).register_forward_hook(keep(name))
+            for name in self.hidden_layers
+        ]
+
+        def read():
+            first, last, time = (captured[name].float() for name in self.hidden_layers)
+            if self.cfg:
+                first, last, time = (_guided(value, self.guidance) for value in (first, last, time))
+            return torch.cat([_token_grid(first), _token_grid(last)], dim=1), time
+
+        try:
+            yield read
+        finally:
+            for handle in handles:
+                handle.remove()
 
     def __init__(self, pipe, model, name, resolution, guidance, multiple):
         for component in pipe.components.values():
@@ -165,6 +202,15 @@ class PipelineBackbone(Backbone):
             pixels = self.pipe.vae.decode(vae_input, return_dict=False)[0]
             images.append((pixels.float() / 2 + 0.5).clamp(0, 1))  # VaeImageProcessor.denormalize
         return torch.cat(images)
+
+
+def _token_grid(features):
+    """Tokens (N, h * w, D) of a square image -> (N, D, h, w); a UNet's maps (N, D, h, w) as they
+    are."""
+    if features.dim() == 4:
+        return features
+    side = math.isqrt(features.shape[1])
+    return features.transpose(1, 2).reshape(len(features), -1, side, side)
 
 
 def _call_default(pipe, argument):
@@ -212,10 +258,15 @@ class SD3Backbone(PipelineBackbone):
         self.text_length = _text_length(pipe, pipe.tokenizer_3)
         config = self.model.config
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        # TPDM's layers: the patch embedding, the output norm, the time-and-pooled-text embedding
+        self.hidden_layers = ("pos_embed", "norm_out", "time_text_embed")
+        width = config.num_attention_heads * config.attention_head_dim
         self.policy_dims = dict(
             latent_channels=config.in_channels,
             text_dim=config.joint_attention_dim,
             pooled_dim=config.pooled_projection_dim,
+            feature_channels=2 * width,
+            time_dim=width,
         )
 
     @torch.no_grad()
@@ -287,10 +338,16 @@ class FluxBackbone(PipelineBackbone):
         self.latent_channels = config.in_channels // 4
         size = self.latent_size
         self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
+        # as SD3's: the token embedding (positions are rotary), the output norm, the embedding of
+        # time, guidance and pooled text
+        self.hidden_layers = ("x_embedder", "norm_out", "time_text_embed")
+        width = config.num_attention_heads * config.attention_head_dim
         self.policy_dims = dict(
             latent_channels=self.latent_channels,
             text_dim=config.joint_attention_dim,
             pooled_dim=config.pooled_projection_dim,
+            feature_channels=2 * width,
+            time_dim=width,
         )
 
     @torch.no_grad()
@@ -387,10 +444,15 @@ class SDXLBackbone(PipelineBackbone):
         self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigmas
         channels = self.model.config.in_channels
         self.latent_shape = (channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        # the UNet's counterparts of SD3's: its input convolution and output norm (both at the
+        # latent's resolution and the first block's width) and its timestep embedding
+        self.hidden_layers = ("conv_in", "conv_norm_out", "time_embedding")
         self.policy_dims = dict(
             latent_channels=channels,
             text_dim=self.model.config.cross_attention_dim,
             pooled_dim=pipe.text_encoder_2.config.projection_dim,
+            feature_channels=2 * self.model.config.block_out_channels[0],
+            time_dim=self.model.time_embedding.linear_2.out_features,
         )
 
     def sigma(self, times):

@@ -314,9 +314,8 @@ def main(argv=None):
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
     label = "learned (one Dirichlet draw)" if args.stochastic else "learned (Dirichlet mean)"
     if policy.config["kind"] == "stepwise":
-        label = (
-            "step-wise (one Beta draw per step)" if args.stochastic else "step-wise (Beta means)"
-        )
+        deterministic = f"step-wise (Beta {policy.inference}s)"  # TPDM's: the mode
+        label = "step-wise (one Beta draw per step)" if args.stochastic else deterministic
     print(f"backbone {config['backbone']}, L={policy.steps}, {len(contexts)} contexts, {label}")
     prompts, seeds = [prompt for prompt, _ in contexts], [seed for _, seed in contexts]
     policy = policy.to(backbone.device)

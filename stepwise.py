@@ -1,7 +1,8 @@
 """
-The paper's strongest comparator, TPDM ("Schedule On the Fly", Ye et al., CVPR 2025,
-arXiv 2412.01243): a step-wise policy that picks each next time from the sampler's state, trained
-with PPO.
+The comparator TPDM ("Schedule On the Fly", Ye et al., CVPR 2025, arXiv 2412.01243; the paper's
+"TPDM-style PPO" row): a step-wise policy that picks each next time from the sampler's state,
+trained with PPO. Its settings follow TPDM's public code (github.com/maple-research-lab/TPDM);
+train.OPTIMIZERS and README say which file each comes from and what differs.
 
 At step l, after the model call at t_l, the policy reads what the sampler has there and draws the
 decay rate of the next time from a Beta:
@@ -13,15 +14,24 @@ policy (policy.py) needs one. The last rate sets t_L > 0, the same learnable sto
 Dirichlet policy's. The log-probability of a schedule is the sum of the L Beta log-densities, each
 given the state the rate was drawn in; PPO and the REINFORCE update of train.py both use it.
 
-What it reads (rollout.run_schedule's `decide`): the state at unit scale and the model's prediction
-of the clean sample (2 C channels), the time t_l and the step index, and the prompt, through the
-same network as the instance-level policy (policy.SchedulePolicy.encode; time and step join the
-pooled prompt embedding that modulates the noise tokens). TPDM's own module reads the transformer's
-inner features and its time embedding; the prediction is what every family here exposes alike.
+What it reads (rollout.run_schedule's `decide`), through the same network as the instance-level
+policy (policy.SchedulePolicy.encode; the time t_l and the step index join the pooled prompt
+embedding that modulates the feature tokens, and the tokens cross-attend to the prompt), one of:
+- inputs="hidden", TPDM's (its src/models/stable_diffusion_3/modeling_sd3_pnt.py): the denoiser's
+  own hidden states, read by forward hooks (rollout.PipelineBackbone.hidden_states): the image
+  features entering its first block and leaving its last normalisation, as a (2 D, h, w) map, and
+  its timestep embedding, which joins the pooled embedding; CFG-combined as the prediction is.
+- inputs="sampler": the state at unit scale and the model's prediction of the clean sample
+  (2 C channels), what every backbone exposes alike (the embedded mixtures have no hidden states).
 
-Initialisation, as the Dirichlet policy's: the Beta means give that policy's initial mean schedule,
-with sum(alpha, beta) = concentration (raised where a rate is within 2 / concentration of 0 or 1, so
-that alpha and beta are both at least 2, as 1 + exp(.) needs them above 1).
+Initialisation: init="tpdm" sets every step's logits to TPDM's head bias (a, b) = (2.5, 1.0)
+(scripts/launch_sd3_train.sh --init_alpha 2.5 --init_beta 1.0): Beta(13.2, 3.7), mean rate 0.78,
+mode 0.82. Otherwise as the Dirichlet policy's: the Beta means give that policy's initial mean
+schedule, with sum(alpha, beta) = concentration (raised where a rate is within 2 / concentration of
+0 or 1, so that alpha and beta are both at least 2, as 1 + exp(.) needs them above 1).
+
+At inference (no draws) the rate is the Beta's mode (alpha - 1) / (alpha + beta - 2) for
+inference="mode", TPDM's (modeling_sd3_pnt.py, `predict`), or its mean for inference="mean".
 """
 
 import math
@@ -41,6 +51,7 @@ from policy import (
 )
 
 FREQUENCIES = 8  # sin and cos of 2^k pi t, k < 8: the time's features
+TPDM_LOGITS = (2.5, 1.0)  # TPDM's head bias (a, b): alpha = 1 + e^2.5, beta = 1 + e^1
 
 
 def time_features(time, step, steps):
@@ -62,10 +73,17 @@ def initial_rates(steps, init, init_times, concentration, stop_margin):
     return torch.stack([alpha - 1, beta - 1], dim=-1).log()
 
 
+def mode_increments(parameters):
+    """Beta parameters (N, 2) -> its mode as the pair (r, 1 - r) (N, 2), floored like
+    policy.mean_increments: (alpha - 1) / (alpha + beta - 2), both above 1 here."""
+    return mean_increments(parameters - 1.0)
+
+
 class StepwisePolicy(SchedulePolicy):
-    """(sampler state, t_l, step l, prompt) -> Beta parameters (alpha_l, beta_l) (N, 2), float32.
-    The constructor takes the instance-level policy's arguments; latent_channels is the backbone's
-    C (the policy reads 2 C: the state and the prediction)."""
+    """(denoiser features, t_l, step l, prompt) -> Beta parameters (alpha_l, beta_l) (N, 2),
+    float32. The constructor takes the instance-level policy's arguments; latent_channels is the
+    backbone's C (inputs="sampler" reads 2 C: the state and the prediction); feature_channels and
+    time_dim, the hidden states' channels and the timestep embedding's width (inputs="hidden")."""
 
     def __init__(
         self,
@@ -83,17 +101,32 @@ class StepwisePolicy(SchedulePolicy):
         init_times=None,
         concentration=100.0,
         stop_margin=5e-3,
+        inputs="sampler",
+        feature_channels=None,
+        time_dim=None,
+        inference="mean",
         backbone=None,
         training_config=None,
     ):
+        if inputs not in ("sampler", "hidden") or inference not in ("mean", "mode"):
+            wanted = "inputs sampler | hidden, inference mean | mode"
+            raise ValueError(f"{wanted}, got {inputs}, {inference}")
+        if inputs == "hidden" and not (feature_channels and time_dim):
+            raise ValueError('inputs="hidden" needs feature_channels and time_dim')
         extra = 2 * FREQUENCIES + steps  # time and step join the pooled prompt embedding
         sizes = dict(widths=widths, dim=dim, heads=heads, depth=depth, grid=grid)
-        start = dict(init=init, init_times=init_times, concentration=concentration)
+        dirichlet = "uniform" if init == "tpdm" else init  # the head below replaces its start
+        start = dict(init=dirichlet, init_times=init_times, concentration=concentration)
         saved = dict(backbone=backbone, training_config=training_config)
         channels, pooled = 2 * latent_channels, (pooled_dim or 0) + extra
+        if inputs == "hidden":
+            channels, pooled = feature_channels, pooled + time_dim
         super().__init__(steps, channels, text_dim, pooled, **sizes, head_hidden=head_hidden,
                          **start, stop_margin=stop_margin, **saved)  # fmt: skip
         self.config.update(kind="stepwise", latent_channels=latent_channels, pooled_dim=pooled_dim)
+        self.config.update(init=init, inputs=inputs, inference=inference)
+        self.config.update(feature_channels=feature_channels, time_dim=time_dim)
+        self.inputs, self.inference = inputs, inference
         self.head[-1] = nn.Linear(head_hidden, 2)
         with torch.no_grad():
             # near the initial rates for all inputs: these logits act on log(alpha - 1), so a tenth
@@ -102,16 +135,23 @@ class StepwisePolicy(SchedulePolicy):
             self.head[-1].weight.normal_(0.0, 0.001)
             self.head[-1].bias.zero_()
         self.rate_logits = nn.Parameter(torch.empty(steps, 2))  # (L, 2): a_l, b_l at the start
+        if init == "tpdm":
+            rates = torch.tensor(TPDM_LOGITS).expand(steps, 2)
+        else:
+            rates = initial_rates(steps, init, init_times, concentration, stop_margin)
         with torch.no_grad():  # copied: on any default device (bench.py builds it on "meta")
-            self.rate_logits.copy_(
-                initial_rates(steps, init, init_times, concentration, stop_margin)
-            )
+            self.rate_logits.copy_(rates)
 
-    def forward(self, latent, text, text_mask, pooled, time, step):
-        # latent (N, 2C, H, W); time (N,) t_l; step: an int or (N,) step indices
+    def forward(self, latent, text, text_mask, pooled, time, step, embedding=None):
+        # latent (N, 2C, H, W) or the hidden states (N, 2D, h, w); time (N,) t_l; step: an int or
+        # (N,) step indices; embedding (N, E): the denoiser's timestep embedding (inputs="hidden")
         step = torch.as_tensor(step, device=latent.device).expand(len(latent))
-        extra = time_features(time.to(latent.device), step, self.steps)
-        pooled = extra if pooled is None else torch.cat([pooled.float(), extra], dim=-1)
+        extra = [time_features(time.to(latent.device), step, self.steps)]
+        if embedding is not None:
+            extra.insert(0, embedding.float())
+        if pooled is not None:
+            extra.insert(0, pooled.float())
+        pooled = torch.cat(extra, dim=-1)
         logits = self.head(self.encode(latent, text, text_mask, pooled)) + self.rate_logits[step]
         return 1.0 + logits.clamp(max=30.0).exp()  # (N, 2) alpha, beta; exp(30) keeps it finite
 
@@ -131,24 +171,47 @@ def start_times(count, steps):
 
 class Stepper:
     """run_schedule's `decide` for a step-wise policy: at each step, the Beta parameters for these
-    samples, a rate r_l (the Beta mean, or one draw per sample), and a record of everything the
-    update recomputes (`record()`). draws: None (the mean), a generator (one draw per sample from
-    it), or one generator per sample (train.py: a sample's draws do not depend on the batch)."""
+    samples, a rate r_l (the policy's deterministic one, its mode or mean, or one draw per sample),
+    and a record of everything the update recomputes (`record()`). draws: None (deterministic), a
+    generator (one draw per sample from it), or one generator per sample (train.py: a sample's
+    draws do not depend on the batch). Sample inside `with stepper:`, which holds the forward hooks
+    that read the denoiser's hidden states for a policy with inputs="hidden"."""
 
     def __init__(self, policy, backbone, cond, draws=None):
         self.policy, self.backbone, self.cond, self.draws = policy, backbone, cond, draws
-        self.steps = {key: [] for key in ("latent", "time", "parameters", "pair", "next")}
-        self.prompt = None
+        self.hidden = policy.inputs == "hidden"
+        keys = ("latent", "embedding") if self.hidden else ("latent",)
+        self.steps = {key: [] for key in (*keys, "time", "parameters", "pair", "next")}
+        self.prompt, self.hooks, self.read = None, None, None
+
+    def __enter__(self):
+        if self.hidden:
+            self.hooks = self.backbone.hidden_states()
+            self.read = self.hooks.__enter__()  # () -> the last model call's hidden states
+        return self
+
+    def __exit__(self, *error):
+        if self.hooks is not None:
+            self.hooks.__exit__(*error)
+            self.hooks, self.read = None, None
 
     def __call__(self, step, t, state, estimate):
         if self.prompt is None:  # the prompt's inputs: the same at every step
             self.prompt = self.backbone.policy_inputs(state, self.cond)
             del self.prompt["latent"]
-        image = self.backbone.as_image  # Flux: its packed tokens as an image
-        latent = torch.cat([image(state), image(estimate)], dim=1).float()  # (N, 2C, H, W)
-        parameters = self.policy(latent=latent, **self.prompt, time=t, step=step)  # (N, 2)
+        if self.hidden:
+            if self.read is None:
+                raise RuntimeError("a policy reading hidden states samples in `with stepper:`")
+            # kept in the backbone's dtype (memory), and read so both at rollout and update
+            latent, embedding = (value.to(self.backbone.dtype) for value in self.read())
+            inputs = dict(latent=latent, embedding=embedding)
+        else:
+            image = self.backbone.as_image  # Flux: its packed tokens as an image
+            inputs = dict(latent=torch.cat([image(state), image(estimate)], dim=1).float())
+        parameters = self.policy(**inputs, **self.prompt, time=t, step=step)  # (N, 2)
         if self.draws is None:
-            pair = mean_increments(parameters)
+            deterministic = mode_increments if self.policy.inference == "mode" else mean_increments
+            pair = deterministic(parameters)
         elif isinstance(self.draws, torch.Generator):
             pair = sample_increments(parameters, 1, self.draws)[:, 0]
         else:
@@ -159,7 +222,7 @@ class Stepper:
                 ]
             )
         chosen = (t.float() * pair[:, 0]).to(t.dtype)  # t_{l+1} = r_l t_l
-        for key, value in zip(self.steps, (latent, t, parameters, pair, chosen)):
+        for key, value in zip(self.steps, (*inputs.values(), t, parameters, pair, chosen)):
             self.steps[key].append(value)
         return chosen
 
@@ -168,9 +231,10 @@ class Stepper:
         return torch.stack([self.steps["time"][0], *self.steps["next"]], dim=1)
 
     def record(self):
-        """What trajectory_log_prob needs, per sample: latent (N, L, 2C, H, W), time (N, L),
-        pair (N, L, 2), the prompt inputs; and times (N, L+1), parameters (N, L, 2) and the
-        log-probability of the schedule when drawn (N,)."""
+        """What trajectory_log_prob needs, per sample: latent (N, L, 2C, H, W) or the hidden
+        states (N, L, 2D, h, w) with the timestep embedding (N, L, E), time (N, L), pair (N, L, 2),
+        the prompt inputs; and times (N, L+1), parameters (N, L, 2) and the log-probability of the
+        schedule when drawn (N,)."""
         stacked = {key: torch.stack(value, dim=1) for key, value in self.steps.items()}
         stacked.pop("next")
         logp = beta_log_prob(stacked["parameters"].flatten(0, 1), stacked["pair"].flatten(0, 1))
@@ -180,10 +244,11 @@ class Stepper:
 
 @torch.no_grad()
 def sample(policy, backbone, noise, cond, draws=None):
-    """(times (N, L+1), latents) of these contexts sampled with a step-wise policy: the Beta mean
-    at each step, or draws (a generator, or one per sample) as Stepper takes them."""
-    stepper = Stepper(policy, backbone, cond, draws)
-    latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
+    """(times (N, L+1), latents) of these contexts sampled with a step-wise policy: its
+    deterministic rate at each step (the Beta mode or mean), or draws (a generator, or one per
+    sample) as Stepper takes them."""
+    with Stepper(policy, backbone, cond, draws) as stepper:
+        latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
     return stepper.times(), latents
 
 
@@ -202,8 +267,10 @@ def trajectory_log_prob(policy, record, index=slice(None)):
     def per_step(value):  # the inputs of a sample, repeated for each of its steps
         return None if value is None else value.repeat_interleave(steps, 0)
 
+    embedding = picked.get("embedding")  # the denoiser's timestep embedding (inputs="hidden")
     parameters = policy(
         latent=picked["latent"].flatten(0, 1),
+        embedding=None if embedding is None else embedding.flatten(0, 1),
         text=per_step(picked["text"]),
         text_mask=per_step(picked["text_mask"]),
         pooled=per_step(picked.get("pooled")),
@@ -229,7 +296,7 @@ def ppo_update(config, log_probs, logp_old, advantages, descend, shuffle):
     """PPO's update on one batch of rollouts: config.ppo_epochs passes, each over a fresh shuffle
     (generator `shuffle`) cut into config.ppo_minibatches, one clipped step each.
     log_probs(index) -> log pi of those samples with gradients; logp_old, advantages (N,), the
-    policy's log-probabilities when it drew them and the (normalised) advantages;
+    policy's log-probabilities when it drew them and the advantages;
     descend(loss) takes one optimiser step. Returns the last loss, gradient norm and the fraction of
     clipped ratios over the last pass."""
     for _ in range(config.ppo_epochs):

@@ -15,13 +15,15 @@ x_T); the policy maps each to the concentration alpha of a Dirichlet over the L+
 schedule; K schedules tau ~ Dir(alpha) are drawn per context and each is sampled with the frozen
 backbone (L model calls) and scored; then one REINFORCE step with a baseline b:
     loss = -mean_{c,i} (r[c,i] - b[c,i]) * log pi(tau[c,i] | x_T, c)
-The paper's comparator TPDM (stepwise.py) trains in the same loop: `--policy stepwise` picks each
-next time inside the sampling loop from the sampler's state, `--optimizer ppo` takes clipped PPO
-steps instead of the one REINFORCE step. A run folder is never overwritten: running the same
+The comparator TPDM (Ye et al., CVPR 2025; stepwise.py) trains in the same loop: `--policy
+stepwise` picks each next time inside the sampling loop from the sampler's state, `--optimizer ppo`
+takes clipped PPO steps instead of the one REINFORCE step, with the settings of TPDM's own code
+(OPTIMIZERS below). A run folder is never overwritten: running the same
 command again continues a killed run from its last checkpoint, or reports a finished one.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import math
@@ -53,24 +55,28 @@ class Config:
     # policy
     policy: str = arg("instance", "instance (noise and prompt) | global | stepwise (TPDM)")
     steps: int | None = arg(None, "L, model calls per sample; one policy per L")
-    init: str = arg("default", "default (start at the backbone's schedule) | uniform")
+    init: str | None = arg(None, "default (the backbone's) | uniform | tpdm; None: ppo tpdm")
+    policy_inputs: str | None = arg(None, "stepwise: sampler | hidden (hooks); None: ppo hidden")
+    inference: str | None = arg(None, "stepwise: the Beta's mean | mode at evaluation; ppo mode")
     # reward
     reward: str | None = arg(None, "a name in rewards.REWARDS")
     reward_checkpoint: str | None = arg(None, "local reward-model weights (offline machines)")
     # baseline
-    baseline: str = arg("js", "js | js-unbiased | rloo | xctx (baselines.py)")
+    baseline: str | None = arg(None, "js | js-unbiased | rloo | xctx (baselines.py); ppo rloo")
     contexts: int | None = arg(None, "B, contexts (prompt + noise) per update, over all ranks")
     rollouts: int | None = arg(None, "K, schedules drawn per context")
     rollout_batch: int | None = arg(None, "samples per backbone call (memory); None = all at once")
     # optim
     iterations: int | None = arg(None, "policy updates")
     lr: float | None = arg(None, "AdamW peak learning rate")
-    lr_decay: str = arg("cosine", "cosine (to 0 at the last iteration) | constant")
+    lr_decay: str | None = arg(None, "cosine (to 0 at the end) | constant; None: ppo constant")
     optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's, stepwise.py)")
     ppo_epochs: int = arg(4, "ppo: passes over each batch of rollouts")
-    ppo_minibatches: int = arg(4, "ppo: gradient steps per pass")
+    ppo_minibatches: int = arg(1, "ppo: gradient steps per pass")
     ppo_clip: float = arg(0.2, "ppo: the ratio's clip range epsilon")
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
+    weight_decay: float | None = arg(None, "AdamW weight decay; None: 1e-4, ppo 0")
+    adam_beta2: float | None = arg(None, "AdamW's beta2 (beta1 is 0.9); None: 0.999, ppo 0.99")
+    adam_eps: float | None = arg(None, "AdamW's epsilon; None: 1e-8, ppo 1e-5")
     grad_clip: float = arg(1.0, "gradient-norm clip")
     # evaluation
     eval_contexts: int = arg(256, "held-out contexts for the final table")
@@ -83,12 +89,20 @@ class Config:
 
 
 # The training defaults of each backbone (model facts such as the hub id, resolution and guidance
-# live with the backbones in backbones.py). The paper states K = 2 and B = 32 (SD-XL, SD3.5-M) or
-# 16 (SD3.5-L, Flux-Dev); the rest are this project's choices, and so are AdamW, its weight decay
-# and the clip above (the paper's text states no optimiser). steps: L; contexts: B; rollouts: K;
-# rollout_batch: samples per backbone call, for GPU memory.
+# live with the backbones in backbones.py). The paper states K = 2 and a "batch size" of 32 (SD-XL,
+# SD3.5-M) or 16 (SD3.5-L, Flux-Dev), not whether it counts contexts or samples; B = 32 / 16
+# contexts is this project's reading, and the rest are this project's choices. steps: L;
+# contexts: B; rollouts: K; rollout_batch: samples per backbone call, for GPU memory.
 HUB = dict(steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2")
-EMBEDDED = dict(steps=4, contexts=32, iterations=300, lr=3e-3, reward="teacher", rollout_batch=None)
+EMBEDDED = dict(
+    steps=4,
+    contexts=32,
+    iterations=300,
+    lr=3e-3,
+    reward="teacher",
+    rollout_batch=None,
+    policy_inputs="sampler",  # an exact mixture, not a network: it has no hidden states
+)
 MINIATURE = dict(
     steps=3,
     contexts=16,
@@ -112,14 +126,46 @@ TRAINING = {
     "mini-flux": MINIATURE,
     "mini-sdxl": MINIATURE,
 }
+# The defaults that follow --optimizer. reinforce: this project's choices (the paper states no
+# optimiser). ppo: TPDM's own code (github.com/maple-research-lab/TPDM; README names each file):
+# RLOO advantages over the K rollouts, not normalised (src/train/rloo_trainer.py); Adam(0.9, 0.99),
+# eps 1e-5, no weight decay, a constant rate (scripts/launch_sd3_train.sh; AdamW with weight decay
+# 0 is Adam); head bias (2.5, 1.0), the hidden states as inputs and the Beta's mode at inference
+# (src/models/stable_diffusion_3/modeling_sd3_pnt.py). init, policy_inputs and inference are the
+# step-wise policy's (the others take init "default").
+OPTIMIZERS = {
+    "reinforce": dict(
+        baseline="js",
+        init="default",
+        policy_inputs="sampler",
+        inference="mean",
+        weight_decay=1e-4,
+        lr_decay="cosine",
+        adam_beta2=0.999,
+        adam_eps=1e-8,
+    ),
+    "ppo": dict(
+        baseline="rloo",
+        init="tpdm",
+        policy_inputs="hidden",
+        inference="mode",
+        weight_decay=0.0,
+        lr_decay="constant",
+        adam_beta2=0.99,
+        adam_eps=1e-5,
+    ),
+}
 GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's lr it barely moves
-# --optimizer ppo takes ppo_epochs x ppo_minibatches (16) Adam steps per batch: at REINFORCE's lr
-# every ratio leaves the clip range in the first pass (digits-prompt, README: 3e-5 ~ 1e-4 > 3e-4)
+# --optimizer ppo takes ppo_epochs x ppo_minibatches Adam steps per batch. TPDM's lr (1e-6 for
+# SD3's 2-conv head) does not transfer to this network and budget; this factor is not tuned for
+# TPDM's settings: tune --lr on training contexts (README, "The comparator")
 PPO_LR_FACTOR = 1 / 30
 CHOICES = dict(
     backbone=list(TRAINING),
     policy=["instance", "global", "stepwise"],
-    init=["default", "uniform"],
+    init=["default", "uniform", "tpdm"],
+    policy_inputs=["sampler", "hidden"],
+    inference=["mean", "mode"],
     reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit", "preference"],
     baseline=["js", "js-unbiased", "rloo", "xctx"],
     lr_decay=["cosine", "constant"],
@@ -127,6 +173,12 @@ CHOICES = dict(
     dtype=["bfloat16", "float16", "float32"],
     device=["cpu", "cuda"],
 )
+
+
+def advantages_of(rewards, baseline):
+    """Rewards (B, K) -> advantages r - b (B, K) with the baseline named `baseline`, not
+    normalised (TPDM's rloo_trainer.py does not normalise either)."""
+    return rewards - BASELINES[baseline](rewards)
 
 
 def get_lr(config, iteration):
@@ -138,7 +190,9 @@ def get_lr(config, iteration):
 
 
 def descend(config, run, loss, lr):
-    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm."""
+    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm.
+    (TPDM's trainer also skips a step whose loss or gradient is not finite; here a NaN reward
+    stops the run, launch.check_finite.)"""
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_policy.parameters(), config.grad_clip)
@@ -175,6 +229,11 @@ def parse_config(argv=None):
                 config.lr *= GLOBAL_LR_FACTOR
             if key == "lr" and config.optimizer == "ppo":
                 config.lr *= PPO_LR_FACTOR
+    for key, default in OPTIMIZERS[config.optimizer].items():
+        if getattr(config, key) is None:  # TPDM's start, inputs, inference: the step-wise policy's
+            stepwise_only = key in ("init", "policy_inputs", "inference")
+            plain = config.policy != "stepwise" and stepwise_only
+            setattr(config, key, OPTIMIZERS["reinforce"][key] if plain else default)
     if config.out_dir is None:  # one folder per run: the same command finds its own run again
         ppo = "-ppo" if config.optimizer == "ppo" else ""
         name = f"{config.backbone}-L{config.steps}-{config.policy}{ppo}-s{config.seed}"
@@ -239,13 +298,13 @@ def main(config):
             rewards, records = [], []
             for part in torch.arange(len(prompts_k)).split(config.rollout_batch or len(prompts_k)):
                 cond_part = {key: value[part] for key, value in cond_k.items()}
-                part_draws = [draws[i] for i in part] if per_step else None
                 stepper = None  # single pass: the times are given
                 if per_step:
                     part_draws = [draws[i] for i in part]
                     stepper = stepwise.Stepper(run.raw_policy, backbone, cond_part, part_draws)
                 # L model calls
-                latents = backbone.sample(noise_k[part], cond_part, times[part], stepper)
+                with stepper or contextlib.nullcontext():  # the hidden-state hooks, if read
+                    latents = backbone.sample(noise_k[part], cond_part, times[part], stepper)
                 part_prompts = [prompts_k[i] for i in part]
                 rewards.append(reward(latents, part_prompts, noise_k[part], cond_part))
                 records.append(stepper.record() if per_step else None)
@@ -263,10 +322,7 @@ def main(config):
         # ---------------- baselines: pooled over the global batch ----------------
         all_rewards = launch.gather(run, rewards)  # (B, K): every rank's, in rank order
         launch.check_finite(config, run, iteration, all_rewards)
-        baseline = BASELINES[config.baseline](all_rewards)  # (B, K), detached
-        advantages = all_rewards - baseline
-        if config.optimizer == "ppo":  # normalised over the batch, as PPO implementations do
-            advantages = advantages / (advantages.std() + 1e-8)
+        advantages = advantages_of(all_rewards, config.baseline)  # (B, K), r - b, detached
         advantages = advantages[first : first + contexts_per_rank].flatten().to(run.device)
 
         # ---------------- policy gradient ----------------

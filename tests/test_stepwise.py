@@ -2,9 +2,12 @@
 PPO's clipped objective on a hand-computed case, and the loop with a step-wise policy against the
 loop fed the times it chose, on the embedded and the diffusers backbones."""
 
+import math
+
 import pytest
 import torch
 
+import stepwise
 from backbones import build_policy, from_pipeline, load_backbone, make_policy
 from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from checkpoints import load_policy, save_policy
@@ -188,3 +191,182 @@ def test_a_stepwise_policy_is_refused_by_the_stock_pipeline_in_one_line():
     ):
         with pytest.raises(ValueError, match="step-wise policy .* sample.py without --pipeline"):
             call()
+
+
+# the layers each family's hidden states come from (rollout.py's hidden_layers): TPDM's choice on
+# SD3 (its transformer_sd3.py), the same places in Flux, their counterparts in the SD-XL UNet
+HIDDEN_LAYERS = {
+    "sd3": ("pos_embed", "norm_out", "time_text_embed"),
+    "flux-dev": ("x_embedder", "norm_out", "time_text_embed"),
+    "sdxl": ("conv_in", "conv_norm_out", "time_embedding"),
+}
+
+
+@pytest.mark.parametrize("family", list(HIDDEN_LAYERS))
+def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
+    """inputs="hidden": what the policy is called with at the first step is the denoiser's own
+    first-layer tokens and last normalised features on the token grid, side by side, and its
+    timestep embedding, CFG-combined as the prediction; the hooks are gone after sampling."""
+    pipe = tiny_pipeline(family)
+    backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
+    steps = 3
+    policy = make_policy("stepwise", backbone.policy_dims, steps, init="tpdm", inputs="hidden")
+    noise, cond = contexts_of(backbone, ["a cat", "a red house on a hill"])
+    outputs = {name: [] for name in HIDDEN_LAYERS[family]}  # each model call's, in order
+    handles = [
+        backbone.model.get_submodule(name).register_forward_hook(
+            lambda module, args, output, name=name: outputs[name].append(output.float())
+        )
+        for name in outputs
+    ]
+    seen = []  # the policy's keyword arguments at each call
+    handles.append(
+        policy.register_forward_pre_hook(
+            lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True
+        )
+    )
+    try:
+        with torch.no_grad(), Stepper(policy, backbone, cond, torch.Generator()) as stepper:
+            latents = backbone.sample(noise, cond, start_times(2, steps), stepper)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(seen) == steps and all(len(values) == steps for values in outputs.values())
+    first, last, embedding = (values[0] for values in outputs.values())  # the first model call
+    if family != "flux-dev":  # true CFG: [uncond; cond], combined as the prediction is
+        guidance = TINY_GUIDANCE[family]
+        first, last, embedding = (
+            value[:2] + guidance * (value[2:] - value[:2]) for value in (first, last, embedding)
+        )
+
+    def grid(value):  # tokens (N, h w, D) -> (N, D, h, w); a UNet's maps are already so
+        if value.dim() == 4:
+            return value
+        side = int(value.shape[1] ** 0.5)
+        return value.transpose(1, 2).reshape(len(value), -1, side, side)
+
+    features = torch.cat([grid(first), grid(last)], dim=1)
+    assert features.shape[1] == backbone.policy_dims["feature_channels"]
+    torch.testing.assert_close(seen[0]["latent"].float(), features)
+    torch.testing.assert_close(seen[0]["embedding"].float(), embedding)
+    record = stepper.record()
+    torch.testing.assert_close(record["latent"][:, 0].float(), features)
+    # the update reads the same inputs: the recomputed log-probability equals the rollout's
+    torch.testing.assert_close(trajectory_log_prob(policy, record), record["logp"])
+    replay = backbone.sample(noise, cond, record["times"])  # no hooks left on the model
+    torch.testing.assert_close(replay, latents, rtol=1e-5, atol=1e-5)
+    assert all(
+        not backbone.model.get_submodule(name)._forward_hooks for name in HIDDEN_LAYERS[family]
+    )
+
+
+def test_tpdms_start_has_mean_rate_0_78_at_every_step(digits):
+    backbone, _ = digits
+    torch.manual_seed(0)
+    policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm")
+    noise, cond = contexts(backbone, 16, seed=5)
+    times, _ = stepwise.sample(policy, backbone, noise, cond)  # the Beta mean (inference)
+    alpha, beta = 1 + math.exp(2.5), 1 + math.exp(1.0)  # TPDM's head bias (2.5, 1.0)
+    mean = alpha / (alpha + beta)
+    assert mean == pytest.approx(0.78, abs=0.001)
+    # every step's rate near the mean for all contexts: the head's last layer has N(0, 1e-3)
+    # weights, which move the logits by about 0.01 (at most 1.8e-3 measured over 5 seeds)
+    rates = times[:, 1:] / times[:, :-1]
+    assert (rates - mean).abs().max() < 5e-3
+
+
+def test_the_beta_mode_at_inference_and_the_mean_for_the_projects_variant(digits):
+    backbone, _ = digits
+    noise, cond = contexts(backbone, 6, seed=6)
+    for inference in ("mode", "mean"):
+        policy = make_policy(
+            "stepwise", backbone.policy_dims, STEPS, init="tpdm", inference=inference
+        )
+        with torch.no_grad(), Stepper(policy, backbone, cond) as stepper:
+            backbone.sample(noise, cond, start_times(6, STEPS), stepper)
+        record = stepper.record()
+        alpha, beta = record["parameters"].double().unbind(-1)
+        distribution = torch.distributions.Beta(alpha, beta)
+        expected = distribution.mode if inference == "mode" else distribution.mean
+        torch.testing.assert_close(record["pair"][..., 0].double(), expected, rtol=1e-6, atol=0)
+    # TPDM's start: mode (alpha - 1) / (alpha + beta - 2) = e^2.5 / (e^2.5 + e) = 0.818
+    assert record_mode(backbone, noise, cond) == pytest.approx(
+        math.exp(2.5) / (math.exp(2.5) + math.e), abs=5e-3
+    )
+
+
+def record_mode(backbone, noise, cond):
+    """The mean rate of TPDM's start at inference (the Beta mode)."""
+    torch.manual_seed(0)
+    policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm", inference="mode")
+    times, _ = stepwise.sample(policy, backbone, noise, cond)
+    return (times[:, 1:] / times[:, :-1]).mean().item()
+
+
+def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_hand():
+    """train.py's PPO defaults on a hand-computed case: the advantages are r minus the other
+    rollout's reward (K = 2), not divided by their spread; each batch takes 4 Adam steps on the
+    whole batch (4 epochs x 1 minibatch); the first is Adam(0.9, 0.99) with eps 1e-5 and no weight
+    decay: theta_1 = -lr g / (|g| + 1e-5), visible here as |g| is near eps."""
+    import types
+
+    import launch
+    import train
+
+    config = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
+    rewards = torch.tensor([[1.0, 0.4], [0.3, 0.5], [2.0, 2.0]])  # (B, K)
+    advantages = train.advantages_of(rewards, config.baseline).flatten()
+    torch.testing.assert_close(advantages, torch.tensor([0.6, -0.6, -0.2, 0.2, 0.0, 0.0]))
+    features = 1e-5 * torch.tensor(
+        [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0], [3.0, 1.0], [0.5, 0.5]]
+    )
+    policy = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(policy.weight)
+    run = types.SimpleNamespace(
+        raw_policy=policy, optimizer=launch.make_optimizer(config, policy.parameters())
+    )
+    weights, sizes = [], []
+
+    def log_probs(index):
+        sizes.append(len(index))
+        return policy(features[index])[:, 0]
+
+    def descend(loss):
+        norm = train.descend(config, run, loss, config.lr)
+        weights.append(policy.weight.detach()[0].clone())
+        return norm
+
+    shuffle = torch.Generator().manual_seed(0)
+    stepwise.ppo_update(config, log_probs, torch.zeros(6), advantages, descend, shuffle)
+    assert sizes == [6, 6, 6, 6]  # 4 epochs, each one minibatch of the whole batch
+    # at theta = 0 every ratio is 1 (unclipped): g = -mean_i A_i x_i
+    g = -(advantages[:, None] * features).mean(0)
+    torch.testing.assert_close(g, torch.tensor([-0.6e-5 + 0.2e-5 + 0.4e-5, 0.6e-5 - 0.2e-5]) / 6)
+    expected = -config.lr * g / (g.abs() + 1e-5)
+    torch.testing.assert_close(weights[0], expected, rtol=1e-5, atol=0)
+    assert config.lr_decay == "constant" and train.get_lr(config, 123) == config.lr
+
+
+def test_an_older_stepwise_checkpoint_loads_as_it_was_and_one_that_cannot_is_refused(
+    digits_stepwise_run, tmp_path
+):
+    """A checkpoint from before the hidden-state inputs (no inputs, inference keys) rebuilds the
+    policy it was: the sampler's inputs, the Beta mean. One whose weights do not fit this version
+    ends in one line."""
+    from checkpoints import load_checkpoint
+
+    saved = torch.load(digits_stepwise_run / "ckpt.pt", weights_only=False)
+    for key in ("inputs", "inference", "feature_channels", "time_dim"):
+        del saved["policy_config"][key]
+    saved["policy_config"]["init"] = "default"
+    saved["policy_config"]["init_times"] = [1.0, 0.75, 0.5, 0.25, 0.0]
+    torch.save(saved, tmp_path / "older.pt")
+    policy = load_checkpoint(str(tmp_path / "older.pt"))[1]
+    assert (policy.inputs, policy.inference) == ("sampler", "mean")
+    del saved["policy"]["rate_logits"]
+    torch.save(saved, tmp_path / "other.pt")
+    with pytest.raises(
+        ValueError, match="holds a stepwise policy this version cannot load"
+    ) as error:
+        load_checkpoint(str(tmp_path / "other.pt"))
+    assert "\n" not in str(error.value)

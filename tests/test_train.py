@@ -514,7 +514,8 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
         "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl}"
         in text
     )
-    assert "(default: 0.0001)" in text  # --weight-decay
+    # the defaults that follow --optimizer (train.OPTIMIZERS) are named in the help
+    assert "AdamW weight decay; None: 1e-4, ppo 0 (default: None)" in text
 
 
 def test_threads_one_for_the_embedded_backbones(tmp_path):
@@ -809,6 +810,43 @@ def test_ppo_defaults_to_a_smaller_learning_rate_and_an_explicit_one_is_kept():
     reinforce = train.parse_config(["--policy", "stepwise"])
     ppo = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
     assert ppo.lr == pytest.approx(reinforce.lr * train.PPO_LR_FACTOR)
-    assert (ppo.ppo_epochs, ppo.ppo_minibatches, ppo.ppo_clip) == (4, 4, 0.2)
     explicit = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo", "--lr", "0.01"])
     assert explicit.lr == 0.01
+
+
+def test_ppo_defaults_are_tpdms_settings_and_reinforce_keeps_the_projects():
+    """TPDM's code: TRL's 4 epochs x 1 minibatch, clip 0.2, RLOO advantages, Adam(0.9, 0.99),
+    eps 1e-5, no weight decay, a constant rate, head bias (2.5, 1.0), hidden-state inputs on the
+    diffusers families, the Beta mode at inference; each overridable."""
+    ppo = train.parse_config(
+        ["--backbone", "mini-sd3", "--policy", "stepwise", "--optimizer", "ppo"]
+    )
+    assert (ppo.ppo_epochs, ppo.ppo_minibatches, ppo.ppo_clip, ppo.grad_clip) == (4, 1, 0.2, 1.0)
+    assert (ppo.baseline, ppo.weight_decay, ppo.lr_decay) == ("rloo", 0.0, "constant")
+    assert (ppo.adam_beta2, ppo.adam_eps) == (0.99, 1e-5)
+    assert (ppo.init, ppo.policy_inputs, ppo.inference) == ("tpdm", "hidden", "mode")
+    embedded = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
+    assert embedded.policy_inputs == "sampler"  # the mixtures have no hidden states
+    reinforce = train.parse_config(["--backbone", "mini-sd3", "--policy", "stepwise"])
+    assert (reinforce.baseline, reinforce.weight_decay, reinforce.lr_decay) == (
+        "js",
+        1e-4,
+        "cosine",
+    )
+    assert (reinforce.init, reinforce.policy_inputs, reinforce.inference) == (
+        "default",
+        "sampler",
+        "mean",
+    )
+    instance = train.parse_config(["--optimizer", "ppo"])  # TPDM's optimiser, the policy's start
+    assert (instance.init, instance.baseline, instance.adam_eps) == ("default", "rloo", 1e-5)
+    project = train.parse_config(
+        ["--policy", "stepwise", "--optimizer", "ppo", "--baseline", "js", "--init", "default"]
+    )
+    assert (project.baseline, project.init) == ("js", "default")
+    for args, message in (
+        (["--init", "tpdm"], "--init tpdm is the step-wise policy's, not the instance policy's"),
+        (["--policy", "stepwise", "--policy-inputs", "hidden"], "digits is an exact mixture"),
+    ):
+        with pytest.raises(SystemExit, match=message):
+            launch.check_config(train.parse_config(args), world_size=1)
