@@ -186,6 +186,13 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
     try:
         pipe = pipeline_class.from_pretrained(location, dtype=dtype)
     except OSError as error:  # a partial download or a file the hub refuses
+        if os.path.isdir(location):  # a local folder: no licence involved
+            reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+            raise ValueError(
+                f"{name}: the files at {location} are incomplete or damaged ({reason}); download "
+                "them again, retrain a miniature with `python miniature.py`, or pass another "
+                "--model-path"
+            ) from None
         raise ValueError(
             f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run "
             f"`hf auth login`, accept the licence on https://huggingface.co/{spec['hub_id']} and "
