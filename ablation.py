@@ -346,6 +346,8 @@ def equivalent_steps(default_means, value):
 
 
 TRAINING_STEPS = 3  # the miniatures' default L (train.py's MINIATURE)
+# the learned instance policy's times averaged over training contexts: one schedule for all
+AVERAGED = "learned instance, averaged into one schedule"
 GAIN_FRECHET, GAIN_PRECISION = 1.05, 0.05  # a gain counts if realism stays within these
 
 
@@ -379,10 +381,12 @@ def default_flags(name, args):
 def miniature_evidence(args):
     """For each miniature and L in --mini-steps, on the same held-out contexts: the default, the
     best time shift (chosen on other contexts), the learned global and instance-level schedules
-    of each seed; scored by the preference reward, the classifier's accuracy, the realism measures
-    (realism.py) and the teacher error (minus the 50-step default solution's squared distance);
-    the default step count that matches each row's reward, and the one that matches its realism.
-    Writes the table to out_dir/results.md and to docs/RESULTS.md (section "miniatures")."""
+    of each seed, and each instance policy's times averaged over training contexts into one
+    schedule (what of its gain a single schedule keeps); scored by the preference reward, the
+    classifier's accuracy, the realism measures (realism.py) and the teacher error (minus the
+    50-step default solution's squared distance); the default step count that matches each row's
+    reward, and the one that matches its realism. Writes the table to out_dir/results.md and to
+    docs/RESULTS.md (section "miniatures")."""
     from checkpoints import load_checkpoint
     from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
     from miniature import prompt_lists, realism_measure
@@ -427,6 +431,8 @@ def miniature_evidence(args):
     )
     for name in args.backbones:
         backbone = backbones.load_backbone(name)
+        fit_noise = context_noise(backbone, fit_seeds)
+        fit_cond = backbone.encode_prompts(fit_prompts)
         rewards = {
             "preference": load_reward("preference", backbone),
             "teacher": load_reward("teacher", backbone),
@@ -465,12 +471,16 @@ def miniature_evidence(args):
                     )[1]
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
+                    if training == "instance":  # what of it one schedule for all contexts keeps
+                        times = policy_schedule(policy, backbone)(fit_noise, fit_cond)
+                        methods[f"{AVERAGED}, seed {seed}"] = fixed_schedule(times.mean(0))
             scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)
             realism = realism_table(backbone, methods, prompts, seeds, measure)
             rows = {"default": ["default"], shift_row: [shift_row]}
             rows.update(
                 {f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in selected}
             )
+            rows[AVERAGED] = [f"{AVERAGED}, seed {s}" for s in args.seeds]
             for row, members in rows.items():
                 per_seed = {
                     column: [scores[m][column].mean().item() for m in members]
