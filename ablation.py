@@ -497,7 +497,7 @@ def miniature_evidence(args):
                     return mean + (spread if len(values) > 1 else "")
 
                 seconds = "-"
-                if row.startswith("learned "):
+                if row[len("learned ") :] in selected:  # a trained row: its runs' timing
                     folders = [run_dir(name, row[8:], s, args, steps) for s in args.seeds]
                     seconds = f"{statistics.mean(map(seconds_per_iteration, folders)):.2f}"
                 reward = statistics.mean(per_seed["preference"])
