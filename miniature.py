@@ -923,27 +923,15 @@ GUIDANCES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
 MIN_ACCURACY = 0.95  # of 50-step samples showing the prompted digit
 
 
-def default_samples(backbone, prompts, seeds, steps, batch_size=256):
-    """Decoded 8-bit images of the contexts (prompts[i], seeds[i]) under the default schedule."""
-    from preprocess import quantize
-    from prompts import context_noise
-
-    images = []
-    for start in range(0, len(prompts), batch_size):
-        noise = context_noise(backbone, seeds[start : start + batch_size])
-        cond = backbone.encode_prompts(prompts[start : start + batch_size])
-        times = backbone.default_times(steps).expand(len(noise), -1)
-        images.append(quantize(backbone.decode(backbone.sample(noise, cond, times))).clamp(0, 1))
-    return torch.cat(images)
-
-
 @torch.no_grad()
 def guidance_sweep():
     """Each miniature's default guidance, chosen as a real model's default is: the best realism
     (lowest Frechet distance to real digits) at which at least MIN_ACCURACY of 50-step samples show
     the prompted digit, on training paraphrases and tuning noise (never the held-out contexts)."""
     import backbones
+    from evaluate import default_schedule
     from prompts import heldout_contexts
+    from realism import sample_images
     from results import commit, record
 
     started = commit()
@@ -965,7 +953,8 @@ def guidance_sweep():
         rows = {}
         for guidance in GUIDANCES:
             backbone = backbones.load_backbone(f"mini-{family}", guidance=guidance)
-            images = default_samples(backbone, prompts, seeds, 50)
+            default = default_schedule(backbone, 50)
+            images = sample_images(backbone, default, prompts, seeds, batch_size=256)
             accuracy = (classifier(images).argmax(1) == digits).float().mean().item()
             rows[guidance] = dict(accuracy=accuracy, **realism(images))
             print(f"mini-{family} guidance {guidance}: {rows[guidance]}", flush=True)
@@ -996,7 +985,9 @@ def reward_agreement(contexts=256):
     from scipy.stats import spearmanr
 
     import backbones
+    from evaluate import default_schedule
     from prompts import heldout_contexts
+    from realism import sample_images
     from results import commit, record
     from rewards import load_scorer
 
@@ -1038,7 +1029,8 @@ def reward_agreement(contexts=256):
         means, frechets = {"preference": [], "digit": []}, []
         lines.append(real_row)
         for steps in AGREEMENT_STEPS:
-            images = default_samples(backbone, prompts, seeds, steps)
+            default = default_schedule(backbone, steps)
+            images = sample_images(backbone, default, prompts, seeds, batch_size=256)
             preference, digit, accuracy = rewards(images, digits)
             measured = realism(images)
             means["preference"].append(preference.mean().item())

@@ -93,20 +93,26 @@ class Realism:
 
 
 @torch.no_grad()
-def realism_table(backbone, methods, prompts, seeds, realism, batch_size=128):
-    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i]), on the
-    same noises; methods as evaluate.py's (callables (noise, cond) -> times)."""
+def sample_images(backbone, method, prompts, seeds, batch_size=128):
+    """The decoded 8-bit images (N, 3, H, W) in [0, 1] of the contexts (prompts[i], seeds[i])
+    sampled with `method` (evaluate.py's: a callable (noise, cond) -> times), batch by batch."""
     from evaluate import run_method
     from preprocess import quantize
     from prompts import context_noise
 
-    table = {}
-    for name, method in methods.items():
-        images = []
-        for start in range(0, len(prompts), batch_size):
-            noise = context_noise(backbone, seeds[start : start + batch_size])
-            cond = backbone.encode_prompts(prompts[start : start + batch_size])
-            latents = run_method(backbone, method, noise, cond)[1]
-            images.append(quantize(backbone.decode(latents)).clamp(0, 1).cpu())
-        table[name] = realism(torch.cat(images))
-    return table
+    images = []
+    for start in range(0, len(prompts), batch_size):
+        noise = context_noise(backbone, seeds[start : start + batch_size])
+        cond = backbone.encode_prompts(prompts[start : start + batch_size])
+        latents = run_method(backbone, method, noise, cond)[1]
+        images.append(quantize(backbone.decode(latents)).clamp(0, 1).cpu())
+    return torch.cat(images)
+
+
+def realism_table(backbone, methods, prompts, seeds, realism, batch_size=128):
+    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i]), on the
+    same noises."""
+    return {
+        name: realism(sample_images(backbone, method, prompts, seeds, batch_size))
+        for name, method in methods.items()
+    }
