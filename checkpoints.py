@@ -532,6 +532,8 @@ def check_evaluation(args):
     """evaluate.py's command line against its checkpoints, before anything heavy is loaded (bad
     input raises ValueError): returns the policies to evaluate (name -> (path, checkpoint,
     policy)), the reward names, reward -> local weights and the output folder."""
+    from rewards import DIGIT_REWARDS
+
     checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
     config = checkpoint["config"]
     trained_on, trained_reward = config["backbone"], config["reward"]
@@ -548,7 +550,7 @@ def check_evaluation(args):
     local.update(item.split("=", 1) for item in args.reward_checkpoint)
     spec = backbones.BACKBONES[trained_on]
     for name in args.rewards or []:  # as train.py refuses it (launch.check_config)
-        if name in ("digit", "preference") and "folder" not in spec:
+        if name in DIGIT_REWARDS and "folder" not in spec:
             raise ValueError(
                 f"the {name} reward reads the 16x16 handwritten digits that only the mini-* "
                 f"backbones draw, not {trained_on}'s images; use --rewards teacher"

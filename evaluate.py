@@ -264,7 +264,7 @@ def main(argv=None):
     for name in reward_names:
         try:
             options = dict(device=device, checkpoint=local.get(name))
-            if name in ("digit", "preference"):  # a damaged model is named, not skipped
+            if name in reward_lib.DIGIT_REWARDS:  # a damaged model is named, not skipped
                 checkpoints.check_reward_files(name, local.get(name))
             rewards[name] = reward_lib.load_reward(name, backbone, **options)
         except (ImportError, ValueError, OSError) as error:

@@ -48,7 +48,7 @@ from figures import context_labels, plot_training
 from miniature import realism_measure
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from realism import realism_table
-from rewards import IMAGE_CONTENT, check_prompts, load_reward
+from rewards import DIGIT_REWARDS, IMAGE_CONTENT, check_prompts, load_reward
 
 LEAST = dict(
     steps=1,
@@ -162,7 +162,7 @@ def check_config(config, world_size):
             f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
             "--device cpu to insist (or try --backbone digits)"
         )
-    if config.reward in ("digit", "preference") and "folder" not in spec:
+    if config.reward in DIGIT_REWARDS and "folder" not in spec:
         _fail(
             f"the {config.reward} reward reads the 16x16 handwritten digits that only the mini-* "
             f"backbones draw, not {config.backbone}'s images; use --reward teacher, or a mini-* "
@@ -404,7 +404,8 @@ def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_nam
     report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
     if BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
         measure = realism_measure()
-        realism = realism_table(backbone, dict(list(methods.items())[:2]), prompts, seeds, measure)
+        compared = {name: methods[name] for name in ("default", "learned (mean)")}
+        realism = realism_table(backbone, compared, prompts, seeds, measure)
         floor = measure.floor(len(seeds))
         print(
             "realism against real digits (Frechet distance lower, precision and recall higher):\n"

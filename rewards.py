@@ -478,6 +478,8 @@ REWARDS = {
 }
 # rewards that read text or objects: not for the 8x8 embedded backbones
 IMAGE_CONTENT = ("ocr", "geneval")
+# rewards that read the miniatures' 16x16 digits: only for the mini-* backbones
+DIGIT_REWARDS = ("digit", "preference")
 COLUMNS = {  # what metrics() returns, per reward
     "ocr": ("ocr", "ocr edit"),
     "geneval": ("geneval", "geneval correct"),
@@ -489,7 +491,7 @@ COLUMNS = {  # what metrics() returns, per reward
 def check_prompts(name, prompts):
     """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR
     needs a "quoted" target text, GenEval one of its templates."""
-    if name in ("digit", "preference"):
+    if name in DIGIT_REWARDS:
         for prompt in prompts:
             digit_of(prompt)
     if name in IMAGE_CONTENT:
@@ -516,7 +518,7 @@ def metrics(reward, name, latents, prompts, noise, cond):
             "geneval": torch.tensor([row["reward"] for row in rows]),
             "geneval correct": torch.tensor([float(row["correct"]) for row in rows]),
         }
-    if name in ("digit", "preference"):
+    if name in DIGIT_REWARDS:
         score, correct = reward.details(latents, prompts)
         return {name: score.cpu(), "digit accuracy": correct.cpu()}
     return {name: reward(latents, prompts, noise, cond).float().cpu()}
