@@ -319,10 +319,11 @@ def degraded(images, labels, pool, pool_labels, generator):
 
 
 @torch.no_grad()
-def sample_bank(family, prompts, seeds, generator):
+def sample_bank(family, prompts, seeds):
     """A miniature's samples of the contexts (prompts[i], seeds[i]) under several schedules: the
     50-step default, the defaults at L = 1..5, and for L = 2..5 schedules drawn from Dirichlets
-    around the default (concentration 100 and 10) and uniform ones. Returns the images (S, N, 3,
+    around the default (concentration 100 and 10) and uniform ones (torch.distributions draws
+    from the global generator, which train_preference seeds). Returns the images (S, N, 3,
     16, 16), each one's mean squared pixel distance to its 50-step solution (S, N), the digits
     (N,)."""
     import backbones
@@ -401,7 +402,7 @@ def train_preference(seed=0, log=print):
     generator = torch.Generator().manual_seed(seed)
     real, labels = digit_splits()["preference"]
     prompts, seeds = heldout_contexts(prompt_lists()[0], PREFERENCE_CONTEXTS, PREFERENCE_SEED)
-    parts = [sample_bank(family, prompts, seeds, generator) for family in FAMILIES]
+    parts = [sample_bank(family, prompts, seeds) for family in FAMILIES]
     # the miniatures' banks side by side: (S, 3N, ...) images, (S, 3N) distances, (3N,) digits
     banks = tuple(
         torch.cat(tensors, dim=1 if tensors[0].dim() > 1 else 0) for tensors in zip(*parts)
