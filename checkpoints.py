@@ -341,6 +341,7 @@ CONTINUABLE = (
     "resume",
     "ckpt_interval",
     "log_interval",
+    "snapshots",
     "iterations",
     "device",
     "threads",

@@ -185,7 +185,7 @@ def evaluate(
     return {name: columns["reward"] for name, columns in table.items()}
 
 
-def _mean_ci(values):
+def mean_ci(values):
     """(mean, 95% Student-t half-width) of a 1-D tensor; the half-width is nan for n < 2."""
     from scipy.stats import t as student_t  # scipy comes with scikit-learn
 
@@ -202,12 +202,12 @@ def summarize(scores, baseline="default"):
     rows = []
     for name, values in scores.items():
         row = dict(method=name, n=values.numel(), diff_mean=None, diff_ci95=None)
-        row["mean"], row["ci95"] = _mean_ci(values)
+        row["mean"], row["ci95"] = mean_ci(values)
         if baseline in scores and name != baseline:
             if scores[baseline].shape != values.shape:
                 counts = f"{name} has {values.numel()}, {baseline} has {scores[baseline].numel()}"
                 raise ValueError(f"paired difference needs the same contexts: {counts}")
-            row["diff_mean"], row["diff_ci95"] = _mean_ci(values - scores[baseline])
+            row["diff_mean"], row["diff_ci95"] = mean_ci(values - scores[baseline])
         rows.append(row)
     return rows
 

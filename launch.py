@@ -116,7 +116,13 @@ def check_config(config, world_size):
             _fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
     # True: must be > 0, False: >= 0
     strict = dict(
-        lr=True, grad_clip=True, ppo_clip=True, adam_eps=True, weight_decay=False, guidance=False
+        lr=True,
+        grad_clip=True,
+        ppo_clip=True,
+        adam_eps=True,
+        concentration=True,
+        weight_decay=False,
+        guidance=False,
     )
     for key, positive in strict.items():
         value = getattr(config, key)
@@ -309,17 +315,22 @@ def setup(config):
 
     init_times = run.backbone.default_times(config.steps) if config.init == "default" else None
     options = dict(init="tpdm") if config.init == "tpdm" else {}
+    if config.concentration is not None:
+        options.update(concentration=config.concentration)
     if config.policy == "stepwise":
         options.update(inputs=config.policy_inputs, inference=config.inference)
-    run.raw_policy = make_policy(
-        config.policy,
-        run.backbone.policy_dims,
-        config.steps,
-        preset=BACKBONES[config.backbone]["policy"],
-        init_times=init_times,
-        backbone=config.backbone,
-        **options,
-    ).to(device)
+    try:  # a concentration too small for the start's smallest increment
+        run.raw_policy = make_policy(
+            config.policy,
+            run.backbone.policy_dims,
+            config.steps,
+            preset=BACKBONES[config.backbone]["policy"],
+            init_times=init_times,
+            backbone=config.backbone,
+            **options,
+        ).to(device)
+    except ValueError as error:
+        _fail(f"--concentration {config.concentration}: {error}")
     run.optimizer = make_optimizer(config, run.raw_policy.parameters())
     run.start, run.rows = 0, []  # the rows of metrics.jsonl, which every checkpoint carries
     if checkpoint:
@@ -331,6 +342,8 @@ def setup(config):
             run.rows = metric_rows(run.metrics_path)[0]
             print(f"continuing {run.ckpt_path} from iteration {run.start}")
     run.policy = DistributedDataParallel(run.raw_policy) if distributed else run.raw_policy
+    if run.master and run.start == 0:
+        snapshot(config, run, 0)
     if run.master:
         os.makedirs(config.out_dir, exist_ok=True)
         size = sum(p.numel() for p in run.raw_policy.parameters())
@@ -509,6 +522,18 @@ def checkpoint(config, run, done):
     )
     with written(run.ckpt_path):
         save_checkpoint(run.ckpt_path, state)
+    snapshot(config, run, done)
+
+
+def snapshot(config, run, done):
+    """With --snapshots, the policy after `done` iterations in snapshots/policy-<done>.pt (what
+    baseline_study.py measures the gradient's variance at); kept, unlike ckpt.pt."""
+    if config.snapshots:
+        path = os.path.join(config.out_dir, "snapshots", f"policy-{done}.pt")
+        with written(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            state = dict(policy=run.raw_policy.state_dict(), policy_config=run.raw_policy.config)
+            save_checkpoint(path, dict(state, iteration=done))
 
 
 def gather(run, rewards):

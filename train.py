@@ -46,6 +46,7 @@ class Config:
     resume: bool = arg(False, "insist on continuing out_dir/ckpt.pt (a run is never overwritten)")
     ckpt_interval: int = arg(50, "iterations between checkpoints (a kill loses at most this many)")
     log_interval: int = arg(10, "iterations between log lines")
+    snapshots: bool = arg(False, "keep the policy at the start and each checkpoint (snapshots/)")
     # backbone
     backbone: str = arg("digits", "a name in TRAINING (mini-*: the trained miniatures)")
     model_path: str | None = arg(None, "local diffusers folder replacing the hub id")
@@ -56,6 +57,7 @@ class Config:
     policy: str = arg("instance", "instance (noise and prompt) | global | stepwise (TPDM)")
     steps: int | None = arg(None, "L, model calls per sample; one policy per L")
     init: str | None = arg(None, "default (the backbone's) | uniform | tpdm; None: ppo tpdm")
+    concentration: float | None = arg(None, "initial sum(alpha); None: 100 (uniform, L+1: flat)")
     policy_inputs: str | None = arg(None, "stepwise: sampler | hidden (hooks); None: ppo hidden")
     inference: str | None = arg(None, "stepwise: the Beta's mean | mode at evaluation; ppo mode")
     # reward
