@@ -9,11 +9,10 @@ pipeline (the tests' tiny random ones).
 """
 
 import os
-import socket
-import urllib.parse
 
 import torch
 
+from hub import hub_file
 from mixture import MixtureBackbone
 from policy import GlobalPolicy, SchedulePolicy, json_times
 from rollout import FluxBackbone, SD3Backbone, SDXLBackbone
@@ -113,32 +112,6 @@ def update_cost(name, contexts, rollouts, steps, guidance=None):
         f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} "
         f"model evaluations{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
     )
-
-
-def hub_file(repo, filename, missing, repo_type=None):
-    """A file of a hub repository from the local cache, else downloaded. When it is neither cached
-    nor reachable: ValueError(`missing` + why) at once, not after the hub client's retries."""
-    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(repo, filename, repo_type=repo_type)
-    except ValueError:  # not a repository id at all: a local path that does not exist, say
-        raise ValueError(f"{missing} (no such folder, and not a hub repository id)") from None
-    if isinstance(cached, str):
-        return cached
-    host = urllib.parse.urlparse(constants.ENDPOINT).hostname
-    try:
-        if constants.HF_HUB_OFFLINE:
-            raise OSError("HF_HUB_OFFLINE is set")
-        socket.create_connection((host, 443), timeout=3).close()
-    except OSError as error:
-        raise ValueError(
-            f"{missing} (not in the local cache, and {host} is unreachable: {error})"
-        ) from None
-    try:
-        return hf_hub_download(repo, filename, repo_type=repo_type)
-    except Exception as error:  # gated, missing or refused: all mean "not available"
-        raise ValueError(f"{missing} ({type(error).__name__})") from None
 
 
 def locate_weights(name, path=None):

@@ -23,6 +23,7 @@ import shutil
 import torch
 
 import backbones
+from hub import hub_file
 
 # weights of another shape than their configuration builds: a policy of an earlier network
 EARLIER_NETWORK = (
@@ -155,7 +156,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         if in_folder:
             files = {name: os.path.join(source, name) for name in names}
         else:
-            files = {name: backbones.hub_file(source, name, missing) for name in names}
+            files = {name: hub_file(source, name, missing) for name in names}
         again = "train again, or pass the policy/ folder of another run"
         saved = read_json(files["config.json"], again)
         check_safetensors(files["model.safetensors"], again)

@@ -610,7 +610,7 @@ class GenEvalReward:
 def check_weights(model, what, also=None):
     """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when
     online); `also`: a second (model, what), reported in the same message."""
-    from backbones import hub_file
+    from hub import hub_file
 
     missing = []
     for name, kind in [(model, what)] + ([also] if also else []):

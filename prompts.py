@@ -30,7 +30,7 @@ HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds
 
 
 def _hpdv2_file(filename):
-    from backbones import hub_file
+    from hub import hub_file
 
     return hub_file(
         HPDV2,

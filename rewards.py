@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
-from backbones import hub_file
+from hub import hub_file
 from preprocess import clip_preprocess, import_optional, normalize, quantize
 
 HPS_REPO = "xswu/HPSv2"
