@@ -1,7 +1,7 @@
 """
 Every backbone by name: its model facts (BACKBONES) and where its weights come from (the hub, a
 local folder, or a miniature shipped in this repository), and load_backbone(name), which builds
-the frozen backbone: a diffusers pipeline of rollout.py or an embedded mixture of mixture.py.
+the frozen backbone: a diffusers pipeline of families.py or an embedded mixture of mixture.py.
 Missing, gated or incomplete weights end in one line that says how to get them. make_policy
 builds a policy (policy.py's, or stepwise.py's) at the size each backbone gets (PRESETS);
 build_policy rebuilds one from its `.config`; from_pipeline wraps an already built diffusers
@@ -12,17 +12,17 @@ import os
 
 import torch
 
+from families import FluxBackbone, SD3Backbone, SDXLBackbone
 from hub import hub_file
 from mixture import MixtureBackbone
 from policy import GlobalPolicy, SchedulePolicy, json_times
-from rollout import FluxBackbone, SD3Backbone, SDXLBackbone
 from stepwise import StepwisePolicy
 
 # +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 
-# the diffusers families rollout.py drives, and the pipeline class each loads
+# the diffusers families (families.py), and the pipeline class each loads
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
 PIPELINES = {
     "sd3": "StableDiffusion3Pipeline",
@@ -210,7 +210,7 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
             text_dim=backbone_dims["text_dim"],
             pooled_dim=backbone_dims.get("pooled_dim"),
         )
-        if options.get("inputs") == "hidden":  # the denoiser's hidden states (rollout.py)
+        if options.get("inputs") == "hidden":  # the denoiser's hidden states (families.py)
             if "feature_channels" not in backbone_dims:
                 raise ValueError("this backbone has no hidden states a policy could read")
             dims.update(

@@ -31,7 +31,7 @@ Each pipeline is the family's real layout in miniature:
   vocabulary with a token per common word and per character otherwise, randomly initialised,
   seeded and frozen: different prompts give different embeddings, and the denoiser learns to read
   the digit from them; sequences of 12 tokens (the T5 tokenizers' model_max_length, which
-  rollout.py takes as the pipelines' max_sequence_length);
+  families.py takes as the pipelines' max_sequence_length);
 - an AutoencoderKL trained here (16x16x3 <-> 8x8 latents, 16 channels for SD3 and Flux, 4 for
   SD-XL, as the real families), its scaling (and shift) factor set from the latent statistics;
 - mini-sd3: SD3Transformer2DModel, rectified flow as SD3 trains it (x_t = (1 - t) x_0 + t noise,

@@ -1,14 +1,14 @@
 """
 The embedded backbones: exact flow-matching samplers for class-conditional Gaussian mixtures over
-scikit-learn's 8x8 digits (no download), with the same interface as the diffusers backbones of
-rollout.py. Their velocity is known in closed form and their teacher is an accurate RK4 solve, so
-the best schedule of a set of contexts can be computed (ablation.py's oracles). backbones.py names
-them: digits, digits-prompt, digits-noise, digits-xor.
+scikit-learn's 8x8 digits (no download), with the same interface (rollout.Backbone) as the
+diffusers backbones of families.py. Their velocity is known in closed form and their teacher is an
+accurate RK4 solve, so the best schedule of a set of contexts can be computed (ablation.py's
+oracles). backbones.py names them: digits, digits-prompt, digits-noise, digits-xor.
 """
 
 import torch
 
-from rollout import Backbone, _check_times, run_schedule
+from rollout import Backbone, check_times, run_schedule
 
 DIGIT_TOKENS = 4  # prompt tokens: "a", "handwritten", the digit, one padding token (masked out)
 DIGIT_WIDTH = 32  # width of the token embeddings
@@ -129,7 +129,7 @@ class MixtureBackbone(Backbone):
 
     def sample(self, noise, cond, times, decide=None):
         """Differentiable in the times when they require grad (ablation.py's oracle schedules)."""
-        _check_times(times, noise.shape[0])
+        check_times(times, noise.shape[0])
         mixture = self.mixture(cond["label"])
 
         def velocity(state, t):

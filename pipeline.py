@@ -28,7 +28,7 @@ from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 import backbones
-import rollout
+import families
 from policy import mean_increments, times_from_increments
 
 
@@ -51,7 +51,7 @@ class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
 
 class LearnedEulerScheduler(EulerDiscreteScheduler):
     """SD-XL's Euler sampler with given times (L+1,): timesteps t * 999 (continuous), sigmas from
-    the noise table (rollout.SDXLBackbone.sigma), the last one sigma(t_L) instead of 0."""
+    the noise table (families.SDXLBackbone.sigma), the last one sigma(t_L) instead of 0."""
 
     def install(self, times, sigmas):
         self.learned = (
@@ -87,7 +87,7 @@ def learned_scheduler(backbone, times):
     with every option of EXACT off."""
     config = backbone.pipe.scheduler.config
     overrides = {key: value for key, value in EXACT.items() if key in config}
-    if isinstance(backbone, rollout.SDXLBackbone):  # whose config SDXLBackbone has checked
+    if isinstance(backbone, families.SDXLBackbone):  # whose config SDXLBackbone has checked
         scheduler = LearnedEulerScheduler.from_config(config, **overrides)
         return scheduler.install(times, backbone.sigma(times))
     return LearnedFlowMatchScheduler.from_config(config, **overrides).install(times)
@@ -95,8 +95,8 @@ def learned_scheduler(backbone, times):
 
 def pipeline_noise(backbone, count, generator=None):
     """(count, ...) initial noise drawn as the pipeline's prepare_latents draws it (randn_tensor,
-    its shape and dtype), in the layout rollout.py and the pipeline's latents= take."""
-    flux = isinstance(backbone, rollout.FluxBackbone)
+    its shape and dtype), in the layout families.py and the pipeline's latents= take."""
+    flux = isinstance(backbone, families.FluxBackbone)
     size = 2 * (backbone.resolution // (backbone.pipe.vae_scale_factor * 2))
     channels = backbone.latent_shape[0]
     shape = (count, channels, size, size) if flux else (count, *backbone.latent_shape)
@@ -283,8 +283,8 @@ def schedule_json(policy, backbone):
             "only a global one exports"
         )
     times = times_from_increments(mean_increments(policy(torch.zeros(1))))[0].double()
-    sigmas = backbone.sigma(times) if isinstance(backbone, rollout.SDXLBackbone) else times
-    scale = 999 if isinstance(backbone, rollout.SDXLBackbone) else 1000
+    sigmas = backbone.sigma(times) if isinstance(backbone, families.SDXLBackbone) else times
+    scale = 999 if isinstance(backbone, families.SDXLBackbone) else 1000
     return dict(
         backbone=backbone.name,
         steps=policy.steps,

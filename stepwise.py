@@ -18,7 +18,7 @@ What it reads (rollout.run_schedule's `decide`), through the same network as the
 policy (policy.SchedulePolicy.encode; the time t_l and the step index join the pooled prompt
 embedding that modulates the feature tokens, and the tokens cross-attend to the prompt), one of:
 - inputs="hidden", TPDM's (its src/models/stable_diffusion_3/modeling_sd3_pnt.py): the denoiser's
-  own hidden states, read by forward hooks (rollout.PipelineBackbone.hidden_states): the image
+  own hidden states, read by forward hooks (families.PipelineBackbone.hidden_states): the image
   features entering its first block and leaving its last normalisation, as a (2 D, h, w) map, and
   its timestep embedding, which joins the pooled embedding; CFG-combined as the prediction is.
 - inputs="sampler": the state at unit scale and the model's prediction of the clean sample

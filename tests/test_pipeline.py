@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import backbones
+import families
 import pipeline
-import rollout
 from backbones import make_policy
 from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from checkpoints import load_checkpoint, load_policy, save_policy
@@ -78,7 +78,7 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     # noise * sqrt(sigma(t_0)^2 + 1), ~15x the noise at t_0 = 1 (a trained UNet's steps are large)
     start = (
         (backbone.sigma(times[:, :1]) ** 2 + 1).sqrt().view(-1, 1, 1, 1)
-        if isinstance(backbone, rollout.SDXLBackbone)
+        if isinstance(backbone, families.SDXLBackbone)
         else 1.0
     )
     scale = max(expected.abs().max().item(), (noise.float() * start).abs().max().item())
@@ -174,7 +174,7 @@ def test_a_global_schedule_exports_as_json(tiny):
     assert (
         exported["times"][0] == 1.0 and exported["times"][-1] > 0
     )  # ends at the stop margin, no final 0
-    sigmas = backbone.sigma(times) if isinstance(backbone, rollout.SDXLBackbone) else times
+    sigmas = backbone.sigma(times) if isinstance(backbone, families.SDXLBackbone) else times
     assert torch.allclose(torch.tensor(exported["sigmas"]).float(), sigmas, rtol=1e-6)
     with pytest.raises(ValueError, match="only a global one exports"):
         pipeline.schedule_json(learned_policy(backbone, 3), backbone)

@@ -1,0 +1,442 @@
+"""
+The diffusers backbones: Stable Diffusion 3 / 3.5, FLUX.1 and Stable Diffusion XL, each the
+pipeline's own frozen components (text encoders, denoiser, VAE) driven by rollout.run_schedule, so
+that a schedule runs exactly as given. With the times of `default_times(L)` each reproduces its
+pipeline's own latents (tests/test_rollout_diffusers.py). backbones.load_backbone builds them by
+name; backbones.from_pipeline wraps a pipeline already built.
+"""
+
+import contextlib
+import inspect
+import math
+
+import torch
+
+from rollout import Backbone, check_times, run_schedule
+
+# the rewards that score named words of the prompt (the digit, the quoted text, the objects)
+PROMPT_REWARDS = ("digit", "preference", "ocr", "geneval")
+DECODE_CHUNK = 4  # images per VAE decode call (a 1024^2 decode is memory-hungry)
+
+
+class PipelineBackbone(Backbone):
+    """What the three diffusers families share: the frozen pipeline, its model's device and dtype,
+    the guidance (the pipeline's own default unless given), the resolution (the model's native one),
+    the chunked VAE decode and the hidden-state hooks; `vae_input(latents)` is each family's
+    latent -> VAE input, `hidden_layers` its denoiser's (first, last, time embedding) modules."""
+
+    cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
+
+    def check_prompts(self, prompts, reward=None):
+        """A prompt longer than every text encoder's window is cut, and the cut words never reach
+        the model: refused in one line (ValueError) when `reward` scores the prompt's words
+        (PROMPT_REWARDS), else reported in one line."""
+        names, cut = ("tokenizer", "tokenizer_2", "tokenizer_3"), []
+        tokenizers = [getattr(self.pipe, name, None) for name in names]
+        tokenizers = [tokenizer for tokenizer in tokenizers if tokenizer is not None]
+        for prompt in dict.fromkeys(prompts) if tokenizers else []:
+            counts = []
+            for tokenizer in tokenizers:
+                window = tokenizer.model_max_length
+                if "T5" in type(tokenizer).__name__:  # the pipeline's max_sequence_length
+                    window = min(window, self.text_length)
+                counts.append((len(tokenizer(prompt, verbose=False).input_ids), window))
+            if all(count > window for count, window in counts):
+                cut.append((prompt, *max(counts, key=lambda pair: pair[1])))
+        if not cut:
+            return
+        prompt, count, window = cut[0]
+        what = (
+            f"{len(cut)} prompt(s) are longer than the text encoders' window, so their end is cut "
+            f"(e.g. {prompt!r}: {count} tokens, the window {window})"
+        )
+        if reward in PROMPT_REWARDS:
+            raise ValueError(
+                f"{what}; the {reward} reward scores the words that are cut: shorten them"
+            )
+        print(f"note: {what}")
+
+    @contextlib.contextmanager
+    def hidden_states(self):
+        """Forward hooks on the denoiser's `hidden_layers` while the block runs; yields read() ->
+        (features (N, 2D, h, w), embedding (N, E)) float32 of the last model call: the image
+        features as they enter the first block and as they leave the last normalisation, on the
+        token grid, side by side, and the timestep embedding. TPDM's time predictor reads these
+        (its src/models/stable_diffusion_3/transformer_sd3.py returns them; modeling_sd3_pnt.py
+        combines them with the CFG formula of the prediction, as here)."""
+        captured = {}
+
+        def keep(name):
+            return lambda module, inputs, output: captured.__setitem__(name, output)
+
+        handles = [
+            self.model.get_submodule(name).register_forward_hook(keep(name))
+            for name in self.hidden_layers
+        ]
+
+        def read():
+            first, last, time = (captured[name].float() for name in self.hidden_layers)
+            if self.cfg:
+                first, last, time = (_guided(value, self.guidance) for value in (first, last, time))
+            return torch.cat([_token_grid(first), _token_grid(last)], dim=1), time
+
+        try:
+            yield read
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def __init__(self, pipe, model, name, resolution, guidance, multiple):
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval().requires_grad_(False)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe, self.model, self.name, self.prompts = pipe, model, name, None
+        self.device, self.dtype = model.device, model.dtype
+        self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
+        self.resolution = side = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        if side % multiple:
+            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {side}")
+
+    @torch.no_grad()
+    def decode(self, latents):
+        images = []
+        for chunk in latents.split(DECODE_CHUNK):  # a 1024^2 decode is memory-hungry
+            vae_input = self.vae_input(chunk).to(self.pipe.vae.dtype)
+            pixels = self.pipe.vae.decode(vae_input, return_dict=False)[0]
+            images.append((pixels.float() / 2 + 0.5).clamp(0, 1))  # VaeImageProcessor.denormalize
+        return torch.cat(images)
+
+
+def _token_grid(features):
+    """Tokens (N, h * w, D) of a square image -> (N, D, h, w); a UNet's maps (N, D, h, w) as they
+    are."""
+    if features.dim() == 4:
+        return features
+    side = math.isqrt(features.shape[1])
+    return features.transpose(1, 2).reshape(len(features), -1, side, side)
+
+
+def _call_default(pipe, argument):
+    """The pipeline's own default for a __call__ argument (guidance_scale, max_sequence_length)."""
+    return inspect.signature(type(pipe).__call__).parameters[argument].default
+
+
+def _text_length(pipe, t5_tokenizer):
+    """The T5 sequence length: the pipeline's default max_sequence_length (256 for SD3.5, 512 for
+    Flux), or its T5 tokenizer's model_max_length when that is shorter (the miniatures' 12; the real
+    T5 tokenizers take 512)."""
+    default = _call_default(pipe, "max_sequence_length")
+    return min(default, t5_tokenizer.model_max_length) if t5_tokenizer is not None else default
+
+
+def _token_mask(tokenizer, prompts, length):
+    """(N, length) bool, True = a real token, exactly as the pipeline pads and truncates."""
+    if tokenizer is None:
+        return torch.zeros(len(prompts), length, dtype=torch.bool)
+    tokens = tokenizer(
+        prompts, padding="max_length", max_length=length, truncation=True, return_tensors="pt"
+    )
+    return tokens.attention_mask.bool()
+
+
+def _cfg_batch(cond, *keys):
+    """The tensors `keys` of cond stacked [negative; positive], as the pipelines batch true CFG."""
+    return [torch.cat([cond["negative_" + key], cond[key]]) for key in keys]
+
+
+def _guided(prediction, guidance):
+    """Classifier-free guidance over a batch stacked [uncond; cond], as the pipelines write it."""
+    uncond, cond = prediction.chunk(2)
+    return uncond + guidance * (cond - uncond)
+
+
+class SD3Backbone(PipelineBackbone):
+    """Stable Diffusion 3 / 3.5 (rectified flow, MMDiT); t is the flow sigma, true CFG in one
+    batch."""
+
+    def __init__(self, pipe, name="sd3", resolution=None, guidance=None):
+        multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
+        super().__init__(pipe, pipe.transformer, name, resolution, guidance, multiple)
+        self.cfg = self.guidance > 1  # the pipeline's do_classifier_free_guidance
+        self.text_length = _text_length(pipe, pipe.tokenizer_3)
+        config = self.model.config
+        self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        # TPDM's layers: the patch embedding, the output norm, the time-and-pooled-text embedding
+        self.hidden_layers = ("pos_embed", "norm_out", "time_text_embed")
+        width = config.num_attention_heads * config.attention_head_dim
+        self.policy_dims = dict(
+            latent_channels=config.in_channels,
+            text_dim=config.joint_attention_dim,
+            pooled_dim=config.pooled_projection_dim,
+            feature_channels=2 * width,
+            time_dim=width,
+        )
+
+    @torch.no_grad()
+    def encode_prompts(
+        self, prompts, prompt_2=None, prompt_3=None, clip_skip=None, max_sequence_length=None
+    ):
+        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
+        pipe, length = self.pipe, max_sequence_length or self.text_length
+        embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=prompt_2,
+            prompt_3=prompt_3,
+            device=self.device,
+            clip_skip=clip_skip,
+            do_classifier_free_guidance=self.cfg,
+            max_sequence_length=length,
+        )
+        clip_mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer_max_length)
+        t5_mask = _token_mask(pipe.tokenizer_3, prompt_3 or prompts, length)
+        mask = torch.cat([clip_mask, t5_mask], dim=1).to(self.device)  # (N, 77 + T5 length)
+        cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask)
+        if self.cfg:
+            cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
+        return cond
+
+    def default_times(self, steps):
+        # SD3Pipeline passes no sigmas: the scheduler's spacing and static shift (3.0 for SD3.5)
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        scheduler.set_timesteps(steps)
+        return scheduler.sigmas.float()
+
+    @torch.no_grad()
+    def sample(self, noise, cond, times, decide=None):
+        check_times(times, noise.shape[0])
+        text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        if self.cfg:
+            text, pooled = _cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
+        copies = 2 if self.cfg else 1
+
+        def velocity(state, t):
+            prediction = self.model(
+                hidden_states=state.to(self.dtype).repeat(copies, 1, 1, 1),
+                timestep=(t * 1000).repeat(copies),  # the pipeline's timesteps = sigmas * 1000
+                encoder_hidden_states=text,
+                pooled_projections=pooled,
+                return_dict=False,
+            )[0]
+            return _guided(prediction, self.guidance) if self.cfg else prediction
+
+        return run_schedule(velocity, noise.float(), times, decide=decide)
+
+    def vae_input(self, latents):
+        config = self.pipe.vae.config
+        return latents / config.scaling_factor + config.shift_factor
+
+
+class FluxBackbone(PipelineBackbone):
+    """FLUX.1 dev / schnell (rectified flow, packed 2x2 latent tokens); t is the flow sigma.
+    Flux-Dev takes the distilled guidance embedding, Flux-Schnell no guidance; no CFG batch."""
+
+    def __init__(self, pipe, name="flux", resolution=None, guidance=None):
+        multiple = pipe.vae_scale_factor * 2
+        super().__init__(pipe, pipe.transformer, name, resolution, guidance, multiple)
+        config = self.model.config
+        if not config.guidance_embeds:  # schnell: no guidance input, any value is ignored
+            self.guidance = None
+        self.text_length = _text_length(pipe, pipe.tokenizer_2)
+        self.latent_size = self.resolution // pipe.vae_scale_factor  # unpacked height = width
+        self.latent_channels = config.in_channels // 4
+        size = self.latent_size
+        self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
+        # as SD3's: the token embedding (positions are rotary), the output norm, the embedding of
+        # time, guidance and pooled text
+        self.hidden_layers = ("x_embedder", "norm_out", "time_text_embed")
+        width = config.num_attention_heads * config.attention_head_dim
+        self.policy_dims = dict(
+            latent_channels=self.latent_channels,
+            text_dim=config.joint_attention_dim,
+            pooled_dim=config.pooled_projection_dim,
+            feature_channels=2 * width,
+            time_dim=width,
+        )
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts, prompt_2=None, max_sequence_length=None):
+        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
+        length = max_sequence_length or self.text_length
+        embeds, pooled, _ = self.pipe.encode_prompt(
+            prompt=prompts, prompt_2=prompt_2, device=self.device, max_sequence_length=length
+        )
+        mask = _token_mask(self.pipe.tokenizer_2, prompt_2 or prompts, length)  # the T5 tokens
+        return dict(
+            prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask.to(self.device)
+        )
+
+    def pack(self, latents):
+        size = self.latent_size
+        return self.pipe._pack_latents(latents, latents.shape[0], self.latent_channels, size, size)
+
+    def unpack(self, tokens):
+        side = self.resolution
+        return self.pipe._unpack_latents(tokens, side, side, self.pipe.vae_scale_factor)
+
+    def sample_noise(self, n, generator=None):
+        noise = torch.randn((n,) + self.latent_shape, generator=generator)
+        return self.pack(noise).to(self.device)  # (N, tokens, 4 C)
+
+    def as_image(self, latents):
+        return self.unpack(latents)  # the policy sees an image
+
+    def default_times(self, steps):
+        # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens) with the config's
+        # values or the pipeline's defaults below; schnell's config has no shift
+        import numpy as np
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        config = self.pipe.scheduler.config
+        tokens = (self.latent_size // 2) ** 2
+        keys = dict(base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
+        mu = calculate_shift(tokens, *[config.get(key, default) for key, default in keys.items()])
+        scheduler = type(self.pipe.scheduler).from_config(config)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+        return scheduler.sigmas.float()
+
+    @torch.no_grad()
+    def sample(self, noise, cond, times, decide=None):
+        check_times(times, noise.shape[0])
+        count = noise.shape[0]
+        patches = self.latent_size // 2
+        device, dtype = self.device, self.dtype
+        image_ids = self.pipe._prepare_latent_image_ids(count, patches, patches, device, dtype)
+        text_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
+        guidance = None
+        if self.guidance is not None:
+            guidance = torch.full((count,), float(self.guidance), device=device)
+
+        def velocity(state, t):
+            return self.model(
+                hidden_states=state.to(dtype),
+                timestep=t.to(dtype),
+                guidance=guidance,
+                pooled_projections=cond["pooled_prompt_embeds"],
+                encoder_hidden_states=cond["prompt_embeds"],
+                txt_ids=text_ids,
+                img_ids=image_ids,
+                return_dict=False,
+            )[0]
+
+        return run_schedule(velocity, noise.float(), times, decide=decide)
+
+    def vae_input(self, latents):
+        config = self.pipe.vae.config
+        return self.unpack(latents) / config.scaling_factor + config.shift_factor
+
+
+class SDXLBackbone(PipelineBackbone):
+    """Stable Diffusion XL (discrete-time, epsilon prediction) integrated as the Euler sampler does:
+    the state is x = x_0 + sigma * noise, the model sees x / sqrt(sigma^2 + 1) at timestep t * 999,
+    dx / dsigma = predicted noise, sigma(t) interpolated linearly in the model's noise table,
+    sigma(0) = 0. True CFG in one batch; add_time_ids (size, crop, target size) ride in cond."""
+
+    def __init__(self, pipe, name="sdxl", resolution=None, guidance=None):
+        multiple = pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
+        super().__init__(pipe, pipe.unet, name, resolution, guidance, multiple)
+        self.cfg = self.guidance > 1
+        config = pipe.scheduler.config
+        linear = config.interpolation_type == "linear" and not config.get("use_karras_sigmas")
+        discrete = config.get("timestep_type", "discrete") == "discrete"
+        if config.prediction_type != "epsilon" or not linear or not discrete:
+            raise ValueError(
+                f"{name}: only epsilon prediction with linear sigma interpolation on "
+                "discrete timesteps is supported"
+            )
+        alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
+        self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigmas
+        channels = self.model.config.in_channels
+        self.latent_shape = (channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        # the UNet's counterparts of SD3's: its input convolution and output norm (both at the
+        # latent's resolution and the first block's width) and its timestep embedding
+        self.hidden_layers = ("conv_in", "conv_norm_out", "time_embedding")
+        self.policy_dims = dict(
+            latent_channels=channels,
+            text_dim=self.model.config.cross_attention_dim,
+            pooled_dim=pipe.text_encoder_2.config.projection_dim,
+            feature_channels=2 * self.model.config.block_out_channels[0],
+            time_dim=self.model.time_embedding.linear_2.out_features,
+        )
+
+    def sigma(self, times):
+        """sigma(t): linear interpolation of the noise table at timestep t * 999; t = 0 -> 0."""
+        last = len(self.noise_table) - 1
+        # the product in float32: integer timesteps stay exact
+        timestep = (times.float() * last).double().clamp(0, last)
+        low = timestep.floor().long().clamp(max=last - 1)
+        weight = timestep - low
+        table = self.noise_table.to(times.device)
+        sigma = table[low] * (1 - weight) + table[low + 1] * weight
+        return torch.where(times > 0, sigma, torch.zeros_like(sigma)).float()
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts, prompt_2=None, clip_skip=None):
+        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
+        pipe = self.pipe
+        embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
+            prompt=prompts,
+            prompt_2=prompt_2,
+            device=self.device,
+            do_classifier_free_guidance=self.cfg,
+            clip_skip=clip_skip,
+        )
+        size = (self.resolution, self.resolution)
+        projection = pipe.text_encoder_2.config.projection_dim
+        time_ids = pipe._get_add_time_ids(
+            size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
+        )
+        time_ids = time_ids.to(self.device).repeat(len(prompts), 1)  # (N, 6)
+        mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length).to(self.device)
+        cond = dict(
+            prompt_embeds=embeds, pooled_prompt_embeds=pooled, time_ids=time_ids, text_mask=mask
+        )
+        if self.cfg:
+            cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
+        return cond
+
+    def default_times(self, steps):
+        # the pipeline's EulerDiscreteScheduler spacing ("leading" for SD-XL: 981, 961, ..., 1 at 50
+        # steps, so t_0 < 1), then the final sigma 0
+        scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
+        scheduler.set_timesteps(steps)
+        last = scheduler.config.num_train_timesteps - 1
+        return torch.cat([scheduler.timesteps.float() / last, torch.zeros(1)])
+
+    @torch.no_grad()
+    def sample(self, noise, cond, times, decide=None):
+        check_times(times, noise.shape[0])
+        text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
+        time_ids = cond["time_ids"]
+        if self.cfg:
+            text, pooled = _cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
+            time_ids = torch.cat([time_ids, time_ids])
+        copies = 2 if self.cfg else 1
+        view = (-1, 1, 1, 1)
+
+        def epsilon(state, t):
+            sigma = self.sigma(t).view(view)
+            model_input = (state / (sigma**2 + 1) ** 0.5).to(self.dtype)  # scale_model_input
+            prediction = self.model(
+                model_input.repeat(copies, 1, 1, 1),
+                (t * 999).repeat(copies),
+                encoder_hidden_states=text,
+                return_dict=False,
+                added_cond_kwargs=dict(text_embeds=pooled, time_ids=time_ids),
+            )[0]
+            return _guided(prediction, self.guidance) if self.cfg else prediction
+
+        # the pipeline's init_noise_sigma: sqrt(sigma_0^2 + 1) ("leading" spacing) or sigma_0
+        first = self.sigma(times[:, 0]).to(noise.device).view(view)
+        leading = self.pipe.scheduler.config.timestep_spacing == "leading"
+        scale = (first**2 + 1) ** 0.5 if leading else first
+        return run_schedule(epsilon, noise.float() * scale, times, self.sigma, decide)
+
+    def vae_input(self, latents):
+        config = self.pipe.vae.config
+        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
+        if mean is not None and std is not None:
+            mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device)
+            std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device)
+            return latents * std / config.scaling_factor + mean
+        return latents / config.scaling_factor
