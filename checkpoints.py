@@ -9,8 +9,7 @@ pickle; the backbone, L and the training configuration in config.json), to share
 either ckpt.pt or such a folder / hub id and rebuild the policy and its frozen backbone from it
 alone. Every way a file can be missing, truncated or of another run ends in one line that says what
 to do (check_backbone_files checks a model folder before it loads); a write that fails (a full disk,
-read-only storage) keeps the last good file and says so in one line; check_evaluation checks
-evaluate.py's command line against the checkpoints it names.
+read-only storage) keeps the last good file and says so in one line.
 """
 
 import contextlib
@@ -528,41 +527,3 @@ def claim_run(out_dir, fresh):
             f"checkpoint; moved to {metrics_path}.failed, this run starts afresh"
         )
     return lock
-
-
-def check_evaluation(args):
-    """evaluate.py's command line against its checkpoints, before anything heavy is loaded (bad
-    input raises ValueError): returns the policies to evaluate (name -> (path, checkpoint,
-    policy)), the reward names, reward -> local weights and the output folder."""
-    from rewards import DIGIT_REWARDS
-
-    checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
-    config = checkpoint["config"]
-    trained_on, trained_reward = config["backbone"], config["reward"]
-    policies = {"learned": (args.ckpt, checkpoint, learned)}
-    if args.global_ckpt:  # the same backbone and L
-        global_run = load_checkpoint(args.global_ckpt, trained_on, config["steps"])
-        policies["global"] = (args.global_ckpt, *global_run)
-    beside = ["clip"] if trained_reward == "hpsv2" else []
-    for item in args.reward_checkpoint:
-        if "=" not in item or not item.split("=", 1)[0]:
-            example = "e.g. hpsv2=/path/HPS_v2.1_compressed.pt"
-            raise ValueError(f"--reward-checkpoint takes NAME=PATH ({example}), got {item!r}")
-    local = {trained_reward: config["reward_checkpoint"]}  # reward -> its local weights
-    local.update(item.split("=", 1) for item in args.reward_checkpoint)
-    spec = backbones.BACKBONES[trained_on]
-    for name in args.rewards or []:  # as train.py refuses it (launch.check_config)
-        if name in DIGIT_REWARDS and "folder" not in spec:
-            raise ValueError(
-                f"the {name} reward reads the 16x16 handwritten digits that only the mini-* "
-                f"backbones draw, not {trained_on}'s images; use --rewards teacher"
-            )
-    if args.schnell and trained_on != "flux-dev":
-        raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
-    sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}
-    for flag, value in sizes.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be at least 1 (got {value})")
-    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
-    check_writable(out_dir)
-    return policies, args.rewards or [trained_reward, *beside], local, out_dir

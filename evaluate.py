@@ -229,6 +229,42 @@ def format_table(rows, baseline="default"):
 
 # -----------------------------------------------------------------------------
 # command line: checkpoints, prompt sets, resumable scores, report
+def check_args(args):
+    """evaluate.py's command line against its checkpoints, before anything heavy is loaded (bad
+    input raises ValueError): returns the policies to evaluate (name -> (path, checkpoint,
+    policy)), the reward names, reward -> local weights and the output folder."""
+    checkpoint, learned = checkpoints.load_checkpoint(args.ckpt, args.backbone, args.steps)
+    config = checkpoint["config"]
+    trained_on, trained_reward = config["backbone"], config["reward"]
+    policies = {"learned": (args.ckpt, checkpoint, learned)}
+    if args.global_ckpt:  # the same backbone and L
+        global_run = checkpoints.load_checkpoint(args.global_ckpt, trained_on, config["steps"])
+        policies["global"] = (args.global_ckpt, *global_run)
+    beside = ["clip"] if trained_reward == "hpsv2" else []
+    for item in args.reward_checkpoint:
+        if "=" not in item or not item.split("=", 1)[0]:
+            example = "e.g. hpsv2=/path/HPS_v2.1_compressed.pt"
+            raise ValueError(f"--reward-checkpoint takes NAME=PATH ({example}), got {item!r}")
+    local = {trained_reward: config["reward_checkpoint"]}  # reward -> its local weights
+    local.update(item.split("=", 1) for item in args.reward_checkpoint)
+    spec = backbones.BACKBONES[trained_on]
+    for name in args.rewards or []:  # as train.py refuses it (launch.check_config)
+        if name in reward_lib.DIGIT_REWARDS and "folder" not in spec:
+            raise ValueError(
+                f"the {name} reward reads the 16x16 handwritten digits that only the mini-* "
+                f"backbones draw, not {trained_on}'s images; use --rewards teacher"
+            )
+    if args.schnell and trained_on != "flux-dev":
+        raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
+    sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}
+    for flag, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be at least 1 (got {value})")
+    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
+    checkpoints.check_writable(out_dir)
+    return policies, args.rewards or [trained_reward, *beside], local, out_dir
+
+
 def main(argv=None):
     args = parser.parse_args(argv)
     unknown = [name for name in args.rewards or [] if name not in reward_lib.REWARDS]
@@ -237,7 +273,7 @@ def main(argv=None):
         parser.error(f"argument --rewards: invalid choice: {unknown[0]!r} (choose from {choices})")
 
     try:  # cheap checks before anything heavy
-        policies, reward_names, local, out_dir = checkpoints.check_evaluation(args)
+        policies, reward_names, local, out_dir = check_args(args)
         config = policies["learned"][1]["config"]
         steps, trained_on = config["steps"], config["backbone"]
         # the table is grouped by styles: HPDv2's, or a .jsonl's "style" or "tag"
