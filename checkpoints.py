@@ -24,12 +24,6 @@ import torch
 import backbones
 from hub import hub_file
 
-# weights of another shape than their configuration builds: a policy of an earlier network
-EARLIER_NETWORK = (
-    "{source} holds a policy of an earlier network (its pooled-prompt projection has another "
-    "shape); train it again with this code"
-)
-
 
 class WriteFailed(ValueError):
     """A write to a run folder failed (write_failed says why, in one line)."""
@@ -107,11 +101,6 @@ def read_checkpoint(path):
             f"{path} is not a checkpoint written by train.py ({held}); pass the ckpt.pt or "
             "policy/ folder of a train.py run"
         )
-    built = backbones.build_policy(dict(state["policy_config"])).state_dict()  # what it builds
-    if any(
-        name not in built or built[name].shape != w.shape for name, w in state["policy"].items()
-    ):
-        raise ValueError(EARLIER_NETWORK.format(source=path))
     return state
 
 
@@ -162,8 +151,8 @@ def load_checkpoint(source, backbone=None, steps=None):
         if not isinstance(saved, dict) or "steps" not in saved:
             raise ValueError(missing)
         # whatever save_pretrained / push_to_hub wrote: the training configuration when there is
-        # one ("training" in older folders), else what the folder itself says (backbone, L)
-        training = saved.get("training_config") or saved.get("training")
+        # one, else what the folder itself says (backbone, L)
+        training = saved.get("training_config")
         if training is None:
             training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
         training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
@@ -171,7 +160,7 @@ def load_checkpoint(source, backbone=None, steps=None):
         kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
         folder = os.path.dirname(files["config.json"])
         # the mixin prints "Loading weights from local directory"
-        with contextlib.redirect_stdout(io.StringIO()), earlier_network(source):
+        with contextlib.redirect_stdout(io.StringIO()):
             policy = backbones.POLICIES[kind].from_pretrained(
                 folder, backbone=training["backbone"], training_config=training
             )
@@ -470,19 +459,6 @@ def metric_rows(path):
             else:
                 torn += 1
     return rows, torn
-
-
-@contextlib.contextmanager
-def earlier_network(source):
-    """A policy folder whose weights have other shapes than its config.json builds (one saved
-    before the pooled prompt modulated the noise tokens) ends in one line, not a traceback;
-    read_checkpoint checks a ckpt.pt before anything loads."""
-    try:
-        yield
-    except RuntimeError as error:
-        if "size mismatch" not in str(error):
-            raise
-        raise ValueError(EARLIER_NETWORK.format(source=source)) from None
 
 
 def restore(checkpoint, policy, optimizer, metrics_path=None):

@@ -6,7 +6,6 @@ import torch
 
 from backbones import BACKBONES, build_policy, make_policy
 from bench import POLICY_DIMS
-from checkpoints import existing_run, load_checkpoint, save_policy
 from policy import (
     ALPHA_MIN,
     TAU_FLOOR,
@@ -348,28 +347,3 @@ def test_instance_and_global_share_the_forward_signature():
         assert policy(
             latent=inputs[0], text=inputs[1], text_mask=inputs[2], pooled=inputs[3]
         ).shape == (5, 8)
-
-
-def test_a_policy_of_the_earlier_network_fails_in_one_line(tmp_path):
-    # before FiLM the pooled-prompt projection had dim outputs (added to the tokens), now 2 x dim
-    policy = make_policy("instance", DIGITS, 4)
-    state = policy.state_dict()
-    dim = policy.config["dim"]
-    state["pooled_proj.1.weight"] = state["pooled_proj.1.weight"][:dim]
-    state["pooled_proj.1.bias"] = state["pooled_proj.1.bias"][:dim]
-    config = dict(backbone="digits", steps=4)
-    path = tmp_path / "ckpt.pt"
-    torch.save(dict(policy=state, policy_config=policy.config, config=config, iteration=1), path)
-    with pytest.raises(ValueError, match="earlier network") as error:
-        load_checkpoint(str(path))
-    assert "\n" not in str(error.value)
-    # a resume reads the same file first (train.py's input checks): refused before anything loads
-    with pytest.raises(ValueError, match="earlier network"):
-        existing_run(dict(out_dir=str(tmp_path), resume=False))
-    folder = tmp_path / "policy"
-    save_policy(str(folder), policy, config, 1)
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match="earlier network"):
-        load_checkpoint(str(folder))
