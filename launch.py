@@ -1,7 +1,8 @@
 """
 Everything train.py does around its loop that is not the method: check the configuration, pick the
-ranks and devices, take the run folder, load the frozen backbone, the reward, the held-out contexts
-and the policy (continuing a checkpoint), and at the end write the held-out report.
+ranks and devices, take the run folder, open the frozen backbone with the prompts checked against
+it, build the policy, continue a checkpoint; in the loop, gather the rewards, log and checkpoint;
+at the end write the held-out report.
 
 Bad input fails here in one line (SystemExit "error: ..."), before anything heavy is loaded, and
 nothing a run folder already holds is changed by a refused start.
@@ -16,8 +17,6 @@ import types
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from backbones import BACKBONES, make_policy, update_cost
 from baselines import MIN_CONTEXTS
@@ -29,11 +28,11 @@ from checkpoints import (
     claim_run,
     existing_run,
     metric_rows,
-    open_backbone,
     read_json,
     restore,
     save_checkpoint,
     save_policy,
+    trained_backbone,
     write_failed,
     write_json_atomic,
 )
@@ -48,7 +47,7 @@ from figures import context_labels, plot_training
 from miniature import realism_measure
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from realism import realism_table
-from rewards import DIGIT_REWARDS, IMAGE_CONTENT, check_prompts, load_reward
+from rewards import DIGIT_REWARDS, IMAGE_CONTENT, check_prompts
 
 LEAST = dict(
     steps=1,
@@ -65,6 +64,7 @@ LEAST = dict(
 )
 
 
+GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (heldout_gain)
 # a larger seed would take the training contexts' noise seeds (prompts.context_seed) past 2^63
 MAX_SEED = 2**27
 
@@ -231,30 +231,29 @@ def report_finished(config, checkpoint, eval_path):
     )
 
 
-def setup(config):
-    """Check, load and (when the folder holds a checkpoint) restore everything the loop needs: a
-    namespace with rank, world_size, master, distributed, device, backbone, reward, prompts,
-    heldout (prompts, seeds), curve (the held-out gain logged at checkpoints), raw_policy, policy
-    (DDP-wrapped when distributed), optimizer, start (the first iteration), the paths and the
-    folder's lock; None when the run is already finished."""
+def start(config):
+    """Ranks and devices, the configuration checked (check_config), the model files checked and the
+    cost of one update printed: a namespace with rank, world_size, master, device, distributed;
+    prompts and heldout_prompts (None: the backbone's own); checkpoint (the one out_dir holds, or
+    None); ckpt_path, metrics_path, eval_path. None when out_dir holds this run, finished: the same
+    command again reports it."""
     rank, world_size, device, distributed = ranks(config)
     run = types.SimpleNamespace(
         rank=rank, world_size=world_size, master=rank == 0, device=device, distributed=distributed
     )
-    prompts, heldout, checkpoint = check_config(config, world_size)
+    run.prompts, run.heldout_prompts, run.checkpoint = check_config(config, world_size)
     run.ckpt_path, run.metrics_path, run.eval_path = (
         os.path.join(config.out_dir, name) for name in ("ckpt.pt", "metrics.jsonl", "eval.json")
     )
-    if finished(config, checkpoint):
+    if finished(config, run.checkpoint):
         if run.master:
             try:
-                report_finished(config, checkpoint, run.eval_path)
+                report_finished(config, run.checkpoint, run.eval_path)
             except ValueError as error:
                 _fail(error)
         return None
     if config.threads:
         torch.set_num_threads(config.threads)
-    torch.manual_seed(config.seed)
     if run.master:  # what one update costs, before anything loads
         teacher = (
             f" (the teacher solves {config.contexts} contexts)"
@@ -278,83 +277,83 @@ def setup(config):
             missing.append(str(error))
     if missing:
         _fail("; ".join(missing))
+    return run
 
-    dtype = getattr(torch, config.dtype) if config.dtype else None
+
+def backbone_and_prompts(config, run):
+    """The frozen backbone (checkpoints.trained_backbone), the training prompts and the held-out
+    contexts (prompts, seeds), checked against it: a prompt it cannot take fails here in one line,
+    not at an iteration."""
     try:
-        run.backbone = open_backbone(
-            config.backbone,
-            path=config.model_path,
-            device=device,
-            dtype=dtype,
-            resolution=config.resolution,
-            guidance=config.guidance,
-        )
+        backbone = trained_backbone(dataclasses.asdict(config), run.device)
+        prompts = run.prompts or backbone.prompts
+        heldout = heldout_contexts(run.heldout_prompts or backbone.prompts, config.eval_contexts)
+        backbone.check_prompts(prompts + heldout[0], config.reward)
     except ValueError as error:
         _fail(error)
-    run.prompts = prompts or run.backbone.prompts
-    run.heldout = heldout_contexts(heldout or run.backbone.prompts, config.eval_contexts)
-    try:  # a prompt the backbone cannot take fails here, not at an iteration
-        run.backbone.check_prompts(run.prompts + run.heldout[0], config.reward)
-    except ValueError as error:
-        _fail(error)
-    # one writer per run folder until this process ends (held by keeping the file open), taken
-    # once the inputs passed: a refused start leaves no folder behind
+    return backbone, prompts, heldout
+
+
+def claim(config, run):
+    """One writer per run folder until this process ends (held by keeping the file open in
+    run.lock), taken once the inputs passed: a refused start leaves no folder behind."""
     try:
         with written(config.out_dir):
-            run.lock = claim_run(config.out_dir, fresh=not checkpoint) if run.master else None
+            run.lock = claim_run(config.out_dir, fresh=not run.checkpoint) if run.master else None
     except ValueError as error:
         _fail(error)
-    run.reward = load_reward(
-        config.reward, run.backbone, device=device, checkpoint=config.reward_checkpoint
-    )
-    run.curve = None
-    if run.master:
-        run.curve = heldout_curve(
-            run.backbone, run.reward, run.heldout[0][:32], run.heldout[1][:32], config.steps
-        )
 
-    init_times = run.backbone.default_times(config.steps) if config.init == "default" else None
+
+def new_policy(config, backbone):
+    """The policy the configuration names at its start (backbones.make_policy): the backbone's
+    default schedule, equal increments or TPDM's rates, at --concentration."""
+    init_times = backbone.default_times(config.steps) if config.init == "default" else None
     options = dict(init="tpdm") if config.init == "tpdm" else {}
     if config.concentration is not None:
         options.update(concentration=config.concentration)
     if config.policy == "stepwise":
         options.update(inputs=config.policy_inputs, inference=config.inference)
     try:  # a concentration too small for the start's smallest increment
-        run.raw_policy = make_policy(
+        return make_policy(
             config.policy,
-            run.backbone.policy_dims,
+            backbone.policy_dims,
             config.steps,
             preset=BACKBONES[config.backbone]["policy"],
             init_times=init_times,
             backbone=config.backbone,
             **options,
-        ).to(device)
+        )
     except ValueError as error:
         _fail(f"--concentration {config.concentration}: {error}")
-    run.optimizer = make_optimizer(config, run.raw_policy.parameters())
-    run.start, run.rows = 0, []  # the rows of metrics.jsonl, which every checkpoint carries
-    if checkpoint:
+
+
+def resume(config, run, policy, optimizer):
+    """The iteration the loop starts at: 0 for a new run (its policy kept as snapshot 0), else the
+    checkpoint's, whose weights, optimizer and RNG state are restored and metrics.jsonl cut back to
+    it. run.rows: the rows of metrics.jsonl, which every checkpoint carries."""
+    start, run.rows = 0, []
+    if run.checkpoint:
         with written():
-            run.start = restore(
-                checkpoint, run.raw_policy, run.optimizer, run.metrics_path if run.master else None
-            )
+            metrics_path = run.metrics_path if run.master else None
+            start = restore(run.checkpoint, policy, optimizer, metrics_path)
         if run.master:
             run.rows = metric_rows(run.metrics_path)[0]
-            print(f"continuing {run.ckpt_path} from iteration {run.start}")
-    run.policy = DistributedDataParallel(run.raw_policy) if distributed else run.raw_policy
-    if run.master and run.start == 0:
-        snapshot(config, run, 0)
-    if run.master:
-        os.makedirs(config.out_dir, exist_ok=True)
-        size = sum(p.numel() for p in run.raw_policy.parameters())
-        print(
-            f"backbone {config.backbone} | L = {config.steps} steps | {config.policy} policy, "
-            f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts "
-            f"= {config.contexts * config.rollouts} samples per update | {world_size} rank(s), "
-            f"{config.contexts // world_size} contexts each | baseline {config.baseline} | reward "
-            f"{config.reward}\n{optimizer_line(config)}"
-        )
-    return run
+            print(f"continuing {run.ckpt_path} from iteration {start}")
+    elif run.master:
+        snapshot(config, policy, 0)
+    return start
+
+
+def summary(config, run, policy):
+    """What this run trains, in three lines."""
+    size = sum(p.numel() for p in policy.parameters())
+    return (
+        f"backbone {config.backbone} | L = {config.steps} steps | {config.policy} policy, "
+        f"{size:,} parameters\nB = {config.contexts} contexts x K = {config.rollouts} rollouts "
+        f"= {config.contexts * config.rollouts} samples per update | {run.world_size} rank(s), "
+        f"{config.contexts // run.world_size} contexts each | baseline {config.baseline} | reward "
+        f"{config.reward}\n{optimizer_line(config)}"
+    )
 
 
 def optimizer_line(config):
@@ -370,22 +369,11 @@ def optimizer_line(config):
     )
 
 
-def make_optimizer(config, parameters):
-    """AdamW with beta1 0.9 and the configuration's beta2, epsilon and weight decay (with
-    --optimizer ppo: TPDM's Adam(0.9, 0.99), eps 1e-5, no weight decay; train.OPTIMIZERS)."""
-    return torch.optim.AdamW(
-        parameters,
-        lr=config.lr,
-        betas=(0.9, config.adam_beta2),
-        eps=config.adam_eps,
-        weight_decay=config.weight_decay,
-    )
-
-
-def heldout_curve(backbone, reward, prompts, seeds, steps):
-    """policy -> the mean paired gain of its mean schedule over the default on these contexts, the
-    curve of train.py's figure (at each checkpoint, unlike the batch reward, on the same contexts
-    every time)."""
+def heldout_gain(backbone, reward, heldout, steps):
+    """A function policy -> the mean paired gain (a number) of its mean schedule over the default on
+    the first GAIN_CONTEXTS held-out contexts: the curve of train.py's figure, logged at each
+    checkpoint (unlike the batch reward, on the same contexts every time)."""
+    prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
     methods = {"default": default_schedule(backbone, steps)}
     default = evaluate(backbone, reward, prompts, seeds, methods)["default"]
 
@@ -449,33 +437,27 @@ def check_finite(config, run, iteration, rewards):
     )
 
 
-def finish(config, run):
+def finish(config, run, backbone, reward, policy, heldout):
     """The training figure, the policy in the Hub format and the held-out report (rank 0; its
     eval.json last, as it marks the run finished), then the end of the process group."""
     if run.master:
-        prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
-        noise, cond = context_noise(run.backbone, seeds), run.backbone.encode_prompts(prompts)
-        used = policy_schedule(run.raw_policy, run.backbone)(noise, cond)
+        prompts, seeds = (part[:8] for part in heldout)  # a few held-out contexts
+        noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+        used = policy_schedule(policy, backbone)(noise, cond)
         learned = (used[0] if isinstance(used, tuple) else used).cpu()  # step-wise: with latents
-        default = run.backbone.default_times(run.raw_policy.steps).cpu()
+        default = backbone.default_times(policy.steps).cpu()
         labels = context_labels(prompts, seeds)
         with written(config.out_dir):
-            curve = len(run.heldout[0][:32])  # the contexts of heldout_curve
+            curve = len(heldout[0][:GAIN_CONTEXTS])  # the contexts of heldout_gain
             plot_training(config.out_dir, learned, default, labels, config.reward, curve)
             save_policy(
                 os.path.join(config.out_dir, "policy"),
-                run.raw_policy,
+                policy,
                 dataclasses.asdict(config),
                 config.iterations,
             )
             heldout_report(
-                config.out_dir,
-                run.backbone,
-                run.reward,
-                run.raw_policy,
-                *run.heldout,
-                config.reward,
-                config.seed,
+                config.out_dir, backbone, reward, policy, *heldout, config.reward, config.seed
             )
         print(
             f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}, the figure train.png and "
@@ -502,19 +484,13 @@ def log(config, run, row, progress):
         )
 
 
-def progress_bar(config, run):
-    """The iterations this process runs, from run.start, as a progress bar on rank 0."""
-    iterations = range(run.start, config.iterations)
-    return tqdm(iterations, initial=run.start, total=config.iterations, disable=not run.master)
-
-
-def checkpoint(config, run, done):
+def checkpoint(config, run, policy, optimizer, done):
     """ckpt.pt after `done` iterations: what a resume needs to continue exactly. Every draw in the
     loop has its own seeded generator; the global RNG state is kept should anything draw from it."""
     state = dict(
-        policy=run.raw_policy.state_dict(),
-        policy_config=run.raw_policy.config,
-        optimizer=run.optimizer.state_dict(),
+        policy=policy.state_dict(),
+        policy_config=policy.config,
+        optimizer=optimizer.state_dict(),
         iteration=done,
         config=dataclasses.asdict(config),
         rng={"torch": torch.get_rng_state()},
@@ -522,17 +498,17 @@ def checkpoint(config, run, done):
     )
     with written(run.ckpt_path):
         save_checkpoint(run.ckpt_path, state)
-    snapshot(config, run, done)
+    snapshot(config, policy, done)
 
 
-def snapshot(config, run, done):
+def snapshot(config, policy, done):
     """With --snapshots, the policy after `done` iterations in snapshots/policy-<done>.pt (what
     baseline_study.py measures the gradient's variance at); kept, unlike ckpt.pt."""
     if config.snapshots:
         path = os.path.join(config.out_dir, "snapshots", f"policy-{done}.pt")
         with written(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            state = dict(policy=run.raw_policy.state_dict(), policy_config=run.raw_policy.config)
+            state = dict(policy=policy.state_dict(), policy_config=policy.config)
             save_checkpoint(path, dict(state, iteration=done))
 
 

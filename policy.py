@@ -126,6 +126,40 @@ def log_prob(alpha, tau):
 
 
 # -----------------------------------------------------------------------------
+# rollouts: what train.py's loop asks of every policy
+class DirichletRollouts:
+    """K schedules per context drawn from a single-pass policy (instance or global) before the
+    sampling loop runs, and their log-probability. train.py's loop asks the same of the step-wise
+    policy's (stepwise.StepwiseRollouts), which draws each time inside the loop:
+        rollouts = Rollouts(policy, backbone, noise, cond, generators, K)  # under torch.no_grad()
+        rollouts.sample(part, noise, cond) -> latents of the samples `part` (L model calls)
+        rollouts.log_prob(policy, index) -> (len,) log pi of those schedules, with gradients
+        rollouts.logp (N,): log pi of each schedule as drawn; rollouts.concentration and
+        rollouts.stop_margin: the means that train.py logs
+    Samples are context-major (N = contexts x K); generators: one seeded generator per context,
+    which draws its K schedules."""
+
+    def __init__(self, policy, backbone, noise, cond, generators, rollouts):
+        self.backbone, self.inputs = backbone, backbone.policy_inputs(noise, cond)
+        alpha = policy(**self.inputs)  # (B, L+1) Dirichlet concentrations
+        tau = [sample_increments(alpha[c : c + 1], rollouts, g) for c, g in enumerate(generators)]
+        self.tau = torch.cat(tau)  # (B, K, L+1) increments, stored detached
+        self.times = times_from_increments(self.tau).flatten(0, 1)  # (B K, L+1)
+        self.logp = log_prob(alpha, self.tau).flatten()  # (B K,)
+        self.concentration = alpha.sum(-1).mean()
+        self.stop_margin = mean_increments(alpha)[:, -1].mean()  # the mean t_L
+
+    def sample(self, part, noise, cond):
+        return self.backbone.sample(noise, cond, self.times[part])
+
+    def log_prob(self, policy, index=slice(None)):
+        """The Dirichlet log-density of the drawn increments `index`, the policy run again with
+        gradients: the rollout only needed its output, and keeping that graph alive through the L
+        model calls would hold memory for nothing."""
+        return log_prob(policy(**self.inputs), self.tau).flatten()[index]
+
+
+# -----------------------------------------------------------------------------
 # initialisation
 def initial_logits(steps, init, init_times, concentration, stop_margin):
     """The head's output bias (L+1,) float64 on CPU: softplus(bias) + ALPHA_MIN = alpha_init.

@@ -280,6 +280,49 @@ def trajectory_log_prob(policy, record, index=slice(None)):
     return beta_log_prob(parameters, picked["pair"].flatten(0, 1)).view(count, steps).sum(1)
 
 
+class StepwiseRollouts:
+    """K schedules per context from a step-wise policy, each time drawn inside the sampling loop
+    (Stepper), and their log-probability: the interface policy.DirichletRollouts describes, for
+    train.py's loop. Each sample draws from its own generator, seeded from its context's: its
+    schedule does not depend on how the batch is split into parts."""
+
+    def __init__(self, policy, backbone, noise, cond, generators, rollouts):
+        seeds = torch.cat([torch.randint(2**62, (rollouts,), generator=g) for g in generators])
+        self.draws = [torch.Generator().manual_seed(seed) for seed in seeds.tolist()]
+        self.policy, self.backbone, self.records = policy, backbone, []
+
+    def sample(self, part, noise, cond):
+        draws = [self.draws[i] for i in part]
+        with Stepper(self.policy, self.backbone, cond, draws) as stepper:  # hooks, if it reads any
+            times = start_times(len(noise), self.policy.steps)  # t_0 = 1, the rest chosen
+            latents = self.backbone.sample(noise, cond, times, stepper)
+        self.records.append(stepper.record())
+        return latents
+
+    def record(self):
+        """The records of every part sampled (Stepper.record), joined into one."""
+        if len(self.records) > 1:
+            self.records = [join_records(self.records)]
+        return self.records[0]
+
+    @property
+    def logp(self):
+        return self.record()["logp"]
+
+    @property
+    def concentration(self):  # of each step's Beta
+        return self.record()["parameters"].sum(-1).mean()
+
+    @property
+    def stop_margin(self):
+        return self.record()["times"][:, -1].mean()
+
+    def log_prob(self, policy, index=slice(None)):
+        """The sum of the L Beta log-densities of the samples `index`, recomputed with gradients
+        from the recorded states (trajectory_log_prob)."""
+        return trajectory_log_prob(policy, self.record(), index)
+
+
 def ppo_objective(logp, logp_old, advantages, clip):
     """PPO's clipped surrogate loss (Schulman et al. 2017), to minimise, and the fraction of
     samples whose ratio was clipped:
@@ -290,22 +333,3 @@ def ppo_objective(logp, logp_old, advantages, clip):
     clipped = ratio.clamp(1.0 - clip, 1.0 + clip)
     loss = -torch.minimum(ratio * advantages, clipped * advantages).mean()
     return loss, (clipped != ratio).float().mean().detach()
-
-
-def ppo_update(config, log_probs, logp_old, advantages, descend, shuffle):
-    """PPO's update on one batch of rollouts: config.ppo_epochs passes, each over a fresh shuffle
-    (generator `shuffle`) cut into config.ppo_minibatches, one clipped step each.
-    log_probs(index) -> log pi of those samples with gradients; logp_old, advantages (N,), the
-    policy's log-probabilities when it drew them and the advantages;
-    descend(loss) takes one optimiser step. Returns the last loss, gradient norm and the fraction of
-    clipped ratios over the last pass."""
-    for _ in range(config.ppo_epochs):
-        order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
-        clipped = []
-        for index in order.chunk(config.ppo_minibatches):
-            loss, fraction = ppo_objective(
-                log_probs(index), logp_old[index], advantages[index], config.ppo_clip
-            )
-            grad_norm = descend(loss)
-            clipped.append(fraction * len(index))
-    return loss, grad_norm, (sum(clipped) / len(advantages)).item()

@@ -23,7 +23,6 @@ command again continues a killed run from its last checkpoint, or reports a fini
 """
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import math
@@ -95,8 +94,8 @@ class Config:
 # SD3.5-M) or 16 (SD3.5-L, Flux-Dev), not whether it counts contexts or samples; B = 32 / 16
 # contexts is this project's reading, and the rest are this project's choices. steps: L;
 # contexts: B; rollouts: K; rollout_batch: samples per backbone call, for GPU memory.
-HUB = dict(steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2")
-EMBEDDED = dict(
+REAL_TRAINING = dict(steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2")
+EMBEDDED_TRAINING = dict(
     steps=4,
     contexts=32,
     iterations=300,
@@ -105,7 +104,7 @@ EMBEDDED = dict(
     rollout_batch=None,
     policy_inputs="sampler",  # an exact mixture, not a network: it has no hidden states
 )
-MINIATURE = dict(
+MINIATURE_TRAINING = dict(
     steps=3,
     contexts=16,
     rollouts=4,
@@ -115,18 +114,19 @@ MINIATURE = dict(
     rollout_batch=None,
 )
 TRAINING = {
-    "sd35m": dict(HUB, contexts=32, rollout_batch=16),
-    "sd35l": dict(HUB, contexts=16, rollout_batch=8),
-    "sdxl": dict(HUB, contexts=32, rollout_batch=16),
-    "flux-dev": dict(HUB, contexts=16, rollout_batch=8),
-    "flux-schnell": dict(HUB, contexts=16, rollout_batch=8),
-    "digits": dict(EMBEDDED, rollouts=2),
-    "digits-prompt": dict(EMBEDDED, rollouts=8),
-    "digits-noise": dict(EMBEDDED, rollouts=8, iterations=600),  # the noise's signal is weaker
-    "digits-xor": dict(EMBEDDED, rollouts=8, iterations=2000),  # the interaction: see README
-    "mini-sd3": MINIATURE,
-    "mini-flux": MINIATURE,
-    "mini-sdxl": MINIATURE,
+    "sd35m": dict(REAL_TRAINING, contexts=32, rollout_batch=16),
+    "sd35l": dict(REAL_TRAINING, contexts=16, rollout_batch=8),
+    "sdxl": dict(REAL_TRAINING, contexts=32, rollout_batch=16),
+    "flux-dev": dict(REAL_TRAINING, contexts=16, rollout_batch=8),
+    "flux-schnell": dict(REAL_TRAINING, contexts=16, rollout_batch=8),
+    "digits": dict(EMBEDDED_TRAINING, rollouts=2),
+    "digits-prompt": dict(EMBEDDED_TRAINING, rollouts=8),
+    # the noise's signal is weaker than the prompt's; digits-xor's interaction: see README
+    "digits-noise": dict(EMBEDDED_TRAINING, rollouts=8, iterations=600),
+    "digits-xor": dict(EMBEDDED_TRAINING, rollouts=8, iterations=2000),
+    "mini-sd3": MINIATURE_TRAINING,
+    "mini-flux": MINIATURE_TRAINING,
+    "mini-sdxl": MINIATURE_TRAINING,
 }
 # The defaults that follow --optimizer. reinforce: this project's choices (the paper states no
 # optimiser). ppo: TPDM's own code (github.com/maple-research-lab/TPDM; README names each file):
@@ -177,33 +177,6 @@ CHOICES = dict(
 )
 
 
-def advantages_of(rewards, baseline):
-    """Rewards (B, K) -> advantages r - b (B, K) with the baseline named `baseline`, not
-    normalised (TPDM's rloo_trainer.py does not normalise either)."""
-    return rewards - BASELINES[baseline](rewards)
-
-
-def get_lr(config, iteration):
-    """Cosine from config.lr to 0 over the run (or constant): a function of the iteration alone,
-    so a resumed run gets the same rates."""
-    if config.lr_decay == "constant":
-        return config.lr
-    return config.lr * 0.5 * (1 + math.cos(math.pi * iteration / config.iterations))
-
-
-def descend(config, run, loss, lr):
-    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm.
-    (TPDM's trainer also skips a step whose loss or gradient is not finite; here a NaN reward
-    stops the run, launch.check_finite.)"""
-    run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(run.raw_policy.parameters(), config.grad_clip)
-    for group in run.optimizer.param_groups:
-        group["lr"] = lr
-    run.optimizer.step()
-    return grad_norm
-
-
 def parse_config(argv=None):
     """argparse from the dataclass (--field-name value, booleans as flags), then TRAINING's
     defaults for the fields left None."""
@@ -249,28 +222,110 @@ if __name__ == "__main__":
 import time  # noqa: E402
 
 import torch  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 import launch  # noqa: E402
-import stepwise  # noqa: E402
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
-from policy import log_prob, mean_increments, sample_increments, times_from_increments  # noqa: E402
+from policy import DirichletRollouts  # noqa: E402
 from prompts import context_seed  # noqa: E402
+from rewards import load_reward  # noqa: E402
+from stepwise import StepwiseRollouts, ppo_objective  # noqa: E402
+
+# -----------------------------------------------------------------------------
+# the update
+
+
+def advantages_of(rewards, baseline):
+    """Rewards (B, K) -> advantages r - b (B, K) with the baseline named `baseline`, not
+    normalised (TPDM's rloo_trainer.py does not normalise either)."""
+    return rewards - BASELINES[baseline](rewards)
+
+
+def get_lr(config, iteration):
+    """Cosine from config.lr to 0 over the run (or constant): a function of the iteration alone,
+    so a resumed run gets the same rates."""
+    if config.lr_decay == "constant":
+        return config.lr
+    return config.lr * 0.5 * (1 + math.cos(math.pi * iteration / config.iterations))
+
+
+def make_optimizer(config, parameters):
+    """AdamW with beta1 0.9 and the configuration's beta2, epsilon and weight decay (with
+    --optimizer ppo: TPDM's Adam(0.9, 0.99), eps 1e-5, no weight decay; OPTIMIZERS)."""
+    return torch.optim.AdamW(
+        parameters,
+        lr=config.lr,
+        betas=(0.9, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
+
+
+def descend(config, policy, optimizer, loss, lr):
+    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm.
+    (TPDM's trainer also skips a step whose loss or gradient is not finite; here a NaN reward
+    stops the run, launch.check_finite.)"""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return grad_norm
+
+
+def ppo_update(config, log_probs, logp_old, advantages, step, shuffle):
+    """PPO's update on one batch of rollouts, as TPDM's trainer takes it: config.ppo_epochs passes,
+    each over a fresh shuffle (generator `shuffle`) cut into config.ppo_minibatches, one step each
+    on the clipped objective (stepwise.ppo_objective). log_probs(index) -> log pi of those samples
+    with gradients; logp_old, advantages (N,): log pi as drawn and r - b; step(loss) takes one
+    optimiser step and returns the gradient norm. Returns the last loss and gradient norm, and the
+    fraction of ratios clipped over the last pass."""
+    for _ in range(config.ppo_epochs):
+        order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
+        clipped = []
+        for index in order.chunk(config.ppo_minibatches):
+            loss, fraction = ppo_objective(
+                log_probs(index), logp_old[index], advantages[index], config.ppo_clip
+            )
+            grad_norm = step(loss)
+            clipped.append(fraction * len(index))
+    return loss, grad_norm, (sum(clipped) / len(advantages)).item()
+
 
 # -----------------------------------------------------------------------------
 # the training loop
 
 
 def main(config):
-    run = launch.setup(config)  # checks, devices, backbone, reward, policy, resume: launch.py
-    if run is None:  # the run is finished
+    # ---------------- what a run builds: backbone, reward, policy, optimiser, resume ------------
+    run = launch.start(config)  # ranks and devices, the inputs checked (launch.py)
+    if run is None:  # out_dir holds this run, finished: reported
         return
-    backbone, reward, prompts = run.backbone, run.reward, run.prompts
+    torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
+    backbone, prompts, heldout = launch.backbone_and_prompts(config, run)  # frozen, prompts checked
+    launch.claim(config, run)  # the run folder, one writer
+    reward = load_reward(
+        config.reward, backbone, device=run.device, checkpoint=config.reward_checkpoint
+    )
+    heldout_gain = None  # policy -> its gain on held-out contexts, logged at each checkpoint
+    if run.master:
+        heldout_gain = launch.heldout_gain(backbone, reward, heldout, config.steps)
+    raw_policy = launch.new_policy(config, backbone).to(run.device)
+    optimizer = make_optimizer(config, raw_policy.parameters())
+    start = launch.resume(config, run, raw_policy, optimizer)  # 0, or where ckpt.pt stopped
+    policy = DistributedDataParallel(raw_policy) if run.distributed else raw_policy
+    if run.master:
+        print(launch.summary(config, run, raw_policy))
+    # the one place the policy's kind matters: single pass (policy.py) or step-wise (stepwise.py)
+    Rollouts = StepwiseRollouts if config.policy == "stepwise" else DirichletRollouts
     contexts_per_rank = config.contexts // run.world_size
     first = run.rank * contexts_per_rank  # this rank's contexts in the global batch
-    per_step = config.policy == "stepwise"  # TPDM's policy: stepwise.py
     K = config.rollouts
-    progress = launch.progress_bar(config, run)
-    for iteration in progress:  # from run.start: 0, or where a resumed run stopped
+    iterations = range(start, config.iterations)
+    progress = tqdm(iterations, initial=start, total=config.iterations, disable=not run.master)
+    for iteration in progress:
         t0 = time.time()
         # ---------------- contexts: a prompt and an initial noise x_T each, seeded ----------------
         generators = [
@@ -284,41 +339,17 @@ def main(config):
         with torch.no_grad():
             noise = torch.cat([backbone.sample_noise(1, g) for g in generators])
             cond = backbone.encode_prompts(batch_prompts)
-            if per_step:  # the policy picks each next time inside the loop; K draw streams each
-                seeds = torch.cat([torch.randint(2**62, (K,), generator=g) for g in generators])
-                draws = [torch.Generator().manual_seed(seed) for seed in seeds.tolist()]
-                times = stepwise.start_times(len(draws), config.steps)  # t_0 = 1, the rest chosen
-            else:  # single pass: the whole schedule from x_T and the prompt, before the loop
-                inputs = backbone.policy_inputs(noise, cond)
-                alpha = run.raw_policy(**inputs)  # (B/world, L+1) Dirichlet concentrations
-                tau = [sample_increments(alpha[c : c + 1], K, g) for c, g in enumerate(generators)]
-                tau = torch.cat(tau)  # (B/world, K, L+1) increments
-                times = times_from_increments(tau).flatten(0, 1)  # (B/world * K, L+1)
-            noise_k = noise.repeat_interleave(K, 0)  # context-major, as times
+            rollouts = Rollouts(raw_policy, backbone, noise, cond, generators, K)
+            noise_k = noise.repeat_interleave(K, 0)  # context-major, as the rollouts
             cond_k = {key: v.repeat_interleave(K, 0) for key, v in cond.items()}
             prompts_k = [prompt for prompt in batch_prompts for _ in range(K)]
-            rewards, records = [], []
+            rewards = []
             for part in torch.arange(len(prompts_k)).split(config.rollout_batch or len(prompts_k)):
                 cond_part = {key: value[part] for key, value in cond_k.items()}
-                stepper = None  # single pass: the times are given
-                if per_step:
-                    part_draws = [draws[i] for i in part]
-                    stepper = stepwise.Stepper(run.raw_policy, backbone, cond_part, part_draws)
-                # L model calls
-                with stepper or contextlib.nullcontext():  # the hidden-state hooks, if read
-                    latents = backbone.sample(noise_k[part], cond_part, times[part], stepper)
+                latents = rollouts.sample(part, noise_k[part], cond_part)  # L model calls
                 part_prompts = [prompts_k[i] for i in part]
                 rewards.append(reward(latents, part_prompts, noise_k[part], cond_part))
-                records.append(stepper.record() if per_step else None)
             rewards = torch.cat(rewards).float().view(contexts_per_rank, -1)  # (B/world, K)
-            # logged: the mean concentration (the Dirichlet's, or each step's Beta) and stop margin
-            if per_step:
-                record = stepwise.join_records(records)
-                logp_old = record["logp"]
-                spread = record["parameters"].sum(-1).mean(), record["times"][:, -1].mean()
-            else:
-                logp_old = log_prob(alpha, tau.to(run.device)).flatten()
-                spread = alpha.sum(-1).mean(), mean_increments(alpha)[:, -1].mean()
         t_rollout = time.time() - t0
 
         # ---------------- baselines: pooled over the global batch ----------------
@@ -328,25 +359,19 @@ def main(config):
         advantages = advantages[first : first + contexts_per_rank].flatten().to(run.device)
 
         # ---------------- policy gradient ----------------
-        # The policy runs a second time, now with gradients (through DDP, which averages them over
-        # ranks): the rollout above only needed its output, and keeping that graph alive through
-        # the L model calls would hold memory for nothing.
-        def log_probs(index):  # log pi of the samples `index` (context-major), (len,)
-            if per_step:  # the sum of the L Beta log-densities, from the recorded states
-                return stepwise.trajectory_log_prob(run.policy, record, index)
-            alpha = run.policy(**inputs)  # (B/world, L+1)
-            return log_prob(alpha, tau.to(run.device)).flatten()[index]  # the Dirichlet density
-
-        lr, clip_fraction = get_lr(config, iteration), math.nan
+        # log pi is recomputed with gradients through `policy`, which under DDP averages them over
+        # the ranks
+        lr = get_lr(config, iteration)
+        step = functools.partial(descend, config, raw_policy, optimizer, lr=lr)  # one AdamW step
         if config.optimizer == "ppo":  # TPDM's: several epochs of clipped steps on this batch
             shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
-            step = functools.partial(descend, config, run, lr=lr)
-            loss, grad_norm, clip_fraction = stepwise.ppo_update(
-                config, log_probs, logp_old, advantages, step, shuffle
+            log_probs = functools.partial(rollouts.log_prob, policy)
+            loss, grad_norm, clip_fraction = ppo_update(
+                config, log_probs, rollouts.logp, advantages, step, shuffle
             )
         else:  # REINFORCE: one step on -mean((r - b) log pi)
-            loss = -(advantages * log_probs(slice(None))).mean()
-            grad_norm = descend(config, run, loss, lr)
+            loss = -(advantages * rollouts.log_prob(policy)).mean()
+            grad_norm, clip_fraction = step(loss), math.nan
 
         # ---------------- log and checkpoint (rank 0) ----------------
         done = iteration + 1
@@ -364,19 +389,19 @@ def main(config):
             loss=loss.item(),
             grad_norm=grad_norm.item(),
             clip_fraction=clip_fraction,
-            concentration=spread[0].item(),
-            stop_margin=spread[1].item(),
+            concentration=rollouts.concentration.item(),  # the Dirichlet's, or each step's Beta
+            stop_margin=rollouts.stop_margin.item(),  # the mean t_L
             rollout_s=t_rollout,
             step_s=time.time() - t0,
         )
-        if checkpoint_now:  # the held-out gain on the first 32 held-out contexts
-            row["heldout_gain"] = run.curve(run.raw_policy)
-        launch.log(config, run, row, progress)
-        if checkpoint_now:  # policy, optimizer, iteration, configuration: launch.checkpoint
-            launch.checkpoint(config, run, done)
+        if checkpoint_now:  # on the first GAIN_CONTEXTS held-out contexts
+            row["heldout_gain"] = heldout_gain(raw_policy)
+        launch.log(config, run, row, progress)  # metrics.jsonl
+        if checkpoint_now:  # ckpt.pt: policy, optimizer, iteration, configuration
+            launch.checkpoint(config, run, raw_policy, optimizer, done)
 
     # ---------------- held-out evaluation, figure, policy in the Hub format ----------------
-    launch.finish(config, run)
+    launch.finish(config, run, backbone, reward, raw_policy, heldout)
 
 
 if __name__ == "__main__":

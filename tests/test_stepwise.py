@@ -9,7 +9,6 @@ import torch
 
 import stepwise
 from backbones import build_policy, from_pipeline, load_backbone, make_policy
-from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from checkpoints import load_policy, save_policy
 from stepwise import (
     Stepper,
@@ -308,9 +307,6 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
     rollout's reward (K = 2), not divided by their spread; each batch takes 4 Adam steps on the
     whole batch (4 epochs x 1 minibatch); the first is Adam(0.9, 0.99) with eps 1e-5 and no weight
     decay: theta_1 = -lr g / (|g| + 1e-5), visible here as |g| is near eps."""
-    import types
-
-    import launch
     import train
 
     config = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
@@ -322,9 +318,7 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
     )
     policy = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(policy.weight)
-    run = types.SimpleNamespace(
-        raw_policy=policy, optimizer=launch.make_optimizer(config, policy.parameters())
-    )
+    optimizer = train.make_optimizer(config, policy.parameters())
     weights, sizes = [], []
 
     def log_probs(index):
@@ -332,12 +326,12 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
         return policy(features[index])[:, 0]
 
     def descend(loss):
-        norm = train.descend(config, run, loss, config.lr)
+        norm = train.descend(config, policy, optimizer, loss, config.lr)
         weights.append(policy.weight.detach()[0].clone())
         return norm
 
     shuffle = torch.Generator().manual_seed(0)
-    stepwise.ppo_update(config, log_probs, torch.zeros(6), advantages, descend, shuffle)
+    train.ppo_update(config, log_probs, torch.zeros(6), advantages, descend, shuffle)
     assert sizes == [6, 6, 6, 6]  # 4 epochs, each one minibatch of the whole batch
     # at theta = 0 every ratio is 1 (unclipped): g = -mean_i A_i x_i
     g = -(advantages[:, None] * features).mean(0)

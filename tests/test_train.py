@@ -73,7 +73,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch,
 
     # Kill the run in the middle of iteration 6's rollouts: the checkpoint of iteration 3 stays,
     # the rows of iterations 4 and 5 were logged after it.
-    real_load_reward = launch.load_reward
+    real_load_reward = train.load_reward
 
     def load_dying_reward(*a, **k):
         reward = real_load_reward(*a, **k)
@@ -89,13 +89,13 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch,
 
         return dying
 
-    monkeypatch.setattr(launch, "load_reward", load_dying_reward)
+    monkeypatch.setattr(train, "load_reward", load_dying_reward)
     killed = tmp_path / "killed"
     with pytest.raises(Killed):
         train.main(train.parse_config([*args, "--out-dir", str(killed)]))
     assert torch.load(killed / "ckpt.pt", weights_only=False)["iteration"] == 3
     assert len(read_metrics(killed)) == 5
-    monkeypatch.setattr(launch, "load_reward", real_load_reward)
+    monkeypatch.setattr(train, "load_reward", real_load_reward)
     train.main(train.parse_config([*args, "--out-dir", str(killed), "--resume"]))
     resumed = read_metrics(killed)
 
@@ -479,7 +479,7 @@ def test_a_prompt_the_backbone_cannot_take_fails_before_training(tmp_path):
 
 
 def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real_load_reward = launch.load_reward
+    real_load_reward = train.load_reward
 
     def load_broken_reward(*args, **kwargs):
         reward, calls = real_load_reward(*args, **kwargs), []
@@ -491,7 +491,7 @@ def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path
 
         return broken
 
-    monkeypatch.setattr(launch, "load_reward", load_broken_reward)
+    monkeypatch.setattr(train, "load_reward", load_broken_reward)
     with pytest.raises(
         SystemExit,
         match="iteration 3: 16 rewards are NaN or inf.*ckpt.pt holds the last good state",
