@@ -27,7 +27,7 @@ policy's share of each and the step-wise / single-pass time. The policy's cost d
 its weights, so freshly initialised policies are timed. iteration: `train.py` for a few iterations
 per training (global, instance, step-wise with REINFORCE + JS, step-wise with PPO) one after the
 other on each backbone named, at its defaults; the median wall time of an iteration.
-Names ending in -tiny are the randomly initialised pipelines below (also what the tests build).
+Names ending in -tiny are the randomly initialised pipelines of tests/tiny.py.
 """
 
 import argparse
@@ -59,6 +59,7 @@ import torch  # noqa: E402
 
 import backbones  # noqa: E402
 from backbones import make_policy  # noqa: E402
+from tests.tiny import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline  # noqa: E402
 
 # The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux
 # unpacked), text tokens (text_len, text_dim), pooled embedding.
@@ -72,200 +73,6 @@ POLICY_DIMS = {
     ),
     "digits": dict(latent_channels=1, text_dim=32, pooled_dim=32, latent_size=8, text_len=4),
 }
-TINY_RESOLUTION = 32  # pixels; the tiny VAEs downsample 2x, so latents are 16x16
-# the real models' values
-TINY_GUIDANCE = {"sd3": 4.5, "flux-dev": 3.5, "flux-schnell": None, "sdxl": 5.0}
-
-# ----------------------------------------------------------------------------------------------
-# tiny random diffusers pipelines, built offline (no hub ids)
-
-
-def tiny_pipeline(family):
-    """A randomly initialised pipeline of the real layout, small enough for a CPU test: "sd3" (two
-    CLIP encoders + T5, MMDiT, SD3.5's scheduler with static shift 3), "flux-dev" (dynamic shift,
-    guidance embedding), "flux-schnell" (no shift, no guidance), "sdxl" (two CLIP encoders,
-    text-time UNet, SD-XL's Euler scheduler with leading spacing). Seeded: the same weights every
-    time."""
-    from diffusers import (
-        AutoencoderKL,
-        EulerDiscreteScheduler,
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
-    from transformers import (
-        CLIPTextConfig,
-        CLIPTextModel,
-        CLIPTextModelWithProjection,
-        CLIPTokenizer,
-        T5Config,
-        T5EncoderModel,
-        T5Tokenizer,
-    )
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
-
-    torch.manual_seed(0)
-    # byte-level CLIP BPE without merges: a token per character
-    characters = list(bytes_to_unicode().values())
-    vocab = {
-        **{c: i for i, c in enumerate(characters)},
-        **{c + "</w>": i + 256 for i, c in enumerate(characters)},
-        "<|startoftext|>": 512,
-        "<|endoftext|>": 513,
-    }
-
-    def clip_tokenizer():
-        return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=77)
-
-    clip_config = CLIPTextConfig(
-        vocab_size=514,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        projection_dim=16,
-        bos_token_id=512,
-        eos_token_id=513,
-        pad_token_id=513,
-        hidden_act="gelu",
-    )
-    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)] + [
-        (c, -3.0) for c in "abcdefghijklmnopqrstuvwxyz0123456789.,!?"
-    ]
-
-    def t5():
-        return T5EncoderModel(
-            T5Config(
-                vocab_size=44,
-                d_model=32,
-                d_kv=8,
-                d_ff=64,
-                num_layers=2,
-                num_heads=2,
-                relative_attention_num_buckets=8,
-                pad_token_id=0,
-                eos_token_id=1,
-                decoder_start_token_id=0,
-            )
-        )
-
-    def vae(channels):
-        return AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            latent_channels=channels,
-            block_out_channels=(8, 16),
-            down_block_types=("DownEncoderBlock2D",) * 2,
-            up_block_types=("UpDecoderBlock2D",) * 2,
-            layers_per_block=1,
-            norm_num_groups=4,
-            sample_size=TINY_RESOLUTION,
-            shift_factor=0.0609,
-            scaling_factor=1.5035,
-        )
-
-    if family == "sd3":
-        transformer = SD3Transformer2DModel(
-            sample_size=16,
-            patch_size=2,
-            in_channels=4,
-            out_channels=4,
-            num_layers=2,
-            attention_head_dim=8,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            caption_projection_dim=16,
-            pooled_projection_dim=32,
-            pos_embed_max_size=16,
-        )
-        return StableDiffusion3Pipeline(
-            transformer=transformer,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
-            vae=vae(4),
-            text_encoder=CLIPTextModelWithProjection(clip_config),
-            tokenizer=clip_tokenizer(),
-            text_encoder_2=CLIPTextModelWithProjection(clip_config),
-            tokenizer_2=clip_tokenizer(),
-            text_encoder_3=t5(),
-            tokenizer_3=T5Tokenizer(vocab=pieces, extra_ids=0),
-        )
-    if family in ("flux-dev", "flux-schnell"):
-        # latent_channels=1 packs 2x2 to in_channels=4; sum(axes_dims_rope) = attention_head_dim
-        dev = family == "flux-dev"
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4,
-            num_layers=1,
-            num_single_layers=1,
-            attention_head_dim=16,
-            num_attention_heads=2,
-            joint_attention_dim=32,
-            pooled_projection_dim=16,
-            axes_dims_rope=[4, 4, 8],
-            guidance_embeds=dev,
-        )
-        scheduler = (
-            FlowMatchEulerDiscreteScheduler(
-                shift=3.0,
-                use_dynamic_shifting=True,
-                base_shift=0.5,
-                max_shift=1.15,
-                base_image_seq_len=256,
-                max_image_seq_len=4096,
-            )
-            if dev
-            else FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=False)
-        )
-        return FluxPipeline(
-            transformer=transformer,
-            scheduler=scheduler,
-            vae=vae(1),
-            text_encoder=CLIPTextModel(clip_config),
-            tokenizer=clip_tokenizer(),
-            text_encoder_2=t5(),
-            tokenizer_2=T5Tokenizer(vocab=pieces, extra_ids=0),
-        )
-    unet = UNet2DConditionModel(
-        block_out_channels=(8, 16),
-        layers_per_block=1,
-        sample_size=16,
-        in_channels=4,
-        out_channels=4,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
-        transformer_layers_per_block=(1, 1),
-        projection_class_embeddings_input_dim=6 * 8 + 16,
-        cross_attention_dim=32,
-        norm_num_groups=4,
-    )
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )
-    return StableDiffusionXLPipeline(
-        unet=unet,
-        scheduler=scheduler,
-        vae=vae(4),
-        text_encoder=CLIPTextModel(clip_config),
-        tokenizer=clip_tokenizer(),
-        text_encoder_2=CLIPTextModelWithProjection(clip_config),
-        tokenizer_2=clip_tokenizer(),
-        add_watermarker=False,
-    )
-
-
-# ----------------------------------------------------------------------------------------------
 
 
 def timed(functions, repeats, device):

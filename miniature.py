@@ -551,88 +551,51 @@ def tokenizers_and_encoders(family):
     )
 
 
-def build_pipeline(family, vae):
-    """An untrained pipeline of `family` around a trained `vae`, seeded."""
-    from diffusers import (
-        EulerDiscreteScheduler,
-        FlowMatchEulerDiscreteScheduler,
-        FluxPipeline,
-        FluxTransformer2DModel,
-        SD3Transformer2DModel,
-        StableDiffusion3Pipeline,
-        StableDiffusionXLPipeline,
-        UNet2DConditionModel,
-    )
-
-    text = tokenizers_and_encoders(family)
-    torch.manual_seed(10)
+# the denoisers' sizes; the rest of their configuration is the real family's (tests/tiny.py)
+DENOISER_SIZES = dict(
     # joint_attention_dim = T5 width >= both CLIP widths; pooled = both projections
-    if family == "sd3":
-        transformer = SD3Transformer2DModel(
-            sample_size=SIDE // 2,
-            patch_size=2,
-            in_channels=16,
-            out_channels=16,
-            num_layers=3,
-            attention_head_dim=32,
-            num_attention_heads=2,
-            joint_attention_dim=64,
-            caption_projection_dim=64,
-            pooled_projection_dim=64,
-            pos_embed_max_size=SIDE // 2,
-        )
-        scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0)  # SD3.5's static shift
-        return StableDiffusion3Pipeline(
-            transformer=transformer, scheduler=scheduler, vae=vae, **text
-        )
-    if family == "flux":  # 16 channels pack 2x2 to 64; sum(axes_dims_rope) = attention_head_dim
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=64,
-            num_layers=2,
-            num_single_layers=2,
-            attention_head_dim=32,
-            num_attention_heads=2,
-            joint_attention_dim=64,
-            pooled_projection_dim=32,
-            axes_dims_rope=[8, 12, 12],
-            guidance_embeds=True,
-        )
-        scheduler = FlowMatchEulerDiscreteScheduler(
-            shift=3.0,
-            use_dynamic_shifting=True,
-            base_shift=0.5,
-            max_shift=1.15,
-            base_image_seq_len=256,
-            max_image_seq_len=4096,
-        )
-        return FluxPipeline(transformer=transformer, scheduler=scheduler, vae=vae, **text)
-    unet = UNet2DConditionModel(
+    sd3=dict(
+        sample_size=SIDE // 2,
+        in_channels=16,
+        num_layers=3,
+        attention_head_dim=32,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        caption_projection_dim=64,
+        pooled_projection_dim=64,
+        pos_embed_max_size=SIDE // 2,
+    ),
+    # 16 channels pack 2x2 to 64; sum(axes_dims_rope) = attention_head_dim
+    flux=dict(
+        in_channels=64,
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=32,
+        num_attention_heads=2,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        axes_dims_rope=[8, 12, 12],
+    ),
+    sdxl=dict(
         sample_size=SIDE // 2,
         in_channels=4,
         out_channels=4,
         block_out_channels=(24, 48),
-        layers_per_block=1,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        attention_head_dim=(2, 4),
-        use_linear_projection=True,
-        addition_embed_type="text_time",
-        addition_time_embed_dim=8,
         projection_class_embeddings_input_dim=6 * 8 + 32,
         cross_attention_dim=64,
         norm_num_groups=8,
-    )
-    scheduler = EulerDiscreteScheduler(
-        beta_start=0.00085,
-        beta_end=0.012,
-        beta_schedule="scaled_linear",
-        steps_offset=1,
-        timestep_spacing="leading",
-    )  # SD-XL's
-    return StableDiffusionXLPipeline(
-        unet=unet, scheduler=scheduler, vae=vae, add_watermarker=False, **text
-    )
+    ),
+)
+
+
+def build_pipeline(family, vae):
+    """An untrained pipeline of `family` around a trained `vae`, seeded: the real family's layout
+    (tests/tiny.py; mini-flux with FLUX.1-dev's guidance input) at DENOISER_SIZES."""
+    from tests.tiny import family_pipeline
+
+    text = tokenizers_and_encoders(family)
+    layout = "flux-dev" if family == "flux" else family
+    return family_pipeline(layout, DENOISER_SIZES[family], lambda: vae, lambda: text, seed=10)
 
 
 def train_vae(channels, images, seed=0):
@@ -640,21 +603,11 @@ def train_vae(channels, images, seed=0):
     (1e-7: larger weights leave most of 16 channels at the prior, i.e. pure noise to the denoiser);
     its scaling factor (and, for the flow families, shift factor) from the latent statistics, as the
     real VAEs' are set. Returns the VAE and its reconstruction RMSE on its own images."""
-    from diffusers import AutoencoderKL
+    from tests.tiny import autoencoder
 
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        latent_channels=channels,
-        block_out_channels=(16, 32),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        layers_per_block=1,
-        norm_num_groups=8,
-        sample_size=SIDE,
-    )
+    vae = autoencoder(channels, (16, 32), 8, SIDE)
     optimizer = torch.optim.AdamW(vae.parameters(), lr=VAE_LR, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, VAE_UPDATES)
     for _ in range(VAE_UPDATES):

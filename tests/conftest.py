@@ -110,7 +110,7 @@ def tiny_runs(tmp_path_factory):
     of 50, which keeps the test fast and the code path the same. Returns backbone -> out dir, and
     the folders of the saved pipelines (flux-schnell too, for evaluate.py --schnell)."""
     import rollout
-    from bench import TINY_RESOLUTION, tiny_pipeline
+    from tests.tiny import TINY_RESOLUTION, tiny_pipeline
 
     folder = tmp_path_factory.mktemp("tiny")
     for family in ("sd3", "sdxl", "flux-dev", "flux-schnell"):

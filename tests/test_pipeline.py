@@ -11,9 +11,9 @@ import backbones
 import families
 import pipeline
 from backbones import make_policy
-from bench import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from checkpoints import load_checkpoint, load_policy, save_policy
 from policy import mean_increments, times_from_increments
+from tests.tiny import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 
 
 def learned_policy(backbone, steps, seed=0, kind="instance"):

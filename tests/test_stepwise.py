@@ -17,6 +17,7 @@ from stepwise import (
     start_times,
     trajectory_log_prob,
 )
+from tests.tiny import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 
 STEPS = 4
 
