@@ -81,9 +81,10 @@ def mode_increments(parameters):
 
 class StepwisePolicy(SchedulePolicy):
     """(denoiser features, t_l, step l, prompt) -> Beta parameters (alpha_l, beta_l) (N, 2),
-    float32. The constructor takes the instance-level policy's arguments; latent_channels is the
-    backbone's C (inputs="sampler" reads 2 C: the state and the prediction); feature_channels and
-    time_dim, the hidden states' channels and the timestep embedding's width (inputs="hidden")."""
+    float32. latent_channels is the backbone's C (inputs="sampler" reads 2 C: the state and the
+    prediction); feature_channels and time_dim, the hidden states' channels and the timestep
+    embedding's width (inputs="hidden"); `arguments`, the instance-level policy's others
+    (SchedulePolicy: the network's sizes, the start, what it was trained for), init="tpdm" too."""
 
     def __init__(
         self,
@@ -91,43 +92,32 @@ class StepwisePolicy(SchedulePolicy):
         latent_channels,
         text_dim,
         pooled_dim=None,
-        widths=(16, 32),
-        dim=64,
-        heads=4,
-        depth=1,
-        grid=2,
-        head_hidden=128,
-        init="uniform",
-        init_times=None,
-        concentration=100.0,
-        stop_margin=5e-3,
         inputs="sampler",
         feature_channels=None,
         time_dim=None,
         inference="mean",
-        backbone=None,
-        training_config=None,
+        **arguments,
     ):
         if inputs not in ("sampler", "hidden") or inference not in ("mean", "mode"):
             wanted = "inputs sampler | hidden, inference mean | mode"
             raise ValueError(f"{wanted}, got {inputs}, {inference}")
         if inputs == "hidden" and not (feature_channels and time_dim):
             raise ValueError('inputs="hidden" needs feature_channels and time_dim')
+        tpdm = arguments.get("init") == "tpdm"
+        if tpdm:  # the rates below replace the Dirichlet start
+            arguments = dict(arguments, init="uniform")
         extra = 2 * FREQUENCIES + steps  # time and step join the pooled prompt embedding
-        sizes = dict(widths=widths, dim=dim, heads=heads, depth=depth, grid=grid)
-        dirichlet = "uniform" if init == "tpdm" else init  # the head below replaces its start
-        start = dict(init=dirichlet, init_times=init_times, concentration=concentration)
-        saved = dict(backbone=backbone, training_config=training_config)
         channels, pooled = 2 * latent_channels, (pooled_dim or 0) + extra
         if inputs == "hidden":
             channels, pooled = feature_channels, pooled + time_dim
-        super().__init__(steps, channels, text_dim, pooled, **sizes, head_hidden=head_hidden,
-                         **start, stop_margin=stop_margin, **saved)  # fmt: skip
+        super().__init__(steps, channels, text_dim, pooled, **arguments)
+        start = dict(self.config)  # the Dirichlet policy's start, whose mean schedule rates follow
         self.config.update(kind="stepwise", latent_channels=latent_channels, pooled_dim=pooled_dim)
-        self.config.update(init=init, inputs=inputs, inference=inference)
-        self.config.update(feature_channels=feature_channels, time_dim=time_dim)
+        self.config.update(init="tpdm" if tpdm else start["init"], inputs=inputs)
+        self.config.update(inference=inference, feature_channels=feature_channels)
+        self.config.update(time_dim=time_dim)
         self.inputs, self.inference = inputs, inference
-        self.head[-1] = nn.Linear(head_hidden, 2)
+        self.head[-1] = nn.Linear(self.head[-1].in_features, 2)
         with torch.no_grad():
             # near the initial rates for all inputs: these logits act on log(alpha - 1), so a tenth
             # of the Dirichlet head's 0.01 (mean times within 5e-3 of its initial ones: at most
@@ -135,10 +125,11 @@ class StepwisePolicy(SchedulePolicy):
             self.head[-1].weight.normal_(0.0, 0.001)
             self.head[-1].bias.zero_()
         self.rate_logits = nn.Parameter(torch.empty(steps, 2))  # (L, 2): a_l, b_l at the start
-        if init == "tpdm":
+        if tpdm:
             rates = torch.tensor(TPDM_LOGITS).expand(steps, 2)
         else:
-            rates = initial_rates(steps, init, init_times, concentration, stop_margin)
+            names = ("init", "init_times", "concentration", "stop_margin")
+            rates = initial_rates(steps, *(start[name] for name in names))
         with torch.no_grad():  # copied: on any default device (bench.py builds it on "meta")
             self.rate_logits.copy_(rates)
 
