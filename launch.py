@@ -69,6 +69,10 @@ GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (h
 MAX_SEED = 2**27
 
 
+# -----------------------------------------------------------------------------
+# the start: checks, ranks, the run folder, what the run trains
+
+
 def _fail(message):
     raise SystemExit(f"error: {message}")
 
@@ -369,54 +373,17 @@ def optimizer_line(config):
     )
 
 
-def heldout_gain(backbone, reward, heldout, steps):
-    """A function policy -> the mean paired gain (a number) of its mean schedule over the default on
-    the first GAIN_CONTEXTS held-out contexts: the curve of train.py's figure, logged at each
-    checkpoint (unlike the batch reward, on the same contexts every time)."""
-    prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
-    methods = {"default": default_schedule(backbone, steps)}
-    default = evaluate(backbone, reward, prompts, seeds, methods)["default"]
-
-    def gain(policy):
-        methods = {"learned": policy_schedule(policy, backbone)}
-        learned = evaluate(backbone, reward, prompts, seeds, methods)["learned"]
-        return (learned - default).mean().item()
-
-    return gain
+# -----------------------------------------------------------------------------
+# in the loop: rewards of every rank, logs and checkpoints
 
 
-def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
-    """train.py's final table on its held-out contexts, the same noises for every method: printed
-    and written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
-    draws = torch.Generator().manual_seed(seed)
-    methods = {
-        "default": default_schedule(backbone, policy.steps),
-        "learned (mean)": policy_schedule(policy, backbone),
-        "learned (sampled)": policy_schedule(policy, backbone, "sample", draws),
-    }
-    # the teacher row: the reward's own target, error 0
-    teacher = "limit (teacher)" if reward_name == "teacher" else None
-    scores = evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True)
-    rows = summarize(scores)
-    print(
-        f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n"
-        f"{format_table(rows)}"
-    )
-    report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
-    if BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
-        measure = realism_measure()
-        compared = {name: methods[name] for name in ("default", "learned (mean)")}
-        realism = realism_table(backbone, compared, prompts, seeds, measure)
-        floor = measure.floor(len(seeds))
-        print(
-            "realism against real digits (Frechet distance lower, precision and recall higher):\n"
-            + "\n".join(
-                f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items())
-                for name, row in {**realism, "real digits (floor)": floor}.items()
-            )
-        )
-        report.update(realism=realism, realism_floor=floor)
-    write_json_atomic(os.path.join(out_dir, "eval.json"), report)
+def gather(run, rewards):
+    """The rewards (B/world, K) of every rank, concatenated in rank order (B, K)."""
+    if not run.distributed:
+        return rewards
+    gathered = [torch.empty_like(rewards) for _ in range(run.world_size)]
+    dist.all_gather(gathered, rewards)
+    return torch.cat(gathered)
 
 
 def check_finite(config, run, iteration, rewards):
@@ -435,37 +402,6 @@ def check_finite(config, run, iteration, rewards):
         f"rate too high? --lr {config.lr:g}) or the backbone ({config.dtype or 'default'} dtype) "
         f"or the reward model overflowed; {last}"
     )
-
-
-def finish(config, run, backbone, reward, policy, heldout):
-    """The training figure, the policy in the Hub format and the held-out report (rank 0; its
-    eval.json last, as it marks the run finished), then the end of the process group."""
-    if run.master:
-        prompts, seeds = (part[:8] for part in heldout)  # a few held-out contexts
-        noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-        used = policy_schedule(policy, backbone)(noise, cond)
-        learned = (used[0] if isinstance(used, tuple) else used).cpu()  # step-wise: with latents
-        default = backbone.default_times(policy.steps).cpu()
-        labels = context_labels(prompts, seeds)
-        with written(config.out_dir):
-            curve = len(heldout[0][:GAIN_CONTEXTS])  # the contexts of heldout_gain
-            plot_training(config.out_dir, learned, default, labels, config.reward, curve)
-            save_policy(
-                os.path.join(config.out_dir, "policy"),
-                policy,
-                dataclasses.asdict(config),
-                config.iterations,
-            )
-            heldout_report(
-                config.out_dir, backbone, reward, policy, *heldout, config.reward, config.seed
-            )
-        print(
-            f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}, the figure train.png and "
-            f"policy/ (Hub format) in {config.out_dir}"
-        )
-    if run.distributed:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 def log(config, run, row, progress):
@@ -512,10 +448,86 @@ def snapshot(config, policy, done):
             save_checkpoint(path, dict(state, iteration=done))
 
 
-def gather(run, rewards):
-    """The rewards (B/world, K) of every rank, concatenated in rank order (B, K)."""
-    if not run.distributed:
-        return rewards
-    gathered = [torch.empty_like(rewards) for _ in range(run.world_size)]
-    dist.all_gather(gathered, rewards)
-    return torch.cat(gathered)
+def heldout_gain(backbone, reward, heldout, steps):
+    """A function policy -> the mean paired gain (a number) of its mean schedule over the default on
+    the first GAIN_CONTEXTS held-out contexts: the curve of train.py's figure, logged at each
+    checkpoint (unlike the batch reward, on the same contexts every time)."""
+    prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
+    methods = {"default": default_schedule(backbone, steps)}
+    default = evaluate(backbone, reward, prompts, seeds, methods)["default"]
+
+    def gain(policy):
+        methods = {"learned": policy_schedule(policy, backbone)}
+        learned = evaluate(backbone, reward, prompts, seeds, methods)["learned"]
+        return (learned - default).mean().item()
+
+    return gain
+
+
+# -----------------------------------------------------------------------------
+# the end: figure, policy folder, held-out report
+
+
+def finish(config, run, backbone, reward, policy, heldout):
+    """The training figure, the policy in the Hub format and the held-out report (rank 0; its
+    eval.json last, as it marks the run finished), then the end of the process group."""
+    if run.master:
+        prompts, seeds = (part[:8] for part in heldout)  # a few held-out contexts
+        noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+        used = policy_schedule(policy, backbone)(noise, cond)
+        learned = (used[0] if isinstance(used, tuple) else used).cpu()  # step-wise: with latents
+        default = backbone.default_times(policy.steps).cpu()
+        labels = context_labels(prompts, seeds)
+        with written(config.out_dir):
+            curve = len(heldout[0][:GAIN_CONTEXTS])  # the contexts of heldout_gain
+            plot_training(config.out_dir, learned, default, labels, config.reward, curve)
+            save_policy(
+                os.path.join(config.out_dir, "policy"),
+                policy,
+                dataclasses.asdict(config),
+                config.iterations,
+            )
+            heldout_report(
+                config.out_dir, backbone, reward, policy, *heldout, config.reward, config.seed
+            )
+        print(
+            f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}, the figure train.png and "
+            f"policy/ (Hub format) in {config.out_dir}"
+        )
+    if run.distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
+    """train.py's final table on its held-out contexts, the same noises for every method: printed
+    and written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
+    draws = torch.Generator().manual_seed(seed)
+    methods = {
+        "default": default_schedule(backbone, policy.steps),
+        "learned (mean)": policy_schedule(policy, backbone),
+        "learned (sampled)": policy_schedule(policy, backbone, "sample", draws),
+    }
+    # the teacher row: the reward's own target, error 0
+    teacher = "limit (teacher)" if reward_name == "teacher" else None
+    scores = evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True)
+    rows = summarize(scores)
+    print(
+        f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n"
+        f"{format_table(rows)}"
+    )
+    report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
+    if BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
+        measure = realism_measure()
+        compared = {name: methods[name] for name in ("default", "learned (mean)")}
+        realism = realism_table(backbone, compared, prompts, seeds, measure)
+        floor = measure.floor(len(seeds))
+        print(
+            "realism against real digits (Frechet distance lower, precision and recall higher):\n"
+            + "\n".join(
+                f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items())
+                for name, row in {**realism, "real digits (floor)": floor}.items()
+            )
+        )
+        report.update(realism=realism, realism_floor=floor)
+    write_json_atomic(os.path.join(out_dir, "eval.json"), report)
