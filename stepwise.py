@@ -103,6 +103,9 @@ class StepwisePolicy(SchedulePolicy):
             raise ValueError(f"{wanted}, got {inputs}, {inference}")
         if inputs == "hidden" and not (feature_channels and time_dim):
             raise ValueError('inputs="hidden" needs feature_channels and time_dim')
+        # a policy folder's config.json names the kind beside the arguments, and from_pretrained
+        # hands every key of it to a constructor that takes **arguments
+        arguments.pop("kind", None)
         tpdm = arguments.get("init") == "tpdm"
         if tpdm:  # the rates below replace the Dirichlet start
             arguments = dict(arguments, init="uniform")
