@@ -247,13 +247,8 @@ def check_args(args):
             raise ValueError(f"--reward-checkpoint takes NAME=PATH ({example}), got {item!r}")
     local = {trained_reward: config["reward_checkpoint"]}  # reward -> its local weights
     local.update(item.split("=", 1) for item in args.reward_checkpoint)
-    spec = backbones.BACKBONES[trained_on]
-    for name in args.rewards or []:  # as train.py refuses it (launch.check_config)
-        if name in reward_lib.DIGIT_REWARDS and "folder" not in spec:
-            raise ValueError(
-                f"the {name} reward reads the 16x16 handwritten digits that only the mini-* "
-                f"backbones draw, not {trained_on}'s images; use --rewards teacher"
-            )
+    for name in args.rewards or []:  # as train.py refuses it
+        reward_lib.check_backbone(name, trained_on, backbones.BACKBONES[trained_on])
     if args.schnell and trained_on != "flux-dev":
         raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
     sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}

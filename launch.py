@@ -47,7 +47,7 @@ from figures import context_labels, plot_training
 from miniature import realism_measure
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from realism import realism_table
-from rewards import DIGIT_REWARDS, IMAGE_CONTENT, check_prompts
+from rewards import check_backbone, check_prompts
 
 LEAST = dict(
     steps=1,
@@ -172,17 +172,10 @@ def check_config(config, world_size):
             f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
             "--device cpu to insist (or try --backbone digits)"
         )
-    if config.reward in DIGIT_REWARDS and "folder" not in spec:
-        _fail(
-            f"the {config.reward} reward reads the 16x16 handwritten digits that only the mini-* "
-            f"backbones draw, not {config.backbone}'s images; use --reward teacher, or a mini-* "
-            "backbone"
-        )
-    if spec["family"] == "mixture" and config.reward in IMAGE_CONTENT:
-        _fail(
-            f"the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} "
-            "images do not have; use a real backbone, or --reward teacher"
-        )
+    try:
+        check_backbone(config.reward, config.backbone, spec)
+    except ValueError as error:
+        _fail(error)
     shipped = default_prompts(config)
     config.prompts, config.eval_prompts = (
         config.prompts or shipped[0],
