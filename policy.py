@@ -13,6 +13,8 @@ Two policies share one forward signature, forward(latent, text, text_mask, poole
   and prompt features from the start); they cross-attend to the prompt's token embeddings (masked);
   an MLP maps the mean token to alpha = softplus(.) + ALPHA_MIN.
 - GlobalPolicy: one learnable concentration vector, the same for every context (the ablation).
+DirichletRollouts is what train.py's loop asks of either: K schedules drawn per context, then
+sampled, and the log-probability of what was drawn.
 
 Initialisation (the paper trains from scratch): the head's last layer starts near zero (N(0, 1e-4)
 weights: at zero the layers below get no gradient until it grows), its bias so that alpha =
