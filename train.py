@@ -394,7 +394,7 @@ def main(config):
             rollout_s=t_rollout,
             step_s=time.time() - t0,
         )
-        if checkpoint_now:  # on the first GAIN_CONTEXTS held-out contexts
+        if checkpoint_now:  # the gain over the default on held-out contexts (launch.heldout_gain)
             row["heldout_gain"] = heldout_gain(raw_policy)
         launch.log(config, run, row, progress)  # metrics.jsonl
         if checkpoint_now:  # ckpt.pt: policy, optimizer, iteration, configuration
