@@ -248,7 +248,7 @@ def check_args(args):
     local = {trained_reward: config["reward_checkpoint"]}  # reward -> its local weights
     local.update(item.split("=", 1) for item in args.reward_checkpoint)
     for name in args.rewards or []:  # as train.py refuses it
-        reward_lib.check_backbone(name, trained_on, backbones.BACKBONES[trained_on])
+        reward_lib.check_digits(name, trained_on, backbones.BACKBONES[trained_on])
     if args.schnell and trained_on != "flux-dev":
         raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
     sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}

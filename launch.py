@@ -47,7 +47,7 @@ from figures import context_labels, plot_training
 from miniature import realism_measure
 from prompts import DEFAULT, SHIPPED, context_noise, heldout_contexts, load_prompt_file
 from realism import realism_table
-from rewards import check_backbone, check_prompts
+from rewards import IMAGE_CONTENT, check_digits, check_prompts
 
 LEAST = dict(
     steps=1,
@@ -173,9 +173,14 @@ def check_config(config, world_size):
             "--device cpu to insist (or try --backbone digits)"
         )
     try:
-        check_backbone(config.reward, config.backbone, spec)
+        check_digits(config.reward, config.backbone, spec)
     except ValueError as error:
         _fail(error)
+    if spec["family"] == "mixture" and config.reward in IMAGE_CONTENT:
+        _fail(
+            f"the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} "
+            "images do not have; use a real backbone, or --reward teacher"
+        )
     shipped = default_prompts(config)
     config.prompts, config.eval_prompts = (
         config.prompts or shipped[0],
