@@ -78,6 +78,7 @@ import torch  # noqa: E402
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
 from evaluate import mean_ci  # noqa: E402
 from policy import log_prob, sample_increments, times_from_increments  # noqa: E402
+from results import run_training  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Theorem 3.2's quantities, as functions of rewards and gradients (tests/test_baseline_study.py
@@ -255,34 +256,16 @@ def run_dir(args, name, start, steps, baseline, seed, contexts=None):
 
 
 def train(args, name, start, steps, baseline, seed, contexts=None):
-    """One training run (resumed or read when it exists): its eval.json and metrics rows."""
-    out_dir = run_dir(args, name, start, steps, baseline, seed, contexts)
-    if not os.path.isfile(os.path.join(out_dir, "eval.json")):
-        command = [sys.executable, "train.py", "--backbone", name, "--steps", str(steps)]
-        command += ["--rollouts", str(ROLLOUTS), "--contexts", str(contexts or MINIATURES[name])]
-        command += ["--baseline", baseline, "--seed", str(seed), "--out-dir", out_dir]
-        command += ["--iterations", str(ITERATIONS), "--ckpt-interval", str(CURVE_INTERVAL)]
-        if start == "flat":
-            command += ["--init", "uniform", "--concentration", str(steps + 1)]
-        if seed == args.seeds[0] and baseline == "js" and contexts is None:
-            command.append("--snapshots")  # Theorem 3.2 is measured at this run's snapshots
-        if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-            command.append("--resume")
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "train.log"), "w") as log:
-            subprocess.run(
-                command,
-                check=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-                stdout=log,
-                stderr=log,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            )
-    with open(os.path.join(out_dir, "eval.json")) as file:
-        report = json.load(file)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
-        rows = [json.loads(line) for line in file]
-    return report, rows
+    """One training run (read when finished): its eval.json and metrics rows."""
+    arguments = ["--backbone", name, "--steps", str(steps), "--rollouts", str(ROLLOUTS)]
+    arguments += ["--contexts", str(contexts or MINIATURES[name]), "--baseline", baseline]
+    arguments += ["--seed", str(seed), "--iterations", str(ITERATIONS)]
+    arguments += ["--ckpt-interval", str(CURVE_INTERVAL)]
+    if start == "flat":
+        arguments += ["--init", "uniform", "--concentration", str(steps + 1)]
+    if seed == args.seeds[0] and baseline == "js" and contexts is None:
+        arguments.append("--snapshots")  # Theorem 3.2 is measured at this run's snapshots
+    return run_training(run_dir(args, name, start, steps, baseline, seed, contexts), arguments)
 
 
 # -----------------------------------------------------------------------------
