@@ -546,6 +546,9 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 
 
 def main(args):
+    from results import commit, record
+
+    started = commit()
 
     torch.set_num_threads(1)  # the embedded backbones' tensors are tiny
     selected = args.trainings or [name for name in TRAININGS if not name.startswith("stepwise")]
@@ -635,6 +638,7 @@ def main(args):
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
+    record("embedded", " ".join(["python ablation.py", *sys.argv[1:]]), lines, at=started)
 
 
 if __name__ == "__main__":

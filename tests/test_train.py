@@ -558,6 +558,8 @@ def test_the_names_train_offers_are_the_registries():
         "ablation.py",
         "bench.py",
         "miniature.py",
+        "baseline_study.py",
+        "comparator_study.py",
     ],
 )
 def test_help_answers_before_torch_loads(script):
