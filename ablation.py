@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -77,6 +76,7 @@ import torch  # noqa: E402
 import backbones  # noqa: E402
 from checkpoints import write_json_atomic  # noqa: E402
 from policy import increments_from_times, times_from_increments  # noqa: E402
+from results import run_training  # noqa: E402
 
 TRAININGS = {  # name -> train.py arguments
     "global, js": ["--baseline", "js", "--policy", "global"],
@@ -230,36 +230,11 @@ def run_dir(backbone, name, seed, args, steps=None):
 
 
 def train_run(backbone, name, seed, args, steps=None, trainings=TRAININGS):
+    """One training (read when finished): its held-out mean reward at the learned schedule."""
+    arguments = ["--backbone", backbone, "--seed", str(seed), "--steps", str(steps or args.steps)]
     out_dir = run_dir(backbone, name, seed, args, steps)
-    if not os.path.isfile(os.path.join(out_dir, "eval.json")):
-        command = [
-            sys.executable,
-            "train.py",
-            "--backbone",
-            backbone,
-            "--seed",
-            str(seed),
-            "--steps",
-            str(steps or args.steps),
-            "--out-dir",
-            out_dir,
-            *trainings[name],
-        ]
-        if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-            command.append("--resume")
-        os.makedirs(out_dir, exist_ok=True)
-        # train.py's output, progress bars included
-        with open(os.path.join(out_dir, "train.log"), "w") as log:
-            subprocess.run(
-                command,
-                check=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-                stdout=log,
-                stderr=log,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            )
-    with open(os.path.join(out_dir, "eval.json")) as file:
-        return {row["method"]: row["mean"] for row in json.load(file)["rows"]}["learned (mean)"]
+    report, _ = run_training(out_dir, arguments + trainings[name])
+    return {row["method"]: row["mean"] for row in report["rows"]}["learned (mean)"]
 
 
 def plot(path, backbone, oracle, checkpoints):
@@ -571,6 +546,9 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 
 
 def main(args):
+    from results import commit, record
+
+    started = commit()
 
     torch.set_num_threads(1)  # the embedded backbones' tensors are tiny
     selected = args.trainings or [name for name in TRAININGS if not name.startswith("stepwise")]
@@ -660,6 +638,7 @@ def main(args):
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
+    record("embedded", " ".join(["python ablation.py", *sys.argv[1:]]), lines, at=started)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ mini-sdxl) with the preference reward: schedules learned with cross-context RLOO
 (the paper's) and James-Stein leave-one-context-out (this project's), against the default schedule;
 their learning curves; and Theorem 3.2 measured on the training distribution.
 
-    python baseline_study.py --jobs 2   # everything below; about 70 min on 2 idle cores
+    python baseline_study.py --jobs 2   # everything below; about an hour on 2 idle cores
     python baseline_study.py --miniatures mini-sd3 --seeds 0 1 --jobs 2   # a part of it
 
 Protocol: the paper's where the paper states it, else this project's choice (said so).
@@ -15,8 +15,9 @@ Protocol: the paper's where the paper states it, else this project's choice (sai
   --agreement).
 - A fixed budget of 40 iterations, the project's defaults otherwise (lr 3e-3, cosine; not tuned).
 - Two starts. "flat": a flat Dirichlet over schedules (--init uniform --concentration L+1), the
-  project's reading of the paper's "trained from scratch". "default": the project's own start, the
-  default schedule with concentration 100, whose K rollouts differ little.
+  project's reading of the paper's "trained from scratch", at every L. "default": the project's own
+  start, the default schedule with concentration 100, whose K rollouts differ little, at the
+  smallest L (the budget of one command).
 - Each run is `python train.py --backbone NAME --steps L --rollouts 2 --contexts B --baseline X
   --seed S ...`, scored on its 256 held-out contexts (held-out paraphrases, fresh noise: eval.json,
   the same for every run): the preference reward and the Frechet distance to real digits, mean and
@@ -24,18 +25,18 @@ Protocol: the paper's where the paper states it, else this project's choice (sai
   runs of one seed (same initial policy, same training contexts).
 - Learning curves: the held-out gain over the default on the first 32 held-out contexts, which
   train.py logs at each checkpoint (every 5 iterations here).
-- Where the gain should be largest: the same at B = 4 contexts (flat start, L = 2), where the
-  cross-context mean has the fewest contexts and James-Stein's weight the fewest degrees of freedom.
 - Theorem 3.2 on the training distribution: at the start, middle and end of each seed-0 JS run at
   L = 2 (train.py --snapshots), on training prompts with noise seeds of their own (MEASURE_SEED):
   - each baseline's error as an estimate of a context's mean reward mu_c: sets of contexts get
     POOL rollouts each; a batch takes K of them per context, the truth is the mean of the other
-    POOL - K (its own noise, s2_c / (POOL - K), is subtracted); at (B, K) = (B, 2), (4, 2), (B, 4);
-  - the policy gradient of one batch (B contexts x K = 2) with each baseline on the same rollouts,
-    over GRADIENT_BATCHES independent batches: the variance (trace of the covariance) and the
-    cosine to the large-batch gradient (the mean of the three exactly unbiased baselines over the
-    other batches);
+    POOL - K (its own noise, s2_c / (POOL - K), is subtracted);
+  - the policy gradient of one batch (B contexts x K rollouts) with each baseline on the same
+    rollouts, over GRADIENT_BATCHES independent batches: the variance (trace of the covariance)
+    and the cosine to the large-batch gradient (the inverse-variance mix of the three exactly
+    unbiased baselines over the other batches);
   - the plug-in James-Stein weight of those batches, and the training runs' logged weight.
+  Where the paper expects the gain to be largest (few contexts to pool, few rollouts): each at
+  (B, K) = (B as trained, 2) and (4, 2), the errors also at (B, 4).
 Runs already finished are read, not repeated, so an interrupted study resumes. The report goes to
 docs/RESULTS.md (section "baselines"), the curves to docs/baselines-<miniature>.png.
 """
@@ -78,6 +79,7 @@ import torch  # noqa: E402
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
 from evaluate import mean_ci  # noqa: E402
 from policy import log_prob, sample_increments, times_from_increments  # noqa: E402
+from results import run_training  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Theorem 3.2's quantities, as functions of rewards and gradients (tests/test_baseline_study.py
@@ -208,38 +210,33 @@ def measure(name, start, args):
                 tau = sample_increments(alpha, POOL, generator)
                 pool.append(rewards_of(texts, noise, cond, tau))
         pool = torch.stack(pool)  # (S, B, POOL)
-        errors = {
-            f"B={b}, K={k}": baseline_errors(pool, b, k, RESAMPLES, generator)
-            for b, k in ((contexts, ROLLOUTS), (SMALL_B, ROLLOUTS), (contexts, 4))
-        }
         within = pool.var(-1).mean().item()  # sigma^2, pooled
         between = pool.mean(-1).var(-1).mean().item() - within / POOL  # delta^2
-        gradients, weights = {key: [] for key in BASELINES}, []
-        for _ in range(GRADIENT_BATCHES):
-            texts, noise, cond = draw_contexts(contexts)
-            inputs = backbone.policy_inputs(noise, cond)
-            batch, rewards = batch_gradients(
-                lambda: policy(**inputs),
-                lambda tau: rewards_of(texts, noise, cond, tau),
-                parameters,
-                ROLLOUTS,
-                generator,
-            )
-            for key, value in batch.items():
-                gradients[key].append(value)
-            weights.append(shrinkage(rewards).item())
-        summary = gradient_statistics({k: torch.stack(v) for k, v in gradients.items()})
-        report.append(
-            dict(
-                iteration=iteration,
-                within=within,
-                between=between,
-                errors=errors,
-                gradients=summary,
-                weight=statistics.median(weights),
-                weight_quartiles=statistics.quantiles(weights, n=4)[::2],
-            )
-        )
+        measured = dict(iteration=iteration, within=within, between=between, settings={})
+        for size, rollouts in ((contexts, ROLLOUTS), (SMALL_B, ROLLOUTS), (contexts, 4)):
+            setting = dict(errors=baseline_errors(pool, size, rollouts, RESAMPLES, generator))
+            if rollouts == ROLLOUTS:  # the gradient at the paper's K, B as trained and small
+                gradients, weights = {key: [] for key in BASELINES}, []
+                for _ in range(GRADIENT_BATCHES):
+                    texts, noise, cond = draw_contexts(size)
+                    inputs = backbone.policy_inputs(noise, cond)
+                    batch, rewards = batch_gradients(
+                        lambda: policy(**inputs),
+                        lambda tau: rewards_of(texts, noise, cond, tau),
+                        parameters,
+                        rollouts,
+                        generator,
+                    )
+                    for key, value in batch.items():
+                        gradients[key].append(value)
+                    weights.append(shrinkage(rewards).item())
+                stacked = {key: torch.stack(value) for key, value in gradients.items()}
+                setting.update(
+                    gradients=gradient_statistics(stacked),
+                    weights=[statistics.median(weights), *statistics.quantiles(weights, n=4)[::2]],
+                )
+            measured["settings"][f"B={size}, K={rollouts}"] = setting
+        report.append(measured)
         print(f"{name} {start}: iteration {iteration} measured", flush=True)
     with open(os.path.join(args.out_dir, f"measure-{name}-{start}.json"), "w") as file:
         json.dump(report, file)
@@ -249,40 +246,27 @@ def measure(name, start, args):
 # the trainings
 
 
+def budgets(args, start):
+    """The step budgets a start trains at: the project's start at the smallest only."""
+    return args.steps if start == "flat" else args.steps[:1]
+
+
 def run_dir(args, name, start, steps, baseline, seed, contexts=None):
     batch = "" if contexts is None else f"-B{contexts}"
     return os.path.join(args.out_dir, name, f"{start}-L{steps}{batch}-{baseline}-s{seed}")
 
 
 def train(args, name, start, steps, baseline, seed, contexts=None):
-    """One training run (resumed or read when it exists): its eval.json and metrics rows."""
-    out_dir = run_dir(args, name, start, steps, baseline, seed, contexts)
-    if not os.path.isfile(os.path.join(out_dir, "eval.json")):
-        command = [sys.executable, "train.py", "--backbone", name, "--steps", str(steps)]
-        command += ["--rollouts", str(ROLLOUTS), "--contexts", str(contexts or MINIATURES[name])]
-        command += ["--baseline", baseline, "--seed", str(seed), "--out-dir", out_dir]
-        command += ["--iterations", str(ITERATIONS), "--ckpt-interval", str(CURVE_INTERVAL)]
-        if start == "flat":
-            command += ["--init", "uniform", "--concentration", str(steps + 1)]
-        if seed == args.seeds[0] and baseline == "js" and contexts is None:
-            command.append("--snapshots")  # Theorem 3.2 is measured at this run's snapshots
-        if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-            command.append("--resume")
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "train.log"), "w") as log:
-            subprocess.run(
-                command,
-                check=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-                stdout=log,
-                stderr=log,
-                cwd=os.path.dirname(os.path.abspath(__file__)),
-            )
-    with open(os.path.join(out_dir, "eval.json")) as file:
-        report = json.load(file)
-    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
-        rows = [json.loads(line) for line in file]
-    return report, rows
+    """One training run (read when finished): its eval.json and metrics rows."""
+    arguments = ["--backbone", name, "--steps", str(steps), "--rollouts", str(ROLLOUTS)]
+    arguments += ["--contexts", str(contexts or MINIATURES[name]), "--baseline", baseline]
+    arguments += ["--seed", str(seed), "--iterations", str(ITERATIONS)]
+    arguments += ["--ckpt-interval", str(CURVE_INTERVAL)]
+    if start == "flat":
+        arguments += ["--init", "uniform", "--concentration", str(steps + 1)]
+    if seed == args.seeds[0] and baseline == "js" and contexts is None:
+        arguments.append("--snapshots")  # Theorem 3.2 is measured at this run's snapshots
+    return run_training(run_dir(args, name, start, steps, baseline, seed, contexts), arguments)
 
 
 # -----------------------------------------------------------------------------
@@ -351,32 +335,36 @@ def table(args, results, start, contexts=None, steps_list=None):
 
 
 def measurement_lines(args, name, start):
+    """One row per snapshot and (B, K): the JS weight of such batches, each baseline's MSE as an
+    estimate of mu_c, the variance of the policy gradient and its cosine to the large-batch one
+    (the ratios to RLOO's)."""
     with open(os.path.join(args.out_dir, f"measure-{name}-{start}.json")) as file:
         report = json.load(file)
     lines = [
         f"{name}, {start} start, L = {args.steps[0]}, at iterations "
         f"{', '.join(str(m['iteration']) for m in report)} of the seed-{args.seeds[0]} JS run:",
         "",
-        "| iteration | sigma^2 within / delta^2 between | JS weight a, median (quartiles) | "
-        + " | ".join(f"MSE of mu_c / RLOO's, {setting}" for setting in report[0]["errors"])
-        + " | gradient variance / RLOO's | cosine to the large-batch gradient |",
-        "|---" * (5 + len(report[0]["errors"])) + "|",
+        "| iteration | sigma^2 within / delta^2 between | B, K | JS weight a, median (quartiles) | "
+        "MSE of mu_c / RLOO's | gradient variance / RLOO's | gradient cosine to the large batch |",
+        "|---|---|---|---|---|---|---|",
     ]
-    order = BASELINE_ROWS
     for m in report:
-        ratios = []
-        for errors in m["errors"].values():
-            ratios.append(
-                ", ".join(f"{k} {errors[k] / errors['rloo']:.2f}" for k in order if k in errors)
+        for setting, values in m["settings"].items():
+            errors = values["errors"]
+            mse = ", ".join(f"{k} {errors[k] / errors['rloo']:.2f}" for k in BASELINE_ROWS)
+            weight = variance = cosine = "-"
+            if "gradients" in values:
+                median, low, high = values["weights"]
+                weight = f"{median:.3f} ({low:.3f}-{high:.3f})"
+                gradient = values["gradients"]
+                variance = ", ".join(
+                    f"{k} {gradient[k][0] / gradient['rloo'][0]:.2f}" for k in BASELINE_ROWS
+                )
+                cosine = ", ".join(f"{k} {gradient[k][1]:.3f}" for k in BASELINE_ROWS)
+            lines.append(
+                f"| {m['iteration']} | {m['within']:.3g} / {m['between']:.3g} | {setting} | "
+                f"{weight} | {mse} | {variance} | {cosine} |"
             )
-        gradient = m["gradients"]
-        variance = ", ".join(f"{k} {gradient[k][0] / gradient['rloo'][0]:.2f}" for k in order)
-        cosine = ", ".join(f"{k} {gradient[k][1]:.3f}" for k in order)
-        low, high = m["weight_quartiles"]
-        lines.append(
-            f"| {m['iteration']} | {m['within']:.3g} / {m['between']:.3g} | {m['weight']:.3f} "
-            f"({low:.3f}-{high:.3f}) | " + " | ".join(ratios) + f" | {variance} | {cosine} |"
-        )
     lines.append("")
     return lines
 
@@ -397,6 +385,9 @@ def plot_curves(args, results, name, path):
     for row, start in enumerate(STARTS):
         for column, steps in enumerate(args.steps):
             ax = axes[row][column]
+            if steps not in budgets(args, start):
+                ax.axis("off")
+                continue
             for baseline, runs in results[(name, start, steps, None)].items():
                 curves = [
                     [(r["iteration"], r["heldout_gain"]) for r in rows if "heldout_gain" in r]
@@ -432,18 +423,11 @@ def main(args):
 
     started = commit()
     os.makedirs(args.out_dir, exist_ok=True)
-    jobs = [
+    jobs = [  # the paper's start first
         (name, start, steps, baseline, seed, None)
-        for name in args.miniatures
         for start in STARTS
-        for steps in args.steps
-        for baseline in BASELINE_ROWS
-        for seed in args.seeds
-    ]
-    small = [name for name in args.miniatures if MINIATURES[name] > SMALL_B]
-    jobs += [
-        (name, "flat", args.steps[0], baseline, seed, SMALL_B)
-        for name in small
+        for name in args.miniatures
+        for steps in budgets(args, start)
         for baseline in BASELINE_ROWS
         for seed in args.seeds
     ]
@@ -481,15 +465,9 @@ def main(args):
             f"Held-out preference reward / Frechet distance, {start} start (mean ± 95% over seeds "
             f"{', '.join(map(str, args.seeds))}; K = {ROLLOUTS}, {ITERATIONS} iterations):",
             "",
-            *table(args, results, start),
+            *table(args, results, start, steps_list=budgets(args, start)),
             "",
         ]
-    if small:
-        lines += [f"The same at B = {SMALL_B} contexts, flat start:", ""]
-        saved = args.miniatures
-        args.miniatures = small
-        lines += table(args, results, "flat", SMALL_B, args.steps[:1]) + [""]
-        args.miniatures = saved
     lines += ["Theorem 3.2 measured on the training distribution:", ""]
     for name in args.miniatures:
         for start in STARTS:

@@ -1,6 +1,7 @@
 """
 Benchmarks that print numbers: what the policy costs against the sampler, the sampling loop against
-the diffusers pipelines it replaces, and the embedded backbone's throughput.
+the diffusers pipelines it replaces, and the embedded backbone's throughput; each report also goes
+to docs/RESULTS.md (section "bench <benchmark> on <device>").
 
     python bench.py  # CPU: all three, tiny random pipelines (about a minute)
     python bench.py --only policy  # FLOPs and parameter counts (meta device, no weights)
@@ -31,8 +32,11 @@ Names ending in -tiny are the randomly initialised pipelines of tests/tiny.py.
 """
 
 import argparse
+import contextlib
+import io
 import math
 import os
+import sys
 import time
 
 parser = argparse.ArgumentParser(
@@ -387,9 +391,7 @@ def bench_ocr(batch=4):
         )
 
 
-if __name__ == "__main__":
-    args = parser.parse_args()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+def run(args, device):
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} CPU threads")
     if args.only in (None, "policy"):
         bench_policy()
@@ -408,3 +410,28 @@ if __name__ == "__main__":
     if args.only == "inference":
         for name in (args.backbones or "digits,mini-sd3").split(","):
             bench_inference(name, args, device)
+
+
+class Tee(io.StringIO):
+    """What is printed, also kept: the benchmark's report goes to docs/RESULTS.md as printed."""
+
+    def write(self, text):
+        sys.__stdout__.write(text)
+        return super().write(text)
+
+
+if __name__ == "__main__":
+    from results import commit, record
+
+    args = parser.parse_args()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    started, printed = commit(), Tee()
+    with contextlib.redirect_stdout(printed):
+        run(args, device)
+    command = " ".join(["python bench.py", *sys.argv[1:]])
+    record(
+        f"bench {args.only or 'all'} on {device.type}",
+        command,
+        ["```", *printed.getvalue().splitlines(), "```"],
+        at=started,
+    )

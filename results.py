@@ -8,10 +8,15 @@ rerun replaces its own section only.
     started = commit()  # the code that runs, should files change before the command ends
     table_lines = measure()
     record("guidance", "python miniature.py --guidance-sweep", table_lines, at=started)
+
+The evidence scripts train with `run_training(out_dir, arguments)`: train.py in its own process,
+read back when finished, continued when killed.
 """
 
+import json
 import os
 import subprocess
+import sys
 
 REPOSITORY = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(REPOSITORY, "docs", "RESULTS.md")
@@ -64,3 +69,28 @@ def record(name, command, lines, at=None, path=RESULTS):
     with open(temporary, "w") as handle:
         handle.write("\n".join(body) + "\n")
     os.replace(temporary, path)
+
+
+def run_training(out_dir, arguments):
+    """`python train.py --out-dir out_dir *arguments` in its own process (one CPU thread; its output
+    in out_dir/train.log), continued from its checkpoint when killed, and not rerun when finished
+    (eval.json exists). Returns its eval.json and the rows of its metrics.jsonl."""
+    if not os.path.isfile(os.path.join(out_dir, "eval.json")):
+        command = [sys.executable, "train.py", "--out-dir", out_dir, *arguments]
+        if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
+            command.append("--resume")
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "train.log"), "w") as log:
+            subprocess.run(
+                command,
+                check=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+                stdout=log,
+                stderr=log,
+                cwd=REPOSITORY,
+            )
+    with open(os.path.join(out_dir, "eval.json")) as file:
+        report = json.load(file)
+    with open(os.path.join(out_dir, "metrics.jsonl")) as file:
+        rows = [json.loads(line) for line in file]
+    return report, rows

@@ -1,6 +1,6 @@
 """
 Why James-Stein shrinkage helps REINFORCE, on problems small enough to know the right answer;
-writes OUT_DIR/toy_js.json (every number) and OUT_DIR/toy_js.png.
+writes OUT_DIR/toy_js.json (every number), OUT_DIR/toy_js.png and its tables to docs/RESULTS.md.
 
     python toy_js.py                    # about a minute on 2 CPU cores
     python toy_js.py --quick            # a few seconds (the tests run this)
@@ -213,18 +213,25 @@ if __name__ == "__main__":
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
     settings = QUICK if args.quick else dict(rewards=REWARDS_PER_CELL, batches=BANDIT["batches"])
-    started = time.time()
+    started, code = time.time(), None
+    if not args.quick:  # the tests' quick run is not evidence; the full one goes to RESULTS.md
+        from results import commit, record
+
+        code = commit()
 
     # ---- part A: estimation
     generator = torch.Generator().manual_seed(args.seed)
     grid = itertools.product(ROLLOUTS, CONTEXTS, RATIOS)  # K, B, delta^2/sigma^2
     cells = [estimation_cell(ratio, B, K, settings["rewards"], generator) for K, B, ratio in grid]
-    print("=== Part A: MSE of b[c, i] as an estimate of mu_c (sigma^2 = 1) ===")
-    print(" K   B  d2/s2 |    rloo     xctx      js  js-unb  oracle | a_true a_mean | js-rloo z")
+    lines = ["Part A: MSE of b[c, i] as an estimate of mu_c (sigma^2 = 1)", "", "```"]
+    lines.append(
+        " K   B  d2/s2 |    rloo     xctx      js  js-unb  oracle | a_true a_mean | js-rloo z"
+    )
     for c in cells:
         mse = " ".join(f"{value:>7.4f}" for value in c["mse"].values())  # rloo, ..., oracle
         tail = f"{c['true_weight']:>6.3f} {c['mean_weight']:>6.3f} | {c['js_minus_rloo_z']:>+9.1f}"
-        print(f"{c['K']:>2} {c['B']:>3} {c['ratio']:>6g} | {mse} | {tail}")
+        lines.append(f"{c['K']:>2} {c['B']:>3} {c['ratio']:>6g} | {mse} | {tail}")
+    lines.append("```")
     conclusions = estimation_summary(cells)
 
     # ---- part B: gradients
@@ -233,14 +240,18 @@ if __name__ == "__main__":
     batches = settings["batches"]
     gradients = [gradient_errors(bandit, spread, batches, generator) for spread in OFFSET_SPREADS]
     setup = "Dirichlet bandit, B={contexts}, K={rollouts}, {actions} actions".format(**BANDIT)
-    print(f"\n=== Part B: {setup}: gradient MSE / E|grad|^2 at the initial policy (+- se) ===")
+    lines += ["", f"Part B: {setup}: gradient MSE / E|grad|^2 at the initial policy (+- se)", ""]
+    lines.append("```")
     for spread, gradient in zip(OFFSET_SPREADS, gradients):
         row = " ".join(f"{name} {m:.3f}+-{s:.3f}" for name, (m, s) in gradient.items())
-        print(f"offset spread {spread:>4g} | {row}")
+        lines.append(f"offset spread {spread:>4g} | {row}")
         rloo_mse = gradient["rloo"][0]
         relative = [f"{n}/rloo = {gradient[n][0] / rloo_mse:.2f}" for n in ("js", "xctx", "none")]
         conclusions.append(f"offset spread {spread:g}: gradient MSE " + ", ".join(relative))
-    print("\nConclusions:\n  " + "\n  ".join(conclusions))
+    lines += ["```", "", "Conclusions:", "", *(f"- {line}" for line in conclusions)]
+    print("\n".join(lines))
+    if code:
+        record("toy_js", "python toy_js.py", lines, at=code)
 
     plot_toy_js(cells, os.path.join(args.out_dir, "toy_js.png"))
     gradient = dict(zip(map(str, OFFSET_SPREADS), gradients))

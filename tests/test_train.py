@@ -220,6 +220,8 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
         (["--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
         (["--ppo-minibatches", "0"], "--ppo-minibatches must be at least 1"),
         (["--ppo-clip", "0"], "--ppo-clip must be a finite number > 0"),
+        (["--concentration", "0"], "--concentration must be a finite number > 0"),
+        (["--concentration", "nan"], "--concentration must be a finite number > 0"),
     ],
 )
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
@@ -556,6 +558,8 @@ def test_the_names_train_offers_are_the_registries():
         "ablation.py",
         "bench.py",
         "miniature.py",
+        "baseline_study.py",
+        "comparator_study.py",
     ],
 )
 def test_help_answers_before_torch_loads(script):

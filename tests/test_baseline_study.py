@@ -1,0 +1,160 @@
+"""baseline_study.py's measurements of Theorem 3.2 on cases with a known answer, and the two
+train.py flags it relies on (--concentration, --snapshots)."""
+
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from conftest import train_in_process
+
+import backbones
+from baselines import BASELINES
+
+sys.argv = sys.argv[:1]  # baseline_study parses its flags at import when run as a script only
+import baseline_study  # noqa: E402
+
+
+def random_effects_pool(sets, contexts, rollouts, between, within, generator):
+    """Rewards (S, C, M) of the paper's model r[c, i] = mu_c + eps, mu_c ~ N(0, between),
+    eps ~ N(0, within), fresh contexts in every set."""
+    means = math.sqrt(between) * torch.randn(sets, contexts, 1, generator=generator)
+    return means + math.sqrt(within) * torch.randn(sets, contexts, rollouts, generator=generator)
+
+
+def test_baseline_errors_match_the_random_effects_model():
+    """E (b - mu_c)^2 in closed form: RLOO sigma^2/(K-1); the cross-context mean
+    K^2 B (B-1) delta^2/(BK-1)^2 + sigma^2/(BK-1) (its K B - K rewards of other contexts are off by
+    their mu_c' - mu_c, its K-1 of its own are not). The measured values, per set of contexts, are
+    independent across sets: each mean must lie within 4 standard errors of its known value. James-
+    Stein must be below RLOO (Thm. 3.2, B >= 3) by far more than that."""
+    contexts, rollouts, between, within = 4, 2, 0.5, 1.0
+    generator = torch.Generator().manual_seed(0)
+    per_set = [
+        baseline_study.baseline_errors(
+            random_effects_pool(1, contexts, 12, between, within, generator),
+            contexts,
+            rollouts,
+            20,
+            generator,
+        )
+        for _ in range(400)
+    ]
+    samples = contexts * rollouts
+    known = {
+        "rloo": within / (rollouts - 1),
+        "xctx": rollouts**2 * contexts * (contexts - 1) * between / (samples - 1) ** 2
+        + within / (samples - 1),
+    }
+    for name, value in known.items():
+        values = torch.tensor([errors[name] for errors in per_set], dtype=torch.float64)
+        error = values.std().item() / math.sqrt(len(values))
+        assert abs(values.mean().item() - value) < 4 * error, (name, values.mean().item(), value)
+    js = torch.tensor([errors["js"] for errors in per_set]).mean().item()
+    assert js < 0.8 * known["rloo"]
+
+
+def test_baseline_errors_subtract_the_truths_own_noise():
+    """Rewards that are exactly the context's mean: every leave-one-out estimate is then exact, so
+    every error must be 0 up to rounding, whatever the pool's size."""
+    generator = torch.Generator().manual_seed(1)
+    pool = torch.randn(2, 6, 1).expand(2, 6, 5).contiguous()
+    errors = baseline_study.baseline_errors(pool, 6, 2, 10, generator)
+    assert abs(errors["rloo"]) < 1e-12 and abs(errors["js"]) < 1e-12
+    assert errors["xctx"] > 0.1  # the cross-context mean is off by the other contexts' means
+
+
+def test_gradient_statistics_of_known_gaussian_gradients():
+    """Gradients g0 + N(0, s^2 I) over N batches: the variance (the trace of the covariance) is
+    P s^2, estimated with standard error s^2 sqrt(2P/(N-1)); with |g0|^2 = P s^2 the cosine of one
+    batch to the pooled mean of the others is 1/sqrt(2) up to that mean's own noise (s^2/(3(N-1))
+    per coordinate: a factor 1/sqrt(1 + 1/(3(N-1)))), within 0.02 (5 standard errors of a mean of N
+    cosines whose spread is about 0.07 at P = 50)."""
+    count, size, scale = 400, 50, 0.5
+    generator = torch.Generator().manual_seed(2)
+    direction = torch.randn(size, generator=generator)
+    g0 = direction / direction.norm() * math.sqrt(size) * scale
+    gradients = {
+        name: g0 + scale * torch.randn(count, size, generator=generator) for name in BASELINES
+    }
+    gradients["xctx"] = g0 + 3 * scale * torch.randn(count, size, generator=generator)
+    result = baseline_study.gradient_statistics(gradients)
+    error = scale**2 * math.sqrt(2 * size / (count - 1))
+    assert abs(result["rloo"][0] - size * scale**2) < 4 * error
+    assert abs(result["xctx"][0] - 9 * size * scale**2) < 4 * 9 * error
+    # xctx is 9x noisier: the inverse-variance mix of the unbiased three hardly uses it
+    pooled_noise = 1 / (1 + 1 + 1 / 9) / (count - 1)  # the reference's variance, per s^2
+    cosine = 1 / math.sqrt(2) / math.sqrt(1 + pooled_noise)
+    assert abs(result["rloo"][1] - cosine) < 0.02
+    assert result["xctx"][1] < result["rloo"][1] - 0.2
+
+
+def global_dirichlet(logits):
+    """alpha (B, L+1) = softplus(logits) + 1 for every context: a policy with a known gradient."""
+    return lambda contexts: (F.softplus(logits) + 1).expand(contexts, -1)
+
+
+def test_batch_gradients_are_zero_for_rloo_when_the_reward_ignores_the_schedule():
+    """r[c, i] = mu_c: RLOO's advantages are exactly 0, the cross-context mean's are not."""
+    logits = torch.zeros(4, requires_grad=True)
+    means = torch.tensor([[-3.0], [0.0], [1.0], [5.0]])
+    gradients, rewards = baseline_study.batch_gradients(
+        lambda: global_dirichlet(logits)(4),
+        lambda tau: means.expand(4, tau.shape[1]),
+        [logits],
+        2,
+        torch.Generator().manual_seed(3),
+    )
+    assert torch.equal(gradients["rloo"], torch.zeros(4))
+    assert gradients["xctx"].abs().sum() > 0
+    assert rewards.shape == (4, 2)
+
+
+def test_batch_gradients_average_to_the_true_gradient():
+    """r = w . tau + mu_c: the objective is w . E[tau] = w . alpha / sum(alpha), whose gradient
+    autograd gives exactly. Each exactly unbiased baseline's mean over 3,000 batches must lie within
+    4 standard errors (per coordinate, from the batches' spread) of minus that gradient (the loss
+    is -J)."""
+    logits = torch.tensor([0.3, -0.2, 0.5], requires_grad=True)
+    weights, means = torch.tensor([2.0, -1.0, 0.5]), torch.tensor([[-2.0], [0.0], [1.0], [4.0]])
+    alpha = F.softplus(logits) + 1
+    (true,) = torch.autograd.grad(-(weights * alpha / alpha.sum()).sum(), logits)
+    generator = torch.Generator().manual_seed(4)
+    batches = {name: [] for name in BASELINES}
+    for _ in range(3000):
+        gradients, _ = baseline_study.batch_gradients(
+            lambda: global_dirichlet(logits)(4),
+            lambda tau: tau @ weights + means,
+            [logits],
+            2,
+            generator,
+        )
+        for name, value in gradients.items():
+            batches[name].append(value)
+    for name in baseline_study.UNBIASED:
+        values = torch.stack(batches[name]).double()
+        error = values.std(0) / math.sqrt(len(values))
+        assert ((values.mean(0) - true).abs() < 4 * error).all(), name
+
+
+def test_concentration_and_snapshots(tmp_path):
+    """--init uniform --concentration 5 starts every context at alpha = (1, ..., 1) (L = 4);
+    --snapshots keeps the policy at the start and at each checkpoint, and policy-0 is that start."""
+    out = train_in_process(
+        tmp_path / "out",
+        *["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "1"],
+        *["--init", "uniform", "--concentration", "5", "--snapshots"],
+    )
+    names = sorted(os.listdir(out / "snapshots"))
+    assert names == ["policy-0.pt", "policy-1.pt", "policy-2.pt"]
+    states = [torch.load(out / "snapshots" / name, weights_only=False) for name in names]
+    assert [state["iteration"] for state in states] == [0, 1, 2]
+    policy = backbones.build_policy(states[0]["policy_config"])
+    policy.load_state_dict(states[0]["policy"])
+    mixture = backbones.load_backbone("digits")
+    noise = mixture.sample_noise(3, torch.Generator().manual_seed(0))
+    cond = mixture.encode_prompts(mixture.prompts[:3])
+    alpha = policy(**mixture.policy_inputs(noise, cond))
+    assert torch.allclose(alpha, torch.ones_like(alpha), atol=0.05)
+    assert not torch.equal(states[0]["policy"]["head.3.bias"], states[2]["policy"]["head.3.bias"])
