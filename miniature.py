@@ -10,7 +10,7 @@ models).
     python miniature.py --family preference   # the preference reward's scorer (a few minutes)
     python miniature.py --guidance-sweep      # how each miniature's default guidance was chosen
     python miniature.py --agreement           # the rewards against realism per default step count
-    python miniature.py --check               # what the shipped folders reach (the README's table)
+    python miniature.py --check               # what the shipped folders reach (RESULTS.md, "check")
 
 Why they exist: random weights prove that rollout.py equals the diffusers pipelines, not that a
 learned schedule makes a trained model's images better. These are trained models of the real

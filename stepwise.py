@@ -2,7 +2,7 @@
 The comparator TPDM ("Schedule On the Fly", Ye et al., CVPR 2025, arXiv 2412.01243; the paper's
 "TPDM-style PPO" row): a step-wise policy that picks each next time from the sampler's state,
 trained with PPO. Its settings follow TPDM's public code (github.com/maple-research-lab/TPDM);
-train.OPTIMIZERS and README say which file each comes from and what differs.
+train.OPTIMIZERS and README say which file each comes from; docs/COMPARATOR.md what differs.
 
 At step l, after the model call at t_l, the policy reads what the sampler has there and draws the
 decay rate of the next time from a Beta:

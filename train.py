@@ -121,7 +121,7 @@ TRAINING = {
     "flux-schnell": dict(REAL_TRAINING, contexts=16, rollout_batch=8),
     "digits": dict(EMBEDDED_TRAINING, rollouts=2),
     "digits-prompt": dict(EMBEDDED_TRAINING, rollouts=8),
-    # the noise's signal is weaker than the prompt's; digits-xor's interaction: see README
+    # the noise's signal is weaker than the prompt's; digits-xor's interaction: docs/DESIGN.md
     "digits-noise": dict(EMBEDDED_TRAINING, rollouts=8, iterations=600),
     "digits-xor": dict(EMBEDDED_TRAINING, rollouts=8, iterations=2000),
     "mini-sd3": MINIATURE_TRAINING,
@@ -160,7 +160,7 @@ OPTIMIZERS = {
 GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's lr it barely moves
 # --optimizer ppo takes ppo_epochs x ppo_minibatches Adam steps per batch. TPDM's lr (1e-6 for
 # SD3's 2-conv head) does not transfer to this network and budget; this factor is not tuned for
-# TPDM's settings: tune --lr on training contexts (README, "The comparator")
+# TPDM's settings: comparator_study.py tunes --lr on training contexts (docs/COMPARATOR.md)
 PPO_LR_FACTOR = 1 / 30
 CHOICES = dict(
     backbone=list(TRAINING),
