@@ -286,17 +286,18 @@ def cell(runs):
     """'reward ± ci / Frechet ± ci' of one baseline's runs (one per seed)."""
     rewards = [learned(report) for report, _ in runs]
     frechet = [report["realism"]["learned (mean)"]["frechet"] for report, _ in runs]
-    return f"{interval(rewards)} / {interval(frechet, 3)}"
+    return f"{interval(rewards, 3)} / {interval(frechet, 3)}"
 
 
 def default_cell(report):
     row = {row["method"]: row for row in report["rows"]}["default"]
-    return f"{row['mean']:.2f} / {report['realism']['default']['frechet']:.3f}"
+    return f"{row['mean']:.3f} / {report['realism']['default']['frechet']:.3f}"
 
 
 def paired(runs, first, second):
     """first - second, paired by seed: mean ± 95% interval of the held-out reward."""
-    return interval([learned(a) - learned(b) for (a, _), (b, _) in zip(runs[first], runs[second])])
+    differences = [learned(a) - learned(b) for (a, _), (b, _) in zip(runs[first], runs[second])]
+    return interval(differences, 3)
 
 
 def shrinkage_summary(runs):
@@ -309,7 +310,7 @@ def shrinkage_summary(runs):
         low, _, high = statistics.quantiles(values, n=4)
         return f"{statistics.median(values):.3f} ({low:.3f}-{high:.3f})"
 
-    return f"{summary(early)} | {summary(every)}"
+    return f"{summary(early)}; {summary(every)}"
 
 
 def table(args, results, start, contexts=None, steps_list=None):
@@ -330,7 +331,9 @@ def table(args, results, start, contexts=None, steps_list=None):
             row = [paired(results[(n, start, s, contexts)], a, b) for n, s in columns]
             lines.append(f"| {a} - {b} (reward, paired) | " + " | ".join(row) + " |")
     row = [shrinkage_summary(results[(n, start, s, contexts)]["js"]) for n, s in columns]
-    lines.append("| JS weight a: first 5 iterations \\| all | " + " | ".join(row) + " |")
+    lines.append(
+        "| JS weight a, median (quartiles): first 5 iterations; all | " + " | ".join(row) + " |"
+    )
     return lines
 
 
