@@ -245,7 +245,7 @@ def check_backbone_files(name, path=None):
     if path is None and spec.get("folder"):
         advice = (
             f"restore it with `git checkout {spec['folder']}`, or retrain it with "
-            f"`python miniature.py --family {spec['family']}`"
+            f"`{backbones.retrain_command(name)}`"
         )
     elif path is not None:
         advice = "download the model again, or pass another --model-path"
@@ -556,8 +556,11 @@ def check_evaluation(args):
                 f"the {name} reward reads the 16x16 handwritten digits that only the mini-* "
                 f"backbones draw, not {trained_on}'s images; use --rewards teacher"
             )
-    if args.schnell and trained_on != "flux-dev":
-        raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
+    if args.schnell and trained_on not in backbones.DISTILLED:
+        raise ValueError(
+            f"--schnell is the reference for {' and '.join(backbones.DISTILLED)}, not for "
+            f"{trained_on!r}"
+        )
     sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}
     for flag, value in sizes.items():
         if value is not None and value < 1:
