@@ -8,6 +8,7 @@ schedule and learned instance-level schedules with each baseline, over several t
     python ablation.py --backbones digits-xor --trainings "global, js" "instance, js" --jobs 2
     python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed per training
     python ablation.py --miniatures --jobs 2  # trained miniatures: 3 x 3 L x 2 policies x 3 seeds
+    python ablation.py --distilled --jobs 2  # learned schedules against the distilled model
     python ablation.py --backbones digits-prompt digits-noise --trainings "global, js" \
         "instance, js" "stepwise, js" "stepwise, ppo" --jobs 2  # the comparator TPDM (stepwise.py)
     python ablation.py --miniatures --backbones mini-sd3 --mini-steps 3 --mini-trainings global \
@@ -62,6 +63,11 @@ add(
 add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
 add("--miniatures", action="store_true", help="the miniatures' evidence instead (L = 2, 3, 4)")
 add("--mini-steps", type=int, nargs="+", default=[2, 3, 4], help="the miniatures' L")
+add(
+    "--distilled",
+    action="store_true",
+    help="mini-flux with learned schedules against the distilled mini-flux-schnell",
+)
 add(
     "--mini-trainings",
     nargs="+",
@@ -546,6 +552,201 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
     plt.close(figure)
 
 
+# -----------------------------------------------------------------------------
+# the paper's "Flux-Dev with a learned schedule against Flux-Schnell", in miniature
+
+# the step budgets L of the learned JS schedules: mini-flux as the paper's Flux-Dev, and, beyond the
+# paper, mini-flux-schnell itself (does a learned schedule help a few-step model too?)
+DISTILLED_STEPS = {"mini-flux": [2, 3, 4, 5], "mini-flux-schnell": [2, 3, 4]}
+REFERENCE_STEPS = 50  # mini-flux's converged samples, the distillation's teacher
+
+
+def interval(values, digits=3):
+    """'mean ± 95% Student-t half-width' of a list or a 1-D tensor (evaluate.mean_ci)."""
+    from evaluate import mean_ci
+
+    mean, half = mean_ci(torch.as_tensor(values, dtype=torch.float64))
+    return f"{mean:.{digits}f} ± {half:.{digits}f}"
+
+
+def headline(member, column):
+    """A method's preference reward (the mean over contexts) or its realism measure `column`."""
+    return member[column].mean().item() if column == "preference" else member[column]
+
+
+def distilled_comparison(args):
+    """mini-flux with its default schedule and with the learned JS schedule (train.py's defaults
+    with --steps L, each seed), against mini-flux-schnell at its default, at each L of
+    DISTILLED_STEPS, and mini-flux-schnell with its own learned JS schedule; all on the same
+    held-out contexts and noises (the two models draw the same initial latents). Scored by the
+    preference reward, the classifier's accuracy and the realism measures (realism.py); the share
+    of the gap between mini-flux's default and mini-flux-schnell that the learned schedule closes,
+    and the paired difference to mini-flux-schnell per context. Writes docs/RESULTS.md (section
+    "distilled") and docs/distilled.png."""
+    from checkpoints import load_checkpoint
+    from evaluate import default_schedule, policy_schedule, score_table
+    from miniature import prompt_lists, realism_measure
+    from realism import realism_table
+    from results import commit, record
+    from rewards import load_reward
+
+    started = commit()
+    runs = [
+        (name, "instance", seed, steps)
+        for name, budgets in DISTILLED_STEPS.items()
+        for steps in budgets
+        for seed in args.seeds
+    ]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda run: train_run(*run[:3], args, run[3], MINI_TRAININGS), runs))
+    prompts, seeds = heldout_contexts(prompt_lists()[1], HELDOUT_CONTEXTS)
+    measure = realism_measure()
+    models = {name: backbones.load_backbone(name) for name in DISTILLED_STEPS}
+    policies = {
+        run: load_checkpoint(os.path.join(run_dir(*run[:3], args, run[3]), "ckpt.pt"))[1]
+        for run in runs
+    }
+
+    def measured(name, methods):  # row -> per-context scores and realism of each method
+        backbone = models[name]
+        reward = {"preference": load_reward("preference", backbone)}
+        scores = score_table(backbone, reward, prompts, seeds, methods, batch_size=128)
+        realism = realism_table(backbone, methods, prompts, seeds, measure)
+        return {row: dict(scores[row], **realism[row]) for row in methods}
+
+    def cells(members):  # one method, or the same method over seeds: mean ± interval per column
+        per_context = ("preference", "digit accuracy")
+        if len(members) == 1:  # a fixed schedule: the interval over contexts
+            only = members[0]
+            return [interval(only[column]) for column in per_context] + [
+                f"{only[key]:.3f}" for key in ("frechet", "precision", "recall")
+            ]
+        columns = [[m[column].mean().item() for m in members] for column in per_context]
+        columns += [[m[key] for m in members] for key in ("frechet", "precision", "recall")]
+        return [interval(values) for values in columns]
+
+    floor = measure.floor(HELDOUT_CONTEXTS)
+    flux, schnell = "mini-flux", "mini-flux-schnell"
+    lines = [
+        f"{HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise), the same "
+        "noises for every row. Fixed schedules: mean ± 95% interval over the contexts; learned "
+        "rows (`python train.py --backbone B --steps L --seed S`, the miniature's defaults: JS "
+        "baseline, preference reward, 200 iterations): mean ± 95% Student-t interval over seeds "
+        f"{args.seeds}. Real digits against the reference at the same N: Frechet "
+        f"{floor['frechet']:.3f}, precision {floor['precision']:.3f}, recall "
+        f"{floor['recall']:.3f}.",
+        "",
+        "| L | model, schedule | preference reward | accuracy | Frechet distance | precision "
+        "| recall |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    reference = measured(flux, {"reference": default_schedule(models[flux], REFERENCE_STEPS)})
+    lines.append(
+        f"| {REFERENCE_STEPS} | {flux}, default | "
+        + " | ".join(cells([reference["reference"]]))
+        + " |"
+    )
+    summary, figure_policies = [], {}
+    for steps in sorted({L for budgets in DISTILLED_STEPS.values() for L in budgets}):
+        rows = {}
+        for name in DISTILLED_STEPS:
+            methods = {"default": default_schedule(models[name], steps)}
+            trained = [run for run in runs if run[0] == name and run[3] == steps]
+            for run in trained:
+                methods[f"learned, seed {run[2]}"] = policy_schedule(policies[run], models[name])
+                figure_policies[name, steps, run[2]] = policies[run]
+            scored = measured(name, methods)
+            rows[f"{name}, default"] = [scored["default"]]
+            if trained:
+                rows[f"{name}, learned JS"] = [scored[f"learned, seed {run[2]}"] for run in trained]
+        for row, members in rows.items():
+            lines.append(f"| {steps} | {row} | " + " | ".join(cells(members)) + " |")
+        # the gap between mini-flux's default and the distilled model, the share of it the
+        # learned schedule closes (per seed), and the paired differences per context
+        default, distilled = rows[f"{flux}, default"][0], rows[f"{schnell}, default"][0]
+        learned = rows[f"{flux}, learned JS"]
+        for column, better in (("preference", 1), ("frechet", -1)):  # higher, lower is better
+            ahead = better * (headline(distilled, column) - headline(default, column))
+            shares = [
+                100 * better * (headline(m, column) - headline(default, column)) / ahead
+                for m in learned
+            ]
+            closes = (
+                f"the learned schedule closes {statistics.mean(shares):.0f}% of the gap (seeds: "
+                + ", ".join(f"{share:.0f}%" for share in shares)
+                + ")"
+                if ahead > 0
+                else f"{schnell} is not ahead of {flux}'s default"
+            )
+            summary.append(
+                f"- L = {steps}, {column}: {flux} default {headline(default, column):.3f}, "
+                f"learned {statistics.mean(headline(m, column) for m in learned):.3f}, {schnell} "
+                f"{headline(distilled, column):.3f}: {closes}"
+            )
+        paired = torch.stack([m["preference"] for m in learned]).mean(0) - distilled["preference"]
+        summary.append(
+            f"- L = {steps}, preference reward per context, paired (seeds averaged): learned "
+            f"{flux} - {schnell} default {interval(paired)}"
+        )
+        if f"{schnell}, learned JS" in rows:  # does a learned schedule help the distilled model?
+            own = rows[f"{schnell}, learned JS"]
+            paired = torch.stack([m["preference"] for m in own]).mean(0) - distilled["preference"]
+            summary.append(
+                f"- L = {steps}, preference reward per context, paired (seeds averaged): learned "
+                f"{schnell} - {schnell} default {interval(paired)}"
+            )
+    plot_distilled(
+        os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "distilled.png"),
+        models,
+        figure_policies,
+        args.seeds[0],
+    )
+    lines += ["", *summary]
+    print("\n".join(lines))
+    record("distilled", " ".join(["python ablation.py", *sys.argv[1:]]), lines, at=started)
+
+
+@torch.no_grad()
+def plot_distilled(path, models, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
+    """The same noises under mini-flux's default and learned schedule and mini-flux-schnell's
+    default (and learned) schedule at L = 2, 3 and 4, beside mini-flux's 50 default steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from evaluate import policy_schedule
+
+    prompts = [f"a hand-drawn {d}" for d in digits]
+    seeds = [HELDOUT_SEED + 7 * d for d in digits]
+    columns = [("mini-flux", REFERENCE_STEPS, None)]
+    for steps in (2, 3, 4):
+        columns += [("mini-flux", steps, None), ("mini-flux", steps, "learned")]
+        columns += [("mini-flux-schnell", steps, None), ("mini-flux-schnell", steps, "learned")]
+    figure, axes = plt.subplots(
+        len(digits), len(columns), figsize=(0.9 * len(columns), 1.0 * len(digits) + 0.8)
+    )
+    for column, (name, steps, learned) in enumerate(columns):
+        backbone = models[name]
+        noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+        times = backbone.default_times(steps).expand(len(digits), -1)
+        if learned:
+            times = policy_schedule(policies[name, steps, seed], backbone)(noise, cond)
+        images = backbone.decode(backbone.sample(noise, cond, times))
+        label = f"{name.replace('mini-', '')}\n{learned or 'default'}, L={steps}"
+        for row in range(len(digits)):
+            ax = axes[row, column]
+            ax.imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
+            ax.set_xticks([]), ax.set_yticks([])
+            if row == 0:
+                ax.set_title(label, fontsize=5)
+            if column == 0:
+                ax.set_ylabel(prompts[row], fontsize=5)
+    figure.tight_layout()
+    figure.savefig(path, dpi=130)
+    plt.close(figure)
+
+
 def main(args):
     from results import commit, record
 
@@ -647,12 +848,15 @@ def main(args):
 
 if __name__ == "__main__":
     arguments = parser.parse_args()
-    if arguments.miniatures:
+    if arguments.distilled or arguments.miniatures:
+        if arguments.out_dir == parser.get_default("out_dir"):  # the miniatures' runs are shared
+            arguments.out_dir = "out/ablation-miniatures"
+    if arguments.distilled:
+        distilled_comparison(arguments)
+    elif arguments.miniatures:
         arguments.backbones = [
             name for name in arguments.backbones if name.startswith("mini-")
         ] or MINIATURES
-        if arguments.out_dir == parser.get_default("out_dir"):
-            arguments.out_dir = "out/ablation-miniatures"
         miniature_evidence(arguments)
     else:
         main(arguments)

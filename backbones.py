@@ -99,7 +99,15 @@ BACKBONES = {
     "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=1.25),
     "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=1.5),
     "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=1.25),
+    # mini-flux distilled for few steps, as FLUX.1-schnell: no guidance input, 4 steps by default
+    # (train.py), no resolution shift (its scheduler's); `python miniature.py --family flux-schnell`
+    "mini-flux-schnell": dict(
+        MINIATURE, family="flux", folder="miniatures/mini-flux-schnell", guidance=None
+    ),
 }
+
+# the step-distilled model of each backbone that has one: evaluate.py --schnell compares with it
+DISTILLED = {"flux-dev": "flux-schnell", "mini-flux": "mini-flux-schnell"}
 
 
 def update_cost(name, contexts, rollouts, steps, guidance=None):
@@ -114,6 +122,11 @@ def update_cost(name, contexts, rollouts, steps, guidance=None):
     )
 
 
+def retrain_command(name):
+    """The command that retrains the miniature `name` (mini-flux-schnell: --family flux-schnell)."""
+    return f"python miniature.py --family {name[len('mini-') :]}"
+
+
 def locate_weights(name, path=None):
     """Where from_pretrained loads backbone `name` from: the local diffusers folder `path`, or its
     hub id once its files are cached or reachable. ValueError in one line saying how to get them."""
@@ -121,10 +134,9 @@ def locate_weights(name, path=None):
     if path is None and folder is not None:  # a miniature shipped in this repository
         path = os.path.join(REPOSITORY, folder)
         if not os.path.isfile(os.path.join(path, "model_index.json")):
-            family = BACKBONES[name]["family"]
             raise ValueError(
                 f"{name}: {folder} is missing from this checkout; restore it with "
-                f"git, or retrain it with `python miniature.py --family {family}`"
+                f"git, or retrain it with `{retrain_command(name)}`"
             )
     if path is not None:
         if not os.path.isfile(os.path.join(path, "model_index.json")):

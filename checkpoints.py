@@ -234,7 +234,7 @@ def check_backbone_files(name, path=None):
     if path is None and spec.get("folder"):
         advice = (
             f"restore it with `git checkout {spec['folder']}`, or retrain it with "
-            f"`python miniature.py --family {spec['family']}`"
+            f"`{backbones.retrain_command(name)}`"
         )
     elif path is not None:
         advice = "download the model again, or pass another --model-path"

@@ -2,7 +2,8 @@
 Paired evaluation of learned sampling schedules on held-out contexts.
 
 Every method (the default schedule, the learned instance-level schedule at its Dirichlet mean,
-optionally a learned global schedule, the teacher and, for Flux-Dev, the distilled Flux-Schnell)
+optionally a learned global schedule, the teacher and, for Flux-Dev, the distilled Flux-Schnell,
+for mini-flux the distilled mini-flux-schnell)
 samples from the *same* initial noise for each context (prompt + seed), so differences are paired.
 A method is a callable (noise, cond) -> times (N, L+1), or -> (times, latents) when it samples
 itself (a step-wise policy chooses its times inside the sampling loop).
@@ -46,8 +47,12 @@ add("--limit", type=int, help="evaluate only the first N contexts (HPDv2: styles
 add("--rewards", nargs="+", metavar="NAME", help="default: the training reward (+ clip with hpsv2)")
 add("--reward-checkpoint", action="append", default=[], metavar="NAME=PATH", help="local weights")
 add("--reference", action="store_true", help="also score the teacher solution (backbone.reference)")
-add("--schnell", action="store_true", help="flux-dev only: add Flux-Schnell at 4 steps and at L")
-add("--schnell-path", help="local Flux-Schnell folder; default: the hub cache")
+add(
+    "--schnell",
+    action="store_true",
+    help="flux-dev, mini-flux: add the distilled (mini-)flux-schnell at 4 steps and at L",
+)
+add("--schnell-path", help="local Flux-Schnell folder; default: the hub cache or the miniature")
 # consistency checks against the checkpoint
 add("--backbone", help="expected backbone; an error if the checkpoint was trained on another")
 add("--steps", type=int, help="expected L; an error if the checkpoint was trained for another")
@@ -249,8 +254,11 @@ def check_args(args):
     local.update(item.split("=", 1) for item in args.reward_checkpoint)
     for name in args.rewards or []:  # as train.py refuses it
         reward_lib.check_digits(name, trained_on, backbones.BACKBONES[trained_on])
-    if args.schnell and trained_on != "flux-dev":
-        raise ValueError(f"--schnell is the reference for flux-dev, not for {trained_on!r}")
+    if args.schnell and trained_on not in backbones.DISTILLED:
+        raise ValueError(
+            f"--schnell is the reference for {' and '.join(backbones.DISTILLED)}, not for "
+            f"{trained_on!r}"
+        )
     sizes = {"--count": args.count, "--limit": args.limit, "--batch-size": args.batch_size}
     for flag, value in sizes.items():
         if value is not None and value < 1:
@@ -316,12 +324,13 @@ def main(argv=None):
     if args.schnell:  # the same seeds give Flux-Schnell the same noise: its rows are paired too
         try:
             options = dict(device=device, dtype=backbone.dtype, resolution=config["resolution"])
-            schnell = backbones.load_backbone("flux-schnell", path=args.schnell_path, **options)
+            distilled = backbones.DISTILLED[trained_on]  # flux-schnell, or mini-flux-schnell
+            schnell = backbones.load_backbone(distilled, path=args.schnell_path, **options)
             counts = sorted({4, steps})  # its distilled step count, and L
             schnell_methods = {f"schnell-{n}": default_schedule(schnell, n) for n in counts}
             runs.append((schnell, schnell_methods, None))
             for n in counts:
-                identity[f"schnell-{n}"] = dict(backbone="flux-schnell", steps=n)
+                identity[f"schnell-{n}"] = dict(backbone=distilled, steps=n)
         except ValueError as error:
             print(f"skipping Flux-Schnell (not available: {error})")
     print(

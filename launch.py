@@ -145,6 +145,11 @@ def check_config(config, world_size):
             "--device to run on the CPU"
         )
     spec = BACKBONES[config.backbone]
+    if config.guidance is not None and spec["guidance"] is None:
+        _fail(
+            f"--guidance {config.guidance}: {config.backbone} has no guidance input and runs no "
+            "CFG (as FLUX.1-schnell, or an exact mixture); drop --guidance"
+        )
     stepwise_only = dict(init="tpdm", policy_inputs="hidden", inference="mode")
     for key, value in stepwise_only.items():
         if config.policy != "stepwise" and getattr(config, key) == value:

@@ -127,6 +127,9 @@ TRAINING = {
     "mini-sd3": MINIATURE_TRAINING,
     "mini-flux": MINIATURE_TRAINING,
     "mini-sdxl": MINIATURE_TRAINING,
+    # the distilled miniature's own step count, as flux-schnell's: a schedule for a few-step model
+    # is asked at the budget it was distilled for
+    "mini-flux-schnell": dict(MINIATURE_TRAINING, steps=4),
 }
 # The defaults that follow --optimizer. reinforce: this project's choices (the paper states no
 # optimiser). ppo: TPDM's own code (github.com/maple-research-lab/TPDM; README names each file):

@@ -31,8 +31,12 @@ STOCK = {
     "mini-sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel),
     "mini-flux": (FluxPipeline, FluxTransformer2DModel),
     "mini-sdxl": (StableDiffusionXLPipeline, UNet2DConditionModel),
+    "mini-flux-schnell": (FluxPipeline, FluxTransformer2DModel),
 }
-LATENT_CHANNELS = {"mini-sd3": 16, "mini-flux": 16, "mini-sdxl": 4}
+LATENT_CHANNELS = {"mini-sd3": 16, "mini-flux": 16, "mini-sdxl": 4, "mini-flux-schnell": 16}
+# mini-flux-schnell's vae, text encoders and tokenizers are links to mini-flux's (FLUX.1-schnell
+# ships the same ones as FLUX.1-dev)
+SHARED = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 BF16_GAP = 0.05  # mean |digit reward difference| per context, bfloat16 against float32
 
 
@@ -48,10 +52,23 @@ def mini(request):
     return backbones.load_backbone(request.param)
 
 
-def test_the_shipped_folders_load_with_the_stock_classes_and_fit_in_10_mb():
+def test_the_shipped_folders_load_with_the_stock_classes_and_fit_in_11_mib():
+    """11 MiB in all: the three miniatures and the reward models took 9.9 MiB; mini-flux-schnell
+    adds its own transformer, stored in float16 (0.9 MiB; it loads as float32), and links to
+    mini-flux's other components instead of copies."""
     folder = os.path.join(ROOT, "miniatures")
     files = [os.path.join(root, name) for root, _, names in os.walk(folder) for name in names]
-    assert sum(os.path.getsize(path) for path in files) <= 10 * 2**20
+    assert sum(os.path.getsize(path) for path in files) <= 11 * 2**20  # links are not followed
+    links = [
+        os.path.join(root, name)
+        for root, names, _ in os.walk(folder)
+        for name in names
+        if os.path.islink(os.path.join(root, name))
+    ]
+    assert sorted(os.path.basename(link) for link in links) == sorted(SHARED)
+    for link in links:  # relative, and inside miniatures/: a checkout anywhere resolves them
+        assert not os.path.isabs(os.readlink(link))
+        assert os.path.realpath(link).startswith(os.path.realpath(folder) + os.sep)
     weights = [
         path for path in files if path.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt"))
     ]
@@ -79,6 +96,62 @@ def test_fifty_step_samples_are_digits_the_classifier_recognises(mini, paraphras
     latents = mini.sample(noise, cond, mini.default_times(50).expand(len(prompts), -1))
     _, correct = reward.details(latents, prompts)
     assert correct.mean().item() >= least
+
+
+def test_mini_flux_schnell_is_mini_flux_distilled_without_guidance_at_4_steps():
+    """As FLUX.1-schnell: the stock FluxPipeline loads it, its transformer has no guidance input,
+    its scheduler no resolution shift (the default 4 steps are 1, 0.75, 0.5, 0.25), it trains at
+    4 steps by default, and its vae and text encoders are mini-flux's. At 4 steps through the
+    stock pipeline, any guidance_scale gives the same images, and the classifier reads the
+    prompted digit in at least 90% of 40 held-out contexts (the shipped folder: 95% or more of 200
+    in `python miniature.py --check`)."""
+    folder = os.path.join(ROOT, "miniatures")
+    pipe = FluxPipeline.from_pretrained(os.path.join(folder, "mini-flux-schnell"))
+    teacher = FluxPipeline.from_pretrained(os.path.join(folder, "mini-flux"))
+    assert teacher.transformer.config.guidance_embeds
+    assert not pipe.transformer.config.guidance_embeds
+    assert not hasattr(pipe.transformer.time_text_embed, "guidance_embedder")
+    assert pipe.transformer.dtype == torch.float32  # stored in float16, loaded as float32
+    config = pipe.scheduler.config
+    assert not config.use_dynamic_shifting and config.shift == 1.0
+    for name in ("vae", "text_encoder", "text_encoder_2"):
+        own, theirs = getattr(pipe, name).state_dict(), getattr(teacher, name).state_dict()
+        assert all(torch.equal(own[key], theirs[key]) for key in theirs)
+    schnell = backbones.load_backbone("mini-flux-schnell")
+    assert schnell.guidance is None and train.TRAINING["mini-flux-schnell"]["steps"] == 4
+    assert torch.allclose(schnell.default_times(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
+    prompts, seeds = heldout_contexts(miniature.prompt_lists()[1], 40)
+    images = {}
+    for guidance in (0.0, 3.5):
+        images[guidance] = pipe(
+            prompts,
+            height=16,
+            width=16,
+            num_inference_steps=4,
+            guidance_scale=guidance,
+            max_sequence_length=12,
+            generator=[torch.Generator().manual_seed(seed) for seed in seeds],
+            output_type="pt",
+        ).images
+    assert torch.equal(images[0.0], images[3.5])
+    with torch.no_grad():
+        digits = torch.tensor([rewards.digit_of(prompt) for prompt in prompts])
+        correct = rewards.load_classifier()(images[0.0]).argmax(1) == digits
+    assert correct.float().mean().item() >= 0.9
+
+
+def test_train_runs_on_mini_flux_schnell_at_its_4_steps_and_refuses_guidance(tmp_path):
+    out = train_in_process(
+        tmp_path / "schnell",
+        *("--backbone", "mini-flux-schnell", "--iterations", "2", "--contexts", "4"),
+        *("--eval-contexts", "8"),
+    )
+    report = json.loads((out / "eval.json").read_text())
+    assert report["steps"] == 4 and {"default", "learned (mean)"} <= set(report["realism"])
+    config = train.parse_config(["--backbone", "mini-flux-schnell", "--guidance", "2"])
+    with pytest.raises(SystemExit, match="mini-flux-schnell has no guidance input") as error:
+        launch.check_config(config, world_size=1)
+    assert "\n" not in str(error.value)
 
 
 def test_different_prompts_give_different_embeddings(mini):

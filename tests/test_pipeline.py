@@ -36,7 +36,8 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
 
 
 @pytest.fixture(
-    scope="module", params=["sd3", "flux-dev", "sdxl", "mini-sd3", "mini-flux", "mini-sdxl"]
+    scope="module",
+    params=["sd3", "flux-dev", "sdxl", "mini-sd3", "mini-flux", "mini-sdxl", "mini-flux-schnell"],
 )
 def tiny(request):
     """A tiny random pipeline of each family and the shipped trained miniatures (miniature.py)."""
