@@ -512,10 +512,9 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
             f"--{field.name.replace('_', '-')}" in text
             and " ".join(field.metadata["help"].split()) in text
         ), field.name
-    assert (
-        "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl}"
-        in text
-    )
+    real = "sd35m,sd35l,sdxl,flux-dev,flux-schnell"
+    small = "digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl"
+    assert "{" + real + "," + small + ",mini-flux-schnell}" in text
     # the defaults that follow --optimizer (train.OPTIMIZERS) are named in the help
     assert "AdamW weight decay; None: 1e-4, ppo 0 (default: None)" in text
 
