@@ -695,6 +695,18 @@ def distilled_comparison(args):
                 f"- L = {steps}, preference reward per context, paired (seeds averaged): learned "
                 f"{schnell} - {schnell} default {interval(paired)}"
             )
+        for name in DISTILLED_STEPS:  # where the learned schedules put their steps
+            backbone = models[name]
+            learned_runs = [run for run in runs if run[0] == name and run[3] == steps]
+            if learned_runs:
+                noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+                times = [policy_schedule(policies[r], backbone)(noise, cond) for r in learned_runs]
+                summary.append(
+                    f"- L = {steps}, {name}: learned times (mean over contexts and seeds) "
+                    + ", ".join(f"{t:.3f}" for t in torch.cat(times).mean(0).tolist())
+                    + "; default "
+                    + ", ".join(f"{t:.3f}" for t in backbone.default_times(steps).tolist())
+                )
     plot_distilled(
         os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "distilled.png"),
         models,
@@ -733,7 +745,7 @@ def plot_distilled(path, models, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
         if learned:
             times = policy_schedule(policies[name, steps, seed], backbone)(noise, cond)
         images = backbone.decode(backbone.sample(noise, cond, times))
-        label = f"{name.replace('mini-', '')}\n{learned or 'default'}, L={steps}"
+        label = f"{name}\n{learned or 'default'}, L={steps}"
         for row in range(len(digits)):
             ax = axes[row, column]
             ax.imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
