@@ -216,6 +216,11 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
         (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
         (["--guidance", "nan"], "--guidance must be a finite number >= 0"),
         (["--guidance", "inf"], "--guidance must be a finite number >= 0"),
+        (["--guidance", "2"], "--guidance 2.0: digits has no guidance input and runs no CFG"),
+        (
+            ["--backbone", "flux-schnell", "--guidance", "3.5"],
+            "--guidance 3.5: flux-schnell has no guidance input",
+        ),
         (["--resume"], "--resume but .*ckpt.pt does not exist"),
         (["--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
         (["--ppo-minibatches", "0"], "--ppo-minibatches must be at least 1"),
@@ -511,7 +516,7 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
             and " ".join(field.metadata["help"].split()) in text
         ), field.name
     assert (
-        "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl}"
+        "{sd35m,sd35l,sdxl,flux-dev,flux-schnell,digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl,mini-flux-schnell}"
         in text
     )
     # the defaults that follow --optimizer (train.OPTIMIZERS) are named in the help
