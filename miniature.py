@@ -1,6 +1,6 @@
 """
 Trained miniature text-to-image pipelines: real SD3, Flux and SD-XL architectures, small enough to
-train on a laptop CPU and to ship in the repository (miniatures/, about 10 MB with the reward
+train on a laptop CPU and to ship in the repository (miniatures/, about 11 MB with the reward
 models).
 
     python miniature.py --family classifier   # the digit reward's classifier (about a minute)

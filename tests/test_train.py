@@ -216,6 +216,11 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
         (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
         (["--guidance", "nan"], "--guidance must be a finite number >= 0"),
         (["--guidance", "inf"], "--guidance must be a finite number >= 0"),
+        (["--guidance", "2"], "--guidance 2.0: digits has no guidance input and runs no CFG"),
+        (
+            ["--backbone", "flux-schnell", "--guidance", "3.5"],
+            "--guidance 3.5: flux-schnell has no guidance input",
+        ),
         (["--resume"], "--resume but .*ckpt.pt does not exist"),
         (["--ppo-epochs", "0"], "--ppo-epochs must be at least 1"),
         (["--ppo-minibatches", "0"], "--ppo-minibatches must be at least 1"),
