@@ -83,7 +83,7 @@ import torch  # noqa: E402
 import backbones  # noqa: E402
 from checkpoints import write_json_atomic  # noqa: E402
 from policy import increments_from_times, times_from_increments  # noqa: E402
-from results import run_training  # noqa: E402
+from results import heldout_mean, run_training  # noqa: E402
 
 TRAININGS = {  # name -> train.py arguments
     "global, js": ["--baseline", "js", "--policy", "global"],
@@ -241,7 +241,7 @@ def train_run(backbone, name, seed, args, steps=None, trainings=TRAININGS):
     arguments = ["--backbone", backbone, "--seed", str(seed), "--steps", str(steps or args.steps)]
     out_dir = run_dir(backbone, name, seed, args, steps)
     report, _ = run_training(out_dir, arguments + trainings[name])
-    return {row["method"]: row["mean"] for row in report["rows"]}["learned (mean)"]
+    return heldout_mean(report)
 
 
 def plot(path, backbone, oracle, checkpoints):

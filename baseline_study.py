@@ -79,7 +79,7 @@ import torch  # noqa: E402
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
 from evaluate import mean_ci  # noqa: E402
 from policy import log_prob, sample_increments, times_from_increments  # noqa: E402
-from results import run_training  # noqa: E402
+from results import heldout_mean, interval, run_training  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Theorem 3.2's quantities, as functions of rewards and gradients (tests/test_baseline_study.py
@@ -165,6 +165,7 @@ def measure(name, start, args):
     """Theorem 3.2's quantities at each snapshot of the seed-0 JS run (L = the first --steps) of
     `start`: written to out_dir/measure-NAME-START.json."""
     import backbones
+    from checkpoints import load_checkpoint
     from prompts import context_noise, load_prompt_file
     from rewards import load_reward
 
@@ -198,9 +199,7 @@ def measure(name, start, args):
 
     report = []
     for iteration in chosen:
-        state = torch.load(os.path.join(folder, f"policy-{iteration}.pt"), weights_only=False)
-        policy = backbones.build_policy(state["policy_config"])
-        policy.load_state_dict(state["policy"])
+        _, policy = load_checkpoint(os.path.join(folder, f"policy-{iteration}.pt"))
         parameters = [p for p in policy.parameters() if p.requires_grad]
         pool = []
         for _ in range(POOL_SETS):
@@ -251,52 +250,43 @@ def budgets(args, start):
     return args.steps if start == "flat" else args.steps[:1]
 
 
-def run_dir(args, name, start, steps, baseline, seed, contexts=None):
-    batch = "" if contexts is None else f"-B{contexts}"
-    return os.path.join(args.out_dir, name, f"{start}-L{steps}{batch}-{baseline}-s{seed}")
+def run_dir(args, name, start, steps, baseline, seed):
+    return os.path.join(args.out_dir, name, f"{start}-L{steps}-{baseline}-s{seed}")
 
 
-def train(args, name, start, steps, baseline, seed, contexts=None):
+def train(args, name, start, steps, baseline, seed):
     """One training run (read when finished): its eval.json and metrics rows."""
     arguments = ["--backbone", name, "--steps", str(steps), "--rollouts", str(ROLLOUTS)]
-    arguments += ["--contexts", str(contexts or MINIATURES[name]), "--baseline", baseline]
+    arguments += ["--contexts", str(MINIATURES[name]), "--baseline", baseline]
     arguments += ["--seed", str(seed), "--iterations", str(ITERATIONS)]
     arguments += ["--ckpt-interval", str(CURVE_INTERVAL)]
     if start == "flat":
         arguments += ["--init", "uniform", "--concentration", str(steps + 1)]
-    if seed == args.seeds[0] and baseline == "js" and contexts is None:
+    if seed == args.seeds[0] and baseline == "js":
         arguments.append("--snapshots")  # Theorem 3.2 is measured at this run's snapshots
-    return run_training(run_dir(args, name, start, steps, baseline, seed, contexts), arguments)
+    return run_training(run_dir(args, name, start, steps, baseline, seed), arguments)
 
 
 # -----------------------------------------------------------------------------
 # the report
 
 
-def interval(values, digits=2):
-    mean, half = mean_ci(torch.tensor(values, dtype=torch.float64))
-    return f"{mean:.{digits}f} ± {half:.{digits}f}"
-
-
-def learned(report, key="mean"):
-    return {row["method"]: row for row in report["rows"]}["learned (mean)"][key]
-
-
 def cell(runs):
     """'reward ± ci / Frechet ± ci' of one baseline's runs (one per seed)."""
-    rewards = [learned(report) for report, _ in runs]
+    rewards = [heldout_mean(report) for report, _ in runs]
     frechet = [report["realism"]["learned (mean)"]["frechet"] for report, _ in runs]
     return f"{interval(rewards, 3)} / {interval(frechet, 3)}"
 
 
 def default_cell(report):
-    row = {row["method"]: row for row in report["rows"]}["default"]
-    return f"{row['mean']:.3f} / {report['realism']['default']['frechet']:.3f}"
+    default = heldout_mean(report, "default")
+    return f"{default:.3f} / {report['realism']['default']['frechet']:.3f}"
 
 
 def paired(runs, first, second):
     """first - second, paired by seed: mean ± 95% interval of the held-out reward."""
-    differences = [learned(a) - learned(b) for (a, _), (b, _) in zip(runs[first], runs[second])]
+    pairs = zip(runs[first], runs[second])
+    differences = [heldout_mean(a) - heldout_mean(b) for (a, _), (b, _) in pairs]
     return interval(differences, 3)
 
 
@@ -313,24 +303,22 @@ def shrinkage_summary(runs):
     return f"{summary(early)}; {summary(every)}"
 
 
-def table(args, results, start, contexts=None, steps_list=None):
-    steps_list = steps_list or args.steps
-    columns = [(name, steps) for name in args.miniatures for steps in steps_list]
-    header = [
-        f"{name} L={steps}" + (f" B={contexts}" if contexts else "") for name, steps in columns
-    ]
+def table(args, results, start):
+    """One start's table: a column per miniature and step budget, a row per baseline."""
+    columns = [(name, steps) for name in args.miniatures for steps in budgets(args, start)]
+    header = [f"{name} L={steps}" for name, steps in columns]
     lines = ["| baseline | " + " | ".join(header) + " |", "|---" * (len(columns) + 1) + "|"]
-    first = results[(columns[0][0], start, columns[0][1], contexts)]
-    row = [default_cell(results[(n, start, s, contexts)]["js"][0][0]) for n, s in columns]
+    first = results[(columns[0][0], start, columns[0][1])]
+    row = [default_cell(results[(n, start, s)]["js"][0][0]) for n, s in columns]
     lines.append("| default schedule | " + " | ".join(row) + " |")
     for baseline in first:
-        row = [cell(results[(n, start, s, contexts)][baseline]) for n, s in columns]
+        row = [cell(results[(n, start, s)][baseline]) for n, s in columns]
         lines.append(f"| {baseline} | " + " | ".join(row) + " |")
     for a, b in (("js", "rloo"), ("js", "xctx"), ("js-unbiased", "rloo")):
         if a in first and b in first:
-            row = [paired(results[(n, start, s, contexts)], a, b) for n, s in columns]
+            row = [paired(results[(n, start, s)], a, b) for n, s in columns]
             lines.append(f"| {a} - {b} (reward, paired) | " + " | ".join(row) + " |")
-    row = [shrinkage_summary(results[(n, start, s, contexts)]["js"]) for n, s in columns]
+    row = [shrinkage_summary(results[(n, start, s)]["js"]) for n, s in columns]
     lines.append(
         "| JS weight a, median (quartiles): first 5 iterations; all | " + " | ".join(row) + " |"
     )
@@ -391,7 +379,7 @@ def plot_curves(args, results, name, path):
             if steps not in budgets(args, start):
                 ax.axis("off")
                 continue
-            for baseline, runs in results[(name, start, steps, None)].items():
+            for baseline, runs in results[(name, start, steps)].items():
                 curves = [
                     [(r["iteration"], r["heldout_gain"]) for r in rows if "heldout_gain" in r]
                     for _, rows in runs
@@ -427,7 +415,7 @@ def main(args):
     started = commit()
     os.makedirs(args.out_dir, exist_ok=True)
     jobs = [  # the paper's start first
-        (name, start, steps, baseline, seed, None)
+        (name, start, steps, baseline, seed)
         for start in STARTS
         for name in args.miniatures
         for steps in budgets(args, start)
@@ -437,8 +425,8 @@ def main(args):
     with ThreadPoolExecutor(args.jobs) as pool:
         finished = list(pool.map(lambda job: train(args, *job), jobs))
     results = {}
-    for (name, start, steps, baseline, seed, contexts), run in zip(jobs, finished):
-        results.setdefault((name, start, steps, contexts), {}).setdefault(baseline, []).append(run)
+    for (name, start, steps, baseline, seed), run in zip(jobs, finished):
+        results.setdefault((name, start, steps), {}).setdefault(baseline, []).append(run)
 
     def measured(name, start):
         path = os.path.join(args.out_dir, f"measure-{name}-{start}.json")
@@ -468,7 +456,7 @@ def main(args):
             f"Held-out preference reward / Frechet distance, {start} start (mean ± 95% over seeds "
             f"{', '.join(map(str, args.seeds))}; K = {ROLLOUTS}, {ITERATIONS} iterations):",
             "",
-            *table(args, results, start, steps_list=budgets(args, start)),
+            *table(args, results, start),
             "",
         ]
     lines += ["Theorem 3.2 measured on the training distribution:", ""]

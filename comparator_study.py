@@ -22,6 +22,7 @@ The report goes to docs/RESULTS.md (section "comparator"); runs already finished
 """
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -55,8 +56,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from evaluate import mean_ci  # noqa: E402
-from results import run_training  # noqa: E402
+from results import heldout_mean, interval, run_training  # noqa: E402
 
 
 def folder(args, name, row, seed, rate=None):
@@ -71,22 +71,33 @@ def train(args, name, row, seed, rate=None):
     return run_training(folder(args, name, row, seed, rate), arguments)
 
 
-@torch.no_grad()
-def tuning_score(args, name, rate):
-    """The mean reward of a tuning run's deterministic schedule on the tuning contexts."""
+@functools.cache
+def tuning_setup(name, reward_name):
+    """The backbone, its reward and the tuning contexts (prompts, noise seeds), loaded once per
+    backbone for all of its rates."""
     import backbones
-    from checkpoints import load_checkpoint
-    from evaluate import evaluate, policy_schedule
     from prompts import heldout_contexts, load_prompt_file
     from rewards import load_reward
 
-    path = os.path.join(folder(args, name, PPO_ROW, TUNING_RUN, rate), "ckpt.pt")
-    checkpoint, policy = load_checkpoint(path)
     backbone = backbones.load_backbone(name)
-    reward = load_reward(checkpoint["config"]["reward"], backbone)
     train_file = backbones.BACKBONES[name].get("prompts", [None])[0]
     prompts = load_prompt_file(train_file) if train_file else backbone.prompts
-    prompts, seeds = heldout_contexts(prompts, TUNING_CONTEXTS, TUNING_SEED)
+    return (
+        backbone,
+        load_reward(reward_name, backbone),
+        *heldout_contexts(prompts, TUNING_CONTEXTS, TUNING_SEED),
+    )
+
+
+@torch.no_grad()
+def tuning_score(args, name, rate):
+    """The mean reward of a tuning run's deterministic schedule on the tuning contexts."""
+    from checkpoints import load_checkpoint
+    from evaluate import evaluate, policy_schedule
+
+    path = os.path.join(folder(args, name, PPO_ROW, TUNING_RUN, rate), "ckpt.pt")
+    checkpoint, policy = load_checkpoint(path)
+    backbone, reward, prompts, seeds = tuning_setup(name, checkpoint["config"]["reward"])
     scores = evaluate(
         backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)}
     )
@@ -114,16 +125,7 @@ def tune(args, pool, name, pending):
             break
         beyond = best / RATE_STEP if best == rates[0] else best * RATE_STEP
         pending = {beyond: pool.submit(train, args, name, PPO_ROW, TUNING_RUN, beyond)}
-    return scores, max(scores, key=scores.get)
-
-
-def interval(values, digits):
-    mean, half = mean_ci(torch.tensor(values, dtype=torch.float64))
-    return f"{mean:.{digits}f} ± {half:.{digits}f}"
-
-
-def learned(report):
-    return {row["method"]: row for row in report["rows"]}["learned (mean)"]["mean"]
+    return scores, best
 
 
 def main(args):
@@ -172,13 +174,13 @@ def main(args):
             + "s / iteration |",
             "|---|---|---|" + ("---|" if realism else "") + "---|",
         ]
-        default = {row["method"]: row for row in first["rows"]}["default"]["mean"]
+        default = heldout_mean(first, "default")
         frechet = f" {first['realism']['default']['frechet']:.3f} |" if realism else ""
         lines.append(f"| default | {default:.{digits}f} | - |{frechet} - |")
-        single = [learned(runs[name, SINGLE_ROW, seed][0]) for seed in args.seeds]
+        single = [heldout_mean(runs[name, SINGLE_ROW, seed][0]) for seed in args.seeds]
         for row in ROWS:
             reports = [runs[name, row, seed] for seed in args.seeds]
-            values = [learned(report) for report, _ in reports]
+            values = [heldout_mean(report) for report, _ in reports]
             difference = "-"
             if row != SINGLE_ROW:
                 difference = interval([v - s for v, s in zip(values, single)], digits)

@@ -442,13 +442,14 @@ def checkpoint(config, run, policy, optimizer, done):
 
 def snapshot(config, policy, done):
     """With --snapshots, the policy after `done` iterations in snapshots/policy-<done>.pt (what
-    baseline_study.py measures the gradient's variance at); kept, unlike ckpt.pt."""
+    baseline_study.py measures the gradient's variance at); kept, unlike ckpt.pt, and read as it is
+    (checkpoints.load_checkpoint), without the optimizer and RNG state a resume needs."""
     if config.snapshots:
         path = os.path.join(config.out_dir, "snapshots", f"policy-{done}.pt")
+        state = dict(policy=policy.state_dict(), policy_config=policy.config, iteration=done)
         with written(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            state = dict(policy=policy.state_dict(), policy_config=policy.config)
-            save_checkpoint(path, dict(state, iteration=done))
+            save_checkpoint(path, dict(state, config=dataclasses.asdict(config)))
 
 
 def heldout_gain(backbone, reward, heldout, steps):

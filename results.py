@@ -10,7 +10,8 @@ rerun replaces its own section only.
     record("guidance", "python miniature.py --guidance-sweep", table_lines, at=started)
 
 The evidence scripts train with `run_training(out_dir, arguments)`: train.py in its own process,
-read back when finished, continued when killed.
+read back when finished, continued when killed; `heldout_mean(report)` reads a row of its eval.json
+and `interval(values, digits)` writes a mean over seeds with its 95% interval.
 """
 
 import json
@@ -94,3 +95,18 @@ def run_training(out_dir, arguments):
     with open(os.path.join(out_dir, "metrics.jsonl")) as file:
         rows = [json.loads(line) for line in file]
     return report, rows
+
+
+def heldout_mean(report, method="learned (mean)"):
+    """The mean held-out reward of one row (method) of a run's eval.json."""
+    return {row["method"]: row for row in report["rows"]}[method]["mean"]
+
+
+def interval(values, digits):
+    """'mean ± half-width' of the values (one per seed), the 95% Student-t interval."""
+    import torch
+
+    from evaluate import mean_ci
+
+    mean, half = mean_ci(torch.tensor(values, dtype=torch.float64))
+    return f"{mean:.{digits}f} ± {half:.{digits}f}"

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import train_in_process
 
 import backbones
+import checkpoints
 from baselines import BASELINES
 
 sys.argv = sys.argv[:1]  # baseline_study parses its flags at import when run as a script only
@@ -158,3 +159,6 @@ def test_concentration_and_snapshots(tmp_path):
     alpha = policy(**mixture.policy_inputs(noise, cond))
     assert torch.allclose(alpha, torch.ones_like(alpha), atol=0.05)
     assert not torch.equal(states[0]["policy"]["head.3.bias"], states[2]["policy"]["head.3.bias"])
+    # a snapshot is read as a checkpoint is (baseline_study.measure loads it so)
+    _, loaded = checkpoints.load_checkpoint(str(out / "snapshots" / "policy-2.pt"))
+    assert all(torch.equal(v, states[2]["policy"][k]) for k, v in loaded.state_dict().items())
