@@ -16,8 +16,10 @@ training contexts.
    defaults (the same contexts, rollouts, iterations and model-call budget L), scored on train.py's
    own held-out contexts (eval.json): the default schedule; the single-pass policy with JS (the
    paper's method); step-wise PPO with TPDM's settings at the tuned rate; the step-wise policy under
-   this project's REINFORCE with JS (this project's variant, TPDM's place in the loop). Mean and
-   95% Student-t interval over seeds; the difference to the single-pass policy paired by seed.
+   this project's REINFORCE with JS (this project's variant, TPDM's place in the loop), reading the
+   sampler's state and prediction, and on the diffusers backbones the same reading the denoiser's
+   hidden states, as TPDM does, which tells what it reads from how it is trained. Mean and 95%
+   Student-t interval over seeds; the difference to the single-pass policy paired by seed.
 The report goes to docs/RESULTS.md (section "comparator"); runs already finished are read.
 """
 
@@ -40,7 +42,20 @@ ROWS = {  # name -> train.py flags; PPO's row gets --lr, tuned
     SINGLE_ROW: [],
     PPO_ROW: ["--policy", "stepwise", "--optimizer", "ppo"],
     "step-wise, REINFORCE with JS (this project's variant)": ["--policy", "stepwise"],
+    "step-wise, REINFORCE with JS, hidden-state inputs": [
+        *["--policy", "stepwise", "--policy-inputs", "hidden"]
+    ],
 }
+HIDDEN = {"--policy-inputs", "hidden"}  # rows that need a denoiser: none on the embedded mixtures
+
+
+def rows(name):
+    """The rows that run on backbone `name`."""
+    import backbones
+
+    mixture = backbones.BACKBONES[name]["family"] == "mixture"
+    return [row for row in ROWS if not (mixture and HIDDEN <= set(ROWS[row]))]
+
 
 parser = argparse.ArgumentParser(
     description="TPDM as its code trains it against the paper's policy"
@@ -61,6 +76,7 @@ from results import heldout_mean, interval, run_training  # noqa: E402
 
 def folder(args, name, row, seed, rate=None):
     label = row.split(",")[0] + ("-ppo" if row == PPO_ROW else "")
+    label += "-hidden" if HIDDEN <= set(ROWS[row]) else ""
     label += f"-lr{rate:.3g}" if rate is not None else ""
     return os.path.join(args.out_dir, name, f"{label.replace(' ', '-')}-s{seed}")
 
@@ -143,7 +159,7 @@ def main(args):
         fixed = {
             (name, row, seed): pool.submit(train, args, name, row, seed)
             for name in args.backbones
-            for row in ROWS
+            for row in rows(name)
             if row != PPO_ROW
             for seed in args.seeds
         }
@@ -178,7 +194,7 @@ def main(args):
         frechet = f" {first['realism']['default']['frechet']:.3f} |" if realism else ""
         lines.append(f"| default | {default:.{digits}f} | - |{frechet} - |")
         single = [heldout_mean(runs[name, SINGLE_ROW, seed][0]) for seed in args.seeds]
-        for row in ROWS:
+        for row in rows(name):
             reports = [runs[name, row, seed] for seed in args.seeds]
             values = [heldout_mean(report) for report, _ in reports]
             difference = "-"
