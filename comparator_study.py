@@ -35,6 +35,7 @@ STUDIED = ["digits-prompt", "mini-sd3", "mini-flux", "mini-sdxl"]
 RATES = [3e-5, 1e-4, 3e-4]  # around the default, REINFORCE's 3e-3 x PPO_LR_FACTOR = 1e-4
 RATE_STEP = 10**0.5  # between neighbours of the grid, and to an added rate
 EXTEND = 2
+WINDOW = 20  # iterations averaged for the training reward at the start and at the end
 TUNING_RUN = 100  # the training seed of the tuning runs, apart from the compared seeds
 TUNING_SEED, TUNING_CONTEXTS = 2 * 10**6, 256
 SINGLE_ROW, PPO_ROW = "single-pass, JS (the paper's method)", "step-wise, PPO with TPDM's settings"
@@ -187,12 +188,12 @@ def main(args):
             "",
             "| schedule | held-out reward | minus single-pass (paired by seed) | "
             + ("Frechet distance | " if realism else "")
-            + "s / iteration |",
-            "|---|---|---|" + ("---|" if realism else "") + "---|",
+            + f"training reward, first -> last {WINDOW} iterations | s / iteration |",
+            "|---|---|---|" + ("---|" if realism else "") + "---|---|",
         ]
         default = heldout_mean(first, "default")
         frechet = f" {first['realism']['default']['frechet']:.3f} |" if realism else ""
-        lines.append(f"| default | {default:.{digits}f} | - |{frechet} - |")
+        lines.append(f"| default | {default:.{digits}f} | - |{frechet} - | - |")
         single = [heldout_mean(runs[name, SINGLE_ROW, seed][0]) for seed in args.seeds]
         for row in rows(name):
             reports = [runs[name, row, seed] for seed in args.seeds]
@@ -205,6 +206,11 @@ def main(args):
                 cells.append(
                     interval([r["realism"]["learned (mean)"]["frechet"] for r, _ in reports], 3)
                 )
+            first_last = [  # means over seeds: did the training reward rise?
+                statistics.mean(statistics.mean(m["reward"] for m in part) for part in parts)
+                for parts in zip(*[(m[:WINDOW], m[-WINDOW:]) for _, m in reports])
+            ]
+            cells.append(" -> ".join(f"{value:.{digits}f}" for value in first_last))
             seconds = statistics.mean(
                 statistics.median(m["step_s"] for m in metrics) for _, metrics in reports
             )
