@@ -94,9 +94,7 @@ TRAININGS = {  # name -> train.py arguments
     "instance, xctx": ["--baseline", "xctx"],
     # TPDM (stepwise.py): the step-wise policy, under this project's REINFORCE and under PPO
     "stepwise, js": ["--policy", "stepwise"],
-    "stepwise, ppo": ["--policy", "stepwise", "--optimizer", "ppo"],
-    # TPDM's own advantages: leave-one-out per prompt (RLOO)
-    "stepwise, ppo, rloo": ["--policy", "stepwise", "--optimizer", "ppo", "--baseline", "rloo"],
+    "stepwise, ppo": ["--policy", "stepwise", "--optimizer", "ppo"],  # TPDM's settings
 }
 SHIFTS = [0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0]
 # oracles are fitted on these, reported on train.py's held-out set
