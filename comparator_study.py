@@ -4,7 +4,7 @@ against the paper's single-pass policy with James-Stein, on an embedded backbone
 miniatures, with the one setting of TPDM's that cannot transfer, the learning rate, tuned on
 training contexts.
 
-    python comparator_study.py --jobs 2   # about 50 min on 2 idle cores
+    python comparator_study.py --jobs 2   # about 65 min on 2 idle cores
     python comparator_study.py --backbones mini-sd3 --seeds 0 --jobs 2   # a part of it
 
 1. The learning rate of step-wise PPO, per backbone: each rate of RATES trains once (training seed
@@ -39,23 +39,22 @@ WINDOW = 20  # iterations averaged for the training reward at the start and at t
 TUNING_RUN = 100  # the training seed of the tuning runs, apart from the compared seeds
 TUNING_SEED, TUNING_CONTEXTS = 2 * 10**6, 256
 SINGLE_ROW, PPO_ROW = "single-pass, JS (the paper's method)", "step-wise, PPO with TPDM's settings"
+HIDDEN_ROW = "step-wise, REINFORCE with JS, hidden-state inputs"
 ROWS = {  # name -> train.py flags; PPO's row gets --lr, tuned
     SINGLE_ROW: [],
     PPO_ROW: ["--policy", "stepwise", "--optimizer", "ppo"],
     "step-wise, REINFORCE with JS (this project's variant)": ["--policy", "stepwise"],
-    "step-wise, REINFORCE with JS, hidden-state inputs": [
-        *["--policy", "stepwise", "--policy-inputs", "hidden"]
-    ],
+    HIDDEN_ROW: ["--policy", "stepwise", "--policy-inputs", "hidden"],
 }
-HIDDEN = {"--policy-inputs", "hidden"}  # rows that need a denoiser: none on the embedded mixtures
 
 
 def rows(name):
-    """The rows that run on backbone `name`."""
+    """The rows that run on backbone `name`: the hidden-state row needs a denoiser, which the
+    embedded mixtures have not."""
     import backbones
 
     mixture = backbones.BACKBONES[name]["family"] == "mixture"
-    return [row for row in ROWS if not (mixture and HIDDEN <= set(ROWS[row]))]
+    return [row for row in ROWS if not (mixture and row == HIDDEN_ROW)]
 
 
 parser = argparse.ArgumentParser(
@@ -77,7 +76,7 @@ from results import heldout_mean, interval, run_training  # noqa: E402
 
 def folder(args, name, row, seed, rate=None):
     label = row.split(",")[0] + ("-ppo" if row == PPO_ROW else "")
-    label += "-hidden" if HIDDEN <= set(ROWS[row]) else ""
+    label += "-hidden" if row == HIDDEN_ROW else ""
     label += f"-lr{rate:.3g}" if rate is not None else ""
     return os.path.join(args.out_dir, name, f"{label.replace(' ', '-')}-s{seed}")
 
@@ -145,6 +144,14 @@ def tune(args, pool, name, pending):
     return scores, best
 
 
+def training_reward(reports, part):
+    """The training reward over the iterations `part` (a slice of metrics.jsonl's rows), averaged
+    over the runs `reports`: did it rise?"""
+    return statistics.mean(
+        statistics.mean(row["reward"] for row in metrics[part]) for _, metrics in reports
+    )
+
+
 def main(args):
     from results import commit, record
 
@@ -206,11 +213,9 @@ def main(args):
                 cells.append(
                     interval([r["realism"]["learned (mean)"]["frechet"] for r, _ in reports], 3)
                 )
-            first_last = [  # means over seeds: did the training reward rise?
-                statistics.mean(statistics.mean(m["reward"] for m in part) for part in parts)
-                for parts in zip(*[(m[:WINDOW], m[-WINDOW:]) for _, m in reports])
-            ]
-            cells.append(" -> ".join(f"{value:.{digits}f}" for value in first_last))
+            start = training_reward(reports, slice(None, WINDOW))
+            end = training_reward(reports, slice(-WINDOW, None))
+            cells.append(f"{start:.{digits}f} -> {end:.{digits}f}")
             seconds = statistics.mean(
                 statistics.median(m["step_s"] for m in metrics) for _, metrics in reports
             )

@@ -12,13 +12,11 @@ import pytest
 sys.argv = sys.argv[:1]  # comparator_study parses its flags at import when run as a script only
 import comparator_study as study  # noqa: E402
 
-HIDDEN_ROW = "step-wise, REINFORCE with JS, hidden-state inputs"
-
 
 def test_hidden_state_rows_run_on_the_diffusers_backbones_only():
-    assert HIDDEN_ROW in study.ROWS
+    assert study.HIDDEN_ROW in study.ROWS
     assert study.rows("mini-sd3") == list(study.ROWS)
-    assert study.rows("digits-prompt") == [row for row in study.ROWS if row != HIDDEN_ROW]
+    assert study.rows("digits-prompt") == [row for row in study.ROWS if row != study.HIDDEN_ROW]
 
 
 def test_every_training_has_its_own_folder():
