@@ -23,17 +23,31 @@ missing, so an interrupted run resumes and --limit can be raised later.
 """
 
 import argparse
-import math
 import os
 import sys
 
-from prompts import HELDOUT_SEED, noise_seed
+import torch
+
+import backbones
+import rewards as reward_lib
+from hub import read_json
+from prompts import (
+    HELDOUT_SEED,
+    heldout_contexts,
+    load_hpdv2,
+    load_prompt_file,
+    noise_seed,
+    prompt_groups,
+)
+from runs.checkpoint import MAIN_RUN, load_checkpoint
+from runs.figures import plot_results
+from runs.folder import check_writable, write_json_atomic, write_lines_atomic
+from runs.heldout import default_schedule, format_table, policy_schedule, score_batches, summarize
 
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
 parser.error = lambda message: parser.exit(2, f"evaluate.py: error: {message}\n")  # no usage
 add = parser.add_argument
 # I/O
-MAIN_RUN = "out/digits-L4-instance-s0/ckpt.pt"  # where `python train.py` writes
 add("--ckpt", default=MAIN_RUN, help="instance-level checkpoint written by train.py")
 add("--global-ckpt", help="optional checkpoint of a global schedule (same backbone and L)")
 add("--out-dir", help="output folder; default: eval/ next to --ckpt")
@@ -44,7 +58,13 @@ add("--count", type=int, help="contexts of train.py's held-out prompts (default:
 add("--seed", type=noise_seed, default=HELDOUT_SEED, help="context i uses noise seed SEED + i")
 add("--limit", type=int, help="evaluate only the first N contexts (HPDv2: styles interleaved)")
 # methods and rewards (--reward-checkpoint repeats; default: the training reward's, else the hub)
-add("--rewards", nargs="+", metavar="NAME", help="default: the training reward (+ clip with hpsv2)")
+add(
+    "--rewards",
+    nargs="+",
+    choices=list(reward_lib.REWARDS),
+    metavar="NAME",
+    help="default: the training reward (+ clip with hpsv2)",
+)
 add("--reward-checkpoint", action="append", default=[], metavar="NAME=PATH", help="local weights")
 add("--reference", action="store_true", help="also score the teacher solution (backbone.reference)")
 add(
@@ -60,190 +80,38 @@ add("--steps", type=int, help="expected L; an error if the checkpoint was traine
 add("--batch-size", type=int, help="contexts per batch; default 200 for digits, 8 otherwise")
 add("--device", help="default: cuda when available, else cpu")
 
-if __name__ == "__main__":
-    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
-
-import torch
-from tqdm import tqdm
-
-import backbones
-import checkpoints
-import rewards as reward_lib
-import stepwise
-from figures import plot_results
-from policy import mean_increments, sample_increments, times_from_increments
-from prompts import context_noise, heldout_contexts, load_hpdv2, load_prompt_file, prompt_groups
-
-
-# -----------------------------------------------------------------------------
-# methods: callables (noise, cond) -> times (N, L+1)
-def policy_schedule(policy, backbone, mode="mean", generator=None):
-    """A trained policy's schedule: the Dirichlet mean ("mean", deterministic) or one draw; for a
-    step-wise policy its deterministic rate at each step (the Beta mode or mean, policy.inference)
-    or a draw, returned with the latents it sampled."""
-
-    if policy.config["kind"] == "stepwise":  # it picks its times while sampling
-        draws = generator if mode != "mean" else None
-        return lambda noise, cond: stepwise.sample(policy, backbone, noise, cond, draws)
-
-    @torch.no_grad()
-    def times_fn(noise, cond):
-        alpha = policy(**backbone.policy_inputs(noise, cond))  # (N, L+1)
-        if mode == "mean":
-            return times_from_increments(mean_increments(alpha))
-        return times_from_increments(sample_increments(alpha, 1, generator)[:, 0])
-
-    return times_fn
-
-
-def run_method(backbone, method, noise, cond):
-    """(times, latents) of a method on these contexts: its times run by the sampler, or what it
-    sampled itself."""
-    used = method(noise, cond)
-    return used if isinstance(used, tuple) else (used, backbone.sample(noise, cond, used))
-
-
-def fixed_schedule(times):
-    """The same schedule times (L+1,) for every context."""
-    return lambda noise, cond: times.to(noise.device).expand(noise.shape[0], -1)
-
-
-def default_schedule(backbone, steps):
-    return fixed_schedule(backbone.default_times(steps))
-
-
-# -----------------------------------------------------------------------------
-# scores
-@torch.no_grad()
-def score_batches(
-    backbone,
-    rewards,
-    prompts,
-    seeds,
-    methods,
-    reference=None,
-    batch_size=64,
-    pending=None,
-    progress=False,
-):
-    """Score contexts (prompts[i], seeds[i]) with every method and reward, batch by batch, on the
-    same noise. rewards: name -> reward; methods: name -> callable (noise, cond) -> times;
-    reference: the name of a row that scores backbone.reference (the teacher), or None.
-    pending(row, index) -> bool: the contexts a row still needs (default: all); a batch with none is
-    skipped before encoding. Yields scores[row][reward] = {index: float}, times[row] = {index: [L+1
-    floats]} per batch."""
-    samplers = {**methods, **({reference: None} if reference else {})}  # None: the teacher
-    pending = pending or (lambda row, index: True)
-    batches = range(0, len(prompts), batch_size)
-    for start in tqdm(batches, disable=not progress, desc=f"{len(prompts)} contexts"):
-        stop = min(start + batch_size, len(prompts))
-        todo = {name: [i for i in range(start, stop) if pending(name, i)] for name in samplers}
-        if not any(todo.values()):
-            continue
-        noise = context_noise(backbone, seeds[start:stop])
-        cond = backbone.encode_prompts(prompts[start:stop])
-        scores, times = {}, {}
-        for name, schedule in samplers.items():
-            if not todo[name]:
-                continue
-            pick = torch.tensor([i - start for i in todo[name]])
-            sub_noise = noise[pick.to(noise.device)]
-            sub_cond = {key: value[pick.to(value.device)] for key, value in cond.items()}
-            if schedule is None:
-                latents = backbone.reference(sub_noise, sub_cond)
-            else:
-                used, latents = run_method(backbone, schedule, sub_noise, sub_cond)
-                times[name] = dict(zip(todo[name], used.float().cpu().tolist()))
-            samples = (latents, [prompts[i] for i in todo[name]], sub_noise, sub_cond)
-            scores[name] = {}
-            for reward_name, reward in rewards.items():  # for OCR and GenEval a second column
-                for column, values in reward_lib.metrics(reward, reward_name, *samples).items():
-                    scores[name][column] = dict(zip(todo[name], values.tolist()))
-        yield scores, times
-
-
-def score_table(
-    backbone, rewards, prompts, seeds, methods, reference=None, batch_size=64, progress=False
-):
-    """Per-sample scores of each row and column (each reward's metrics) on the contexts (prompts[i],
-    seeds[i]): row -> column -> Tensor (N,) in context order, independent of batch_size."""
-    collected, order = {}, range(len(prompts))
-    for scores, _ in score_batches(
-        backbone, rewards, prompts, seeds, methods, reference, batch_size, progress=progress
-    ):
-        for name, columns in scores.items():
-            for column, values in columns.items():
-                collected.setdefault(name, {}).setdefault(column, {}).update(values)
-    return {
-        name: {column: torch.tensor([values[i] for i in order]) for column, values in row.items()}
-        for name, row in collected.items()
-    }
-
-
-def evaluate(
-    backbone, reward, prompts, seeds, methods, reference=None, batch_size=64, progress=False
-):
-    """score_table for one reward: name -> Tensor (N,)."""
-    table = score_table(
-        backbone, {"reward": reward}, prompts, seeds, methods, reference, batch_size, progress
-    )
-    return {name: columns["reward"] for name, columns in table.items()}
-
-
-def mean_ci(values):
-    """(mean, 95% Student-t half-width) of a 1-D tensor; the half-width is nan for n < 2."""
-    from scipy.stats import t as student_t  # scipy comes with scikit-learn
-
-    values, n = values.double(), values.numel()
-    if n < 2:
-        return values.mean().item(), math.nan
-    sem = (values.std() / math.sqrt(n)).item()
-    return values.mean().item(), float(student_t.ppf(0.975, n - 1)) * sem
-
-
-def summarize(scores, baseline="default"):
-    """One row per method: n, mean, ci95 (half-width of the 95% interval) and the paired difference
-    to the baseline method on the same contexts (diff_mean, diff_ci95; None for the baseline)."""
-    rows = []
-    for name, values in scores.items():
-        row = dict(method=name, n=values.numel(), diff_mean=None, diff_ci95=None)
-        row["mean"], row["ci95"] = mean_ci(values)
-        if baseline in scores and name != baseline:
-            if scores[baseline].shape != values.shape:
-                counts = f"{name} has {values.numel()}, {baseline} has {scores[baseline].numel()}"
-                raise ValueError(f"paired difference needs the same contexts: {counts}")
-            row["diff_mean"], row["diff_ci95"] = mean_ci(values - scores[baseline])
-        rows.append(row)
-    return rows
-
-
-def format_table(rows, baseline="default"):
-    """Markdown table of summarize()'s rows: mean ± 95% CI and paired difference ± 95% CI."""
-
-    def number(value):
-        return "-" if value is None or math.isnan(value) else f"{value:.4g}"
-
-    lines = [f"| method | n | mean ± 95% CI | diff to {baseline} ± 95% CI |", "|---|---|---|---|"]
-    for row in rows:
-        mean, diff = f"{number(row['mean'])} ± {number(row['ci95'])}", "-"
-        if row["diff_mean"] is not None:
-            diff = f"{row['diff_mean']:+.4g} ± {number(row['diff_ci95'])}"
-        lines.append(f"| {row['method']} | {row['n']} | {mean} | {diff} |")
-    return "\n".join(lines)
-
 
 # -----------------------------------------------------------------------------
 # command line: checkpoints, prompt sets, resumable scores, report
+def score_store(path, rows):
+    """evaluate.py's resumable scores (scores.json: rows, contexts, scores, times), empty when
+    absent. ValueError in one line if the file is damaged or defines one of `rows` otherwise."""
+    store = dict(rows={}, contexts={}, scores={}, times={})
+    advice = "move it away to score afresh, or use another --out-dir"
+    if os.path.isfile(path):
+        store = read_json(path, advice)
+        parts = ("rows", "contexts", "scores", "times")
+        if not isinstance(store, dict) or not all(isinstance(store.get(k), dict) for k in parts):
+            raise ValueError(f"{path} is not a scores.json of evaluate.py; {advice}")
+    for name, value in rows.items():
+        if store["rows"].setdefault(name, value) != value:
+            raise ValueError(
+                f"{path} holds '{name}' scores of {store['rows'][name]}, not {value}: use "
+                "another --out-dir"
+            )
+    return store
+
+
 def check_args(args):
     """evaluate.py's command line against its checkpoints, before anything heavy is loaded (bad
     input raises ValueError): returns the policies to evaluate (name -> (path, checkpoint,
     policy)), the reward names, reward -> local weights and the output folder."""
-    checkpoint, learned = checkpoints.load_checkpoint(args.ckpt, args.backbone, args.steps)
+    checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
     config = checkpoint["config"]
     trained_on, trained_reward = config["backbone"], config["reward"]
     policies = {"learned": (args.ckpt, checkpoint, learned)}
     if args.global_ckpt:  # the same backbone and L
-        global_run = checkpoints.load_checkpoint(args.global_ckpt, trained_on, config["steps"])
+        global_run = load_checkpoint(args.global_ckpt, trained_on, config["steps"])
         policies["global"] = (args.global_ckpt, *global_run)
     beside = ["clip"] if trained_reward == "hpsv2" else []
     for item in args.reward_checkpoint:
@@ -264,16 +132,12 @@ def check_args(args):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1 (got {value})")
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
-    checkpoints.check_writable(out_dir)
+    check_writable(out_dir)
     return policies, args.rewards or [trained_reward, *beside], local, out_dir
 
 
 def main(argv=None):
     args = parser.parse_args(argv)
-    unknown = [name for name in args.rewards or [] if name not in reward_lib.REWARDS]
-    if unknown:  # checked here, not by choices=, so that --help needs no torch
-        choices = ", ".join(map(repr, reward_lib.REWARDS))
-        parser.error(f"argument --rewards: invalid choice: {unknown[0]!r} (choose from {choices})")
 
     try:  # cheap checks before anything heavy
         policies, reward_names, local, out_dir = check_args(args)
@@ -285,11 +149,11 @@ def main(argv=None):
             prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
         elif prompt_file := args.prompts or config["eval_prompts"]:
             prompt_list, styles = load_prompt_file(prompt_file), prompt_groups(prompt_file)
-        device = checkpoints.check_device(args.device)
+        device = backbones.check_device(args.device)
         store_path = os.path.join(out_dir, "scores.json")
-        checkpoints.score_store(store_path, {})  # a damaged one fails before anything loads
+        score_store(store_path, {})  # a damaged one fails before anything loads
         torch.set_num_threads(backbones.BACKBONES[trained_on]["threads"] or torch.get_num_threads())
-        backbone = checkpoints.trained_backbone(config, device)
+        backbone = backbones.trained_backbone(config, device)
         backbone.check_prompts(prompt_list or [], config["reward"])
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
@@ -304,7 +168,7 @@ def main(argv=None):
         try:
             options = dict(device=device, checkpoint=local.get(name))
             if name in reward_lib.DIGIT_REWARDS:  # a damaged model is named, not skipped
-                checkpoints.check_reward_files(name, local.get(name))
+                reward_lib.check_reward(name, local.get(name))
             rewards[name] = reward_lib.load_reward(name, backbone, **options)
         except (ImportError, ValueError, OSError) as error:
             print(f"skipping reward {name!r}: {error}")
@@ -339,7 +203,7 @@ def main(argv=None):
     )
 
     try:
-        store = checkpoints.score_store(store_path, identity)
+        store = score_store(store_path, identity)
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
     created = not os.path.isdir(out_dir)
@@ -364,7 +228,7 @@ def main(argv=None):
                 row_times = {keys[i]: t for i, t in times.get(name, {}).items()}
                 store["times"].setdefault(name, {}).update(row_times)
             try:  # a full disk or read-only storage: one line, the last scores.json kept
-                checkpoints.write_json_atomic(store_path, store)
+                write_json_atomic(store_path, store)
             except ValueError as error:
                 if created and not os.listdir(out_dir):  # no empty folder left behind
                     os.rmdir(out_dir)
@@ -400,7 +264,7 @@ def main(argv=None):
             lines += [f"mean over the {len(groups)} groups: " + ", ".join(overall), ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
     try:
-        checkpoints.write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)])
+        write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)])
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
     learned_times = {name: in_order(store["times"][name]) for name in policies}

@@ -34,9 +34,18 @@ import json
 import math
 import os
 import re
+import shutil
 import sys
 
-from prompts import noise_seed
+import torch
+
+import backbones
+from prompts import context_noise, load_prompt_file, noise_seed
+from rewards import check_reward, load_reward
+from runs.checkpoint import MAIN_RUN, load_checkpoint
+from runs.figures import context_labels, draw_schedules
+from runs.folder import check_writable, write_failed
+from runs.heldout import default_schedule, policy_schedule, run_method
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -44,7 +53,6 @@ parser = argparse.ArgumentParser(description="Sample with a learned schedule nex
 parser.error = lambda message: parser.exit(2, f"sample.py: error: {message}\n")  # no usage
 add = parser.add_argument
 # I/O
-MAIN_RUN = "out/digits-L4-instance-s0/ckpt.pt"  # where `python train.py` writes
 add("--ckpt", default=MAIN_RUN, help="train.py's checkpoint, or its policy folder / a hub id")
 add("--out-dir", help="output folder; default: samples/ next to --ckpt")
 # contexts
@@ -62,26 +70,6 @@ add("--steps", type=int, help="expected L; an error if the checkpoint was traine
 # system
 add("--batch-size", type=int, default=8, help="contexts per backbone call")
 add("--device", help="default: cuda when available, else cpu")
-
-if __name__ == "__main__":
-    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
-
-import shutil
-
-import torch
-
-import backbones
-from checkpoints import (
-    check_device,
-    check_reward_files,
-    check_writable,
-    load_checkpoint,
-    trained_backbone,
-    write_failed,
-)
-from evaluate import default_schedule, policy_schedule, run_method
-from figures import context_labels, draw_schedules
-from prompts import context_noise, load_prompt_file
 
 # -----------------------------------------------------------------------------
 
@@ -156,7 +144,7 @@ def pipeline_contexts(backbone, policy, prompts, seeds):
     """The diffusers pipeline's own images for contexts (prompts[i], seeds[i]): its default
     schedule, and the learned one through pipeline.generate, both from the noise of
     torch.Generator(seed)."""
-    from pipeline import generate  # diffusers' schedulers load only on this path
+    from backbones.pipeline import generate  # diffusers' schedulers load only on this path
 
     results = {"default": [], "learned": []}
     side, guidance = backbone.resolution, backbone.guidance or 0.0
@@ -239,10 +227,8 @@ def run_reward(config, backbone, device):
     name = config["reward"]
     if name == "teacher":
         return None, "minus the distance to the teacher"
-    from rewards import load_reward
-
     try:
-        check_reward_files(name, config["reward_checkpoint"])
+        check_reward(name, config["reward_checkpoint"])
         reward = load_reward(name, backbone, device=device, checkpoint=config["reward_checkpoint"])
         return reward, f"the {name} reward"
     except (ImportError, ValueError, OSError) as error:
@@ -268,7 +254,7 @@ def main(argv=None):
     try:  # every input is checked before the backbone loads, and nothing is written before
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size})")
-        device = check_device(args.device)
+        device = backbones.check_device(args.device)
         ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
         config = ckpt["config"]
         prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
@@ -281,7 +267,7 @@ def main(argv=None):
                 f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE"
             )
         if args.pipeline and policy.config["kind"] == "stepwise":
-            from pipeline import STEPWISE
+            from backbones.pipeline import STEPWISE
 
             raise ValueError(STEPWISE)
         if args.pipeline and spec["family"] == "mixture":
@@ -293,13 +279,13 @@ def main(argv=None):
         else:
             check_writable(out_dir)
         torch.set_num_threads(spec["threads"] or torch.get_num_threads())
-        backbone = trained_backbone(config, device)
+        backbone = backbones.trained_backbone(config, device)
         backbone.check_prompts(prompts, config["reward"])
         contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
     except ValueError as error:
         sys.exit(f"sample.py: error: {error}")
     if args.export:
-        from pipeline import schedule_json
+        from backbones.pipeline import schedule_json
 
         try:
             schedule = schedule_json(policy, backbone)

@@ -1,8 +1,9 @@
 """
 Why James-Stein shrinkage helps REINFORCE, on problems small enough to know the right answer;
-writes OUT_DIR/toy_js.json (every number), OUT_DIR/toy_js.png and its tables to docs/RESULTS.md.
+writes OUT_DIR/toy_js.json (every number) and OUT_DIR/toy_js.png, and prints its tables.
 
     python toy_js.py                    # about a minute on 2 CPU cores
+    python toy_js.py --record           # the same, its tables also into docs/RESULTS.md
     python toy_js.py --quick            # a few seconds (the tests run this)
 
 Part A, estimation: rewards from the paper's random-effects model, r[c, i] = mu_c + eps (Var
@@ -23,22 +24,20 @@ import math
 import os
 import time
 
-parser = argparse.ArgumentParser(description="James-Stein baselines on toy problems")
-add = parser.add_argument
-add("--out-dir", default="out/toy_js", help="the JSON and PNG go here")
-add("--quick", action="store_true", help="a few seconds: far fewer simulations, same tables")
-add("--seed", type=int, default=0)
-add("--threads", type=int, default=1, help="torch CPU threads (small batches: one is fastest)")
-
-if __name__ == "__main__":
-    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
-
 import torch
 import torch.nn.functional as F
 from torch.distributions import Dirichlet
 
 import baselines
-from figures import plot_toy_js
+from evidence.results import commit, record
+
+parser = argparse.ArgumentParser(description="James-Stein baselines on toy problems")
+add = parser.add_argument
+add("--out-dir", default="out/toy_js", help="the JSON and PNG go here")
+add("--quick", action="store_true", help="a few seconds: far fewer simulations, same tables")
+add("--record", action="store_true", help="also write the tables into docs/RESULTS.md")
+add("--seed", type=int, default=0)
+add("--threads", type=int, default=1, help="torch CPU threads (small batches: one is fastest)")
 
 RATIOS = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0)  # delta^2 / sigma^2
 ROLLOUTS, CONTEXTS = (2, 4, 8), (4, 16, 32)  # the K and B of part A
@@ -208,16 +207,31 @@ def gradient_errors(bandit, offset_spread, batches, generator):
     return results
 
 
+def plot_toy_js(cells, path):
+    """Each baseline's MSE over RLOO's against delta^2/sigma^2, at the paper's K = 2, B = 16 (cells:
+    estimation_cell's)."""
+    from matplotlib.figure import Figure
+
+    ax = Figure(figsize=(6, 4), layout="tight").subplots()
+    row = [c for c in cells if c["K"] == 2 and c["B"] == 16]
+    for name in ("xctx", "js", "js-unbiased", "oracle"):
+        relative = [c["mse"][name] / c["mse"]["rloo"] for c in row]
+        ax.plot([c["ratio"] for c in row], relative, "-o", markersize=3, label=name)
+    ax.axhline(1.0, color="black", linestyle="--", label="rloo")
+    ax.set(xscale="symlog", yscale="log", xlabel="delta^2 / sigma^2 (symlog)", xlim=(0, 150))
+    ax.set(ylabel="MSE / RLOO's MSE", title="estimating a context's mean reward, K=2, B=16")
+    ax.legend(fontsize=8)
+    ax.figure.savefig(path, dpi=110)
+
+
 if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
     settings = QUICK if args.quick else dict(rewards=REWARDS_PER_CELL, batches=BANDIT["batches"])
-    started, code = time.time(), None
-    if not args.quick:  # the tests' quick run is not evidence; the full one goes to RESULTS.md
-        from results import commit, record
-
-        code = commit()
+    if args.record and args.quick:
+        parser.error("--record writes evidence: run it without --quick")
+    started, code = time.time(), commit()
 
     # ---- part A: estimation
     generator = torch.Generator().manual_seed(args.seed)
@@ -250,12 +264,13 @@ if __name__ == "__main__":
         conclusions.append(f"offset spread {spread:g}: gradient MSE " + ", ".join(relative))
     lines += ["```", "", "Conclusions:", "", *(f"- {line}" for line in conclusions)]
     print("\n".join(lines))
-    if code:
-        record("toy_js", "python toy_js.py", lines, at=code)
-
     plot_toy_js(cells, os.path.join(args.out_dir, "toy_js.png"))
     gradient = dict(zip(map(str, OFFSET_SPREADS), gradients))
-    record = dict(settings=settings, estimation=cells, gradient=gradient, conclusions=conclusions)
+    summary = dict(settings=settings, estimation=cells, gradient=gradient, conclusions=conclusions)
     with open(os.path.join(args.out_dir, "toy_js.json"), "w") as file:
-        json.dump(dict(record, seconds=time.time() - started), file, indent=1)
-    print(f"\nwrote {args.out_dir}/toy_js.json and toy_js.png in {time.time() - started:.1f} s")
+        json.dump(dict(summary, seconds=time.time() - started), file, indent=1)
+    written = f"{args.out_dir}/toy_js.json and toy_js.png"
+    if args.record:  # the evidence: docs/RESULTS.md, section toy_js
+        record("toy_js", "python toy_js.py --record", lines, at=code)
+        written += " and docs/RESULTS.md (section toy_js)"
+    print(f"\nwrote {written} in {time.time() - started:.1f} s")

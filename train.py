@@ -1,9 +1,9 @@
 """
 Train an instance-level sampling schedule with REINFORCE and a James-Stein baseline.
 
-CPU, the embedded digits backbone (no download; minutes on a laptop):
+CPU, the embedded digits backbone (no download; about a minute):
     python train.py
-CPU, a trained miniature SD3 / Flux / SD-XL pipeline shipped in miniatures/ (about 2 minutes):
+CPU, a trained miniature SD3 / Flux / SD-XL pipeline shipped in miniatures/ (a few minutes):
     python train.py --backbone mini-sd3 --steps 3
 One GPU, a frozen Stable Diffusion 3.5 Medium with the HPSv2 reward, on the shipped prompts:
     python train.py --backbone sd35m --steps 10
@@ -15,23 +15,41 @@ x_T); the policy maps each to the concentration alpha of a Dirichlet over the L+
 schedule; K schedules tau ~ Dir(alpha) are drawn per context and each is sampled with the frozen
 backbone (L model calls) and scored; then one REINFORCE step with a baseline b:
     loss = -mean_{c,i} (r[c,i] - b[c,i]) * log pi(tau[c,i] | x_T, c)
-The comparator TPDM (Ye et al., CVPR 2025; stepwise.py) trains in the same loop: `--policy
+The comparator TPDM (Ye et al., CVPR 2025; comparator/) trains in the same loop: `--policy
 stepwise` picks each next time inside the sampling loop from the sampler's state, `--optimizer ppo`
 takes clipped PPO steps instead of the one REINFORCE step, with the settings of TPDM's own code
-(OPTIMIZERS below). A run folder is never overwritten: running the same
-command again continues a killed run from its last checkpoint, or reports a finished one.
+(comparator/ppo.py). A run folder is never overwritten: running the same command again continues a
+killed run from its last checkpoint, or reports a finished one.
 """
 
 import argparse
 import dataclasses
 import functools
+import json
 import math
 import os
+import textwrap
+import time
 import types
 from dataclasses import dataclass, field
 
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from backbones import BACKBONES
+from baselines import BASELINES, MIN_CONTEXTS, shrinkage
+from comparator import ppo
+from comparator.stepwise import StepwiseRollouts
+from policy import DirichletRollouts
+from prompts import DEFAULT, SHIPPED, context_seed
+from rewards import REWARDS
+from runs import launch, track
+from runs.checkpoint import POLICIES, save_checkpoint
+
 # -----------------------------------------------------------------------------
-# configuration: one field per line; None = the backbone's default in TRAINING below
+# configuration: one field per line; None = resolved by resolve() below
 
 
 def arg(default, help):
@@ -46,6 +64,7 @@ class Config:
     ckpt_interval: int = arg(50, "iterations between checkpoints (a kill loses at most this many)")
     log_interval: int = arg(10, "iterations between log lines")
     snapshots: bool = arg(False, "keep the policy at the start and each checkpoint (snapshots/)")
+    track: str | None = arg(None, "mirror each log row to tensorboard | wandb (optional packages)")
     # backbone
     backbone: str = arg("digits", "a name in TRAINING (mini-*: the trained miniatures)")
     model_path: str | None = arg(None, "local diffusers folder replacing the hub id")
@@ -71,7 +90,7 @@ class Config:
     iterations: int | None = arg(None, "policy updates")
     lr: float | None = arg(None, "AdamW peak learning rate")
     lr_decay: str | None = arg(None, "cosine (to 0 at the end) | constant; None: ppo constant")
-    optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's, stepwise.py)")
+    optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's, comparator/)")
     ppo_epochs: int = arg(4, "ppo: passes over each batch of rollouts")
     ppo_minibatches: int = arg(1, "ppo: gradient steps per pass")
     ppo_clip: float = arg(0.2, "ppo: the ratio's clip range epsilon")
@@ -90,9 +109,9 @@ class Config:
 
 
 # The training defaults of each backbone (model facts such as the hub id, resolution and guidance
-# live with the backbones in backbones.py). The paper states K = 2 and a "batch size" of 32 (SD-XL,
-# SD3.5-M) or 16 (SD3.5-L, Flux-Dev), not whether it counts contexts or samples; B = 32 / 16
-# contexts is this project's reading, and the rest are this project's choices. steps: L;
+# live with the backbones in backbones/__init__.py). The paper states K = 2 and a "batch size" of
+# 32 (SD-XL, SD3.5-M) or 16 (SD3.5-L, Flux-Dev), not whether it counts contexts or samples; B = 32
+# / 16 contexts is this project's reading, and the rest are this project's choices. steps: L;
 # contexts: B; rollouts: K; rollout_batch: samples per backbone call, for GPU memory.
 REAL_TRAINING = dict(steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2")
 EMBEDDED_TRAINING = dict(
@@ -131,58 +150,77 @@ TRAINING = {
     # is asked at the budget it was distilled for
     "mini-flux-schnell": dict(MINIATURE_TRAINING, steps=4),
 }
-# The defaults that follow --optimizer. reinforce: this project's choices (the paper states no
-# optimiser). ppo: TPDM's own code (github.com/maple-research-lab/TPDM; README names each file):
-# RLOO advantages over the K rollouts, not normalised (src/train/rloo_trainer.py); Adam(0.9, 0.99),
-# eps 1e-5, no weight decay, a constant rate (scripts/launch_sd3_train.sh; AdamW with weight decay
-# 0 is Adam); head bias (2.5, 1.0), the hidden states as inputs and the Beta's mode at inference
-# (src/models/stable_diffusion_3/modeling_sd3_pnt.py). init, policy_inputs and inference are the
-# step-wise policy's (the others take init "default").
-OPTIMIZERS = {
-    "reinforce": dict(
-        baseline="js",
-        init="default",
-        policy_inputs="sampler",
-        inference="mean",
-        weight_decay=1e-4,
-        lr_decay="cosine",
-        adam_beta2=0.999,
-        adam_eps=1e-8,
-    ),
-    "ppo": dict(
-        baseline="rloo",
-        init="tpdm",
-        policy_inputs="hidden",
-        inference="mode",
-        weight_decay=0.0,
-        lr_decay="constant",
-        adam_beta2=0.99,
-        adam_eps=1e-5,
-    ),
-}
-GLOBAL_LR_FACTOR = 60  # --policy global is bare logits: at the instance policy's lr it barely moves
-# --optimizer ppo takes ppo_epochs x ppo_minibatches Adam steps per batch. TPDM's lr (1e-6 for
-# SD3's 2-conv head) does not transfer to this network and budget; this factor is not tuned for
-# TPDM's settings: comparator_study.py tunes --lr on training contexts (docs/COMPARATOR.md)
-PPO_LR_FACTOR = 1 / 30
+# The update's defaults with --optimizer reinforce, this project's choices (the paper states no
+# optimiser); --optimizer ppo takes TPDM's instead (comparator/ppo.py, ppo.TPDM).
+REINFORCE = dict(
+    baseline="js",
+    init="default",
+    policy_inputs="sampler",
+    inference="mean",
+    weight_decay=1e-4,
+    lr_decay="cosine",
+    adam_beta2=0.999,
+    adam_eps=1e-8,
+)
+# the backbone's learning rate times this per policy: --policy global is bare logits, which at the
+# instance policy's rate barely move
+LR_FACTOR = {"instance": 1.0, "global": 60.0, "stepwise": 1.0}
 CHOICES = dict(
     backbone=list(TRAINING),
-    policy=["instance", "global", "stepwise"],
+    policy=list(POLICIES),
     init=["default", "uniform", "tpdm"],
     policy_inputs=["sampler", "hidden"],
     inference=["mean", "mode"],
-    reward=["teacher", "hpsv2", "clip", "ocr", "geneval", "digit", "preference"],
-    baseline=["js", "js-unbiased", "rloo", "xctx"],
+    reward=list(REWARDS),
+    baseline=list(BASELINES),
     lr_decay=["cosine", "constant"],
     optimizer=["reinforce", "ppo"],
     dtype=["bfloat16", "float16", "float32"],
     device=["cpu", "cuda"],
+    track=list(track.TRACKERS),
 )
 
 
+def resolve(config):
+    """Every default the command line left open, in one place: the backbone's row of TRAINING
+    (its learning rate times the policy's LR_FACTOR, and ppo.LR_FACTOR under PPO), the update's
+    defaults (REINFORCE, or TPDM's for the step-wise policy under PPO), the shipped prompt files,
+    the CPU threads, the run folder. The configuration it returns is printed once (rank 0)."""
+    for key, default in TRAINING[config.backbone].items():
+        if getattr(config, key) is None:
+            setattr(config, key, default)
+            if key == "lr":
+                config.lr *= LR_FACTOR[config.policy]
+                config.lr *= ppo.LR_FACTOR if config.optimizer == "ppo" else 1.0
+    update = ppo.TPDM if config.optimizer == "ppo" else REINFORCE
+    for key, default in update.items():
+        if getattr(config, key) is None:  # TPDM's start, inputs, inference: the step-wise policy's
+            plain = config.policy != "stepwise" and key in ppo.STEPWISE_ONLY
+            setattr(config, key, REINFORCE[key] if plain else default)
+    spec = BACKBONES[config.backbone]
+    if spec["family"] != "mixture":  # the miniatures' paraphrases, else the reward's shipped set
+        shipped = spec.get("prompts") or SHIPPED.get(config.reward, DEFAULT)
+        config.prompts, config.eval_prompts = (
+            config.prompts or shipped[0],
+            config.eval_prompts or shipped[1],
+        )
+    if config.threads is None:
+        config.threads = spec["threads"]
+    if config.threads and config.threads > (os.cpu_count() or 1):
+        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores")
+        config.threads = os.cpu_count()
+    if config.out_dir is None:  # one folder per run: the same command finds its own run again
+        ppo_suffix = "-ppo" if config.optimizer == "ppo" else ""
+        name = f"{config.backbone}-L{config.steps}-{config.policy}{ppo_suffix}-s{config.seed}"
+        config.out_dir = os.path.join("out", name)
+    if int(os.environ.get("RANK", "0")) == 0:
+        settings = " ".join(f"{key}={value}" for key, value in dataclasses.asdict(config).items())
+        print("configuration: " + textwrap.fill(settings, 100, subsequent_indent="  "))
+    return config
+
+
 def parse_config(argv=None):
-    """argparse from the dataclass (--field-name value, booleans as flags), then TRAINING's
-    defaults for the fields left None."""
+    """argparse from the dataclass (--field-name value, booleans as flags), then resolve()."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -199,50 +237,11 @@ def parse_config(argv=None):
         parser.add_argument(
             flag, type=kind, default=item.default, choices=CHOICES.get(item.name), help=help
         )
-    config = Config(**vars(parser.parse_args(argv)))
-    for key, default in TRAINING[config.backbone].items():
-        if getattr(config, key) is None:
-            setattr(config, key, default)
-            if key == "lr" and config.policy == "global":
-                config.lr *= GLOBAL_LR_FACTOR
-            if key == "lr" and config.optimizer == "ppo":
-                config.lr *= PPO_LR_FACTOR
-    for key, default in OPTIMIZERS[config.optimizer].items():
-        if getattr(config, key) is None:  # TPDM's start, inputs, inference: the step-wise policy's
-            stepwise_only = key in ("init", "policy_inputs", "inference")
-            plain = config.policy != "stepwise" and stepwise_only
-            setattr(config, key, OPTIMIZERS["reinforce"][key] if plain else default)
-    if config.out_dir is None:  # one folder per run: the same command finds its own run again
-        ppo = "-ppo" if config.optimizer == "ppo" else ""
-        name = f"{config.backbone}-L{config.steps}-{config.policy}{ppo}-s{config.seed}"
-        config.out_dir = os.path.join("out", name)
-    return config
+    return resolve(Config(**vars(parser.parse_args(argv))))
 
-
-if __name__ == "__main__":
-    CONFIG = parse_config()  # before torch and the models load, so that --help answers at once
-
-import time  # noqa: E402
-
-import torch  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel  # noqa: E402
-from tqdm import tqdm  # noqa: E402
-
-import launch  # noqa: E402
-from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
-from policy import DirichletRollouts  # noqa: E402
-from prompts import context_seed  # noqa: E402
-from rewards import load_reward  # noqa: E402
-from stepwise import StepwiseRollouts, ppo_objective  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # the update
-
-
-def advantages_of(rewards, baseline):
-    """Rewards (B, K) -> advantages r - b (B, K) with the baseline named `baseline`, not
-    normalised (TPDM's rloo_trainer.py does not normalise either)."""
-    return rewards - BASELINES[baseline](rewards)
 
 
 def get_lr(config, iteration):
@@ -255,7 +254,7 @@ def get_lr(config, iteration):
 
 def make_optimizer(config, parameters):
     """AdamW with beta1 0.9 and the configuration's beta2, epsilon and weight decay (with
-    --optimizer ppo: TPDM's Adam(0.9, 0.99), eps 1e-5, no weight decay; OPTIMIZERS)."""
+    --optimizer ppo: TPDM's Adam(0.9, 0.99), eps 1e-5, no weight decay)."""
     return torch.optim.AdamW(
         parameters,
         lr=config.lr,
@@ -278,56 +277,25 @@ def descend(config, policy, optimizer, loss, lr):
     return grad_norm
 
 
-def ppo_update(config, log_probs, logp_old, advantages, step, shuffle):
-    """PPO's update on one batch of rollouts, as TPDM's trainer takes it: config.ppo_epochs passes,
-    each over a fresh shuffle (generator `shuffle`) cut into config.ppo_minibatches, one step each
-    on the clipped objective (stepwise.ppo_objective). log_probs(index) -> log pi of those samples
-    with gradients; logp_old, advantages (N,): log pi as drawn and r - b; step(loss) takes one
-    optimiser step and returns the gradient norm. Returns the last loss and gradient norm, and the
-    fraction of ratios clipped over the last pass."""
-    for _ in range(config.ppo_epochs):
-        order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
-        clipped = []
-        for index in order.chunk(config.ppo_minibatches):
-            loss, fraction = ppo_objective(
-                log_probs(index), logp_old[index], advantages[index], config.ppo_clip
-            )
-            grad_norm = step(loss)
-            clipped.append(fraction * len(index))
-    return loss, grad_norm, (sum(clipped) / len(advantages)).item()
-
-
 # -----------------------------------------------------------------------------
 # the training loop
 
 
 def main(config):
-    # ---------------- what a run builds: backbone, reward, policy, optimiser, resume ------------
-    run = launch.start(config)  # ranks and devices, the inputs checked (launch.py)
+    # ---------------- setup: ranks, inputs, backbone, reward, policy, optimiser, resume ----------
+    run = launch.setup(config, functools.partial(make_optimizer, config))
     if run is None:  # out_dir holds this run, finished: reported
         return
-    torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
-    backbone, prompts, heldout = launch.backbone_and_prompts(config, run)  # frozen, prompts checked
-    launch.claim(config, run)  # the run folder, one writer
-    reward = load_reward(
-        config.reward, backbone, device=run.device, checkpoint=config.reward_checkpoint
-    )
-    heldout_gain = None  # policy -> its gain on held-out contexts, logged at each checkpoint
-    if run.master:
-        heldout_gain = launch.heldout_gain(backbone, reward, heldout, config.steps)
-    raw_policy = launch.new_policy(config, backbone).to(run.device)
-    optimizer = make_optimizer(config, raw_policy.parameters())
-    start = launch.resume(config, run, raw_policy, optimizer)  # 0, or where ckpt.pt stopped
+    raw_policy, backbone, reward = run.policy, run.backbone, run.reward
     policy = DistributedDataParallel(raw_policy) if run.distributed else raw_policy
-    if run.master:
-        print(launch.summary(config, run, raw_policy))
-    # the one place the policy's kind matters: single pass (policy.py) or step-wise (stepwise.py)
+    tracker = track.open_tracker(config.track, config.out_dir, config) if run.master else None
+    # the one place the policy's kind matters: single pass (policy.py) or step-wise (comparator/)
     Rollouts = StepwiseRollouts if config.policy == "stepwise" else DirichletRollouts
     contexts_per_rank = config.contexts // run.world_size
     first = run.rank * contexts_per_rank  # this rank's contexts in the global batch
     K = config.rollouts
-    iterations = range(start, config.iterations)
-    progress = tqdm(iterations, initial=start, total=config.iterations, disable=not run.master)
+    iterations = range(run.start, config.iterations)
+    progress = tqdm(iterations, initial=run.start, total=config.iterations, disable=not run.master)
     for iteration in progress:
         t0 = time.time()
         # ---------------- contexts: a prompt and an initial noise x_T each, seeded ----------------
@@ -336,7 +304,8 @@ def main(config):
             for c in range(contexts_per_rank)
         ]
         batch_prompts = [
-            prompts[torch.randint(len(prompts), (1,), generator=g).item()] for g in generators
+            run.prompts[torch.randint(len(run.prompts), (1,), generator=g).item()]
+            for g in generators
         ]
         # ---------------- rollout: K schedules per context, sampled without gradients -------------
         with torch.no_grad():
@@ -356,20 +325,24 @@ def main(config):
         t_rollout = time.time() - t0
 
         # ---------------- baselines: pooled over the global batch ----------------
-        all_rewards = launch.gather(run, rewards)  # (B, K): every rank's, in rank order
+        all_rewards = rewards  # (B, K): every rank's, in rank order
+        if run.distributed:
+            gathered = [torch.empty_like(rewards) for _ in range(run.world_size)]
+            dist.all_gather(gathered, rewards)
+            all_rewards = torch.cat(gathered)
         launch.check_finite(config, run, iteration, all_rewards)
-        advantages = advantages_of(all_rewards, config.baseline)  # (B, K), r - b, detached
+        advantages = all_rewards - BASELINES[config.baseline](all_rewards)  # (B, K), r - b
         advantages = advantages[first : first + contexts_per_rank].flatten().to(run.device)
 
         # ---------------- policy gradient ----------------
         # log pi is recomputed with gradients through `policy`, which under DDP averages them over
         # the ranks
         lr = get_lr(config, iteration)
-        step = functools.partial(descend, config, raw_policy, optimizer, lr=lr)  # one AdamW step
+        step = functools.partial(descend, config, raw_policy, run.optimizer, lr=lr)  # AdamW step
         if config.optimizer == "ppo":  # TPDM's: several epochs of clipped steps on this batch
             shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
             log_probs = functools.partial(rollouts.log_prob, policy)
-            loss, grad_norm, clip_fraction = ppo_update(
+            loss, grad_norm, clip_fraction = ppo.ppo_update(
                 config, log_probs, rollouts.logp, advantages, step, shuffle
             )
         else:  # REINFORCE: one step on -mean((r - b) log pi)
@@ -383,12 +356,11 @@ def main(config):
             continue
         # shrinkage: the plug-in James-Stein weight of this batch, whichever baseline trains
         enough = config.contexts >= MIN_CONTEXTS["js"]
-        js_weight = shrinkage(all_rewards).item() if enough else math.nan
         row = dict(
             iteration=done,
             reward=all_rewards.mean().item(),
             reward_std=all_rewards.std().item(),
-            shrinkage=js_weight,
+            shrinkage=shrinkage(all_rewards).item() if enough else math.nan,
             loss=loss.item(),
             grad_norm=grad_norm.item(),
             clip_fraction=clip_fraction,
@@ -397,15 +369,40 @@ def main(config):
             rollout_s=t_rollout,
             step_s=time.time() - t0,
         )
-        if checkpoint_now:  # the gain over the default on held-out contexts (launch.heldout_gain)
-            row["heldout_gain"] = heldout_gain(raw_policy)
-        launch.log(config, run, row, progress)  # metrics.jsonl
-        if checkpoint_now:  # ckpt.pt: policy, optimizer, iteration, configuration
-            launch.checkpoint(config, run, raw_policy, optimizer, done)
+        if checkpoint_now:  # the mean schedule's gain over the default on held-out contexts
+            row["heldout_gain"] = run.heldout_gain(raw_policy)
+        run.rows.append(row)
+        with launch.written(run.metrics_path), open(run.metrics_path, "a") as file:
+            file.write(json.dumps(row) + "\n")
+        if tracker:
+            tracker.log(row)
+        if done % config.log_interval == 0 or done == config.iterations:
+            clipped = f" | clipped {clip_fraction:.2f}" if config.optimizer == "ppo" else ""
+            progress.write(
+                f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a "
+                f"{row['shrinkage']:.3f} | loss {row['loss']:+.4f} | grad {row['grad_norm']:.3f} "
+                f"| concentration {row['concentration']:.1f} | stop margin "
+                f"{row['stop_margin']:.4f}{clipped}"
+            )
+        if checkpoint_now:  # what a resume needs to continue exactly; every draw has its own seed
+            state = dict(
+                policy=raw_policy.state_dict(),
+                policy_config=raw_policy.config,
+                optimizer=run.optimizer.state_dict(),
+                iteration=done,
+                config=dataclasses.asdict(config),
+                rng={"torch": torch.get_rng_state()},
+                metrics=run.rows,  # a resume writes back a row that a torn line lost
+            )
+            with launch.written(run.ckpt_path):
+                save_checkpoint(run.ckpt_path, state)
+            launch.snapshot(config, raw_policy, done)
 
     # ---------------- held-out evaluation, figure, policy in the Hub format ----------------
-    launch.finish(config, run, backbone, reward, raw_policy, heldout)
+    if tracker:
+        tracker.close()
+    launch.finish(config, run)
 
 
 if __name__ == "__main__":
-    main(CONFIG)
+    main(parse_config())

@@ -33,8 +33,8 @@ def run_script(script, args, cwd, timeout=300):
 def train_in_process(out_dir, *args):
     """train.py's main in this process; the embedded teacher solves 16 RK4 steps instead of 64 (RMS
     error 2e-4 on digits against 1e-6, both far below a 4-step sampler's 0.2) to keep tests fast."""
-    import mixture
     import train
+    from backbones import mixture
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mixture.MixtureBackbone, "reference_steps", 16)
@@ -110,7 +110,7 @@ def tiny_runs(tmp_path_factory):
     of 50, which keeps the test fast and the code path the same. Returns backbone -> out dir, and
     the folders of the saved pipelines (flux-schnell too, for evaluate.py --schnell)."""
     import rollout
-    from tests.tiny import TINY_RESOLUTION, tiny_pipeline
+    from backbones.layouts import TINY_RESOLUTION, tiny_pipeline
 
     folder = tmp_path_factory.mktemp("tiny")
     for family in ("sd3", "sdxl", "flux-dev", "flux-schnell"):

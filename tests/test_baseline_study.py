@@ -3,18 +3,15 @@ train.py flags it relies on (--concentration, --snapshots)."""
 
 import math
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 from conftest import train_in_process
 
-import backbones
-import checkpoints
+from backbones import load_backbone
 from baselines import BASELINES
-
-sys.argv = sys.argv[:1]  # baseline_study parses its flags at import when run as a script only
-import baseline_study  # noqa: E402
+from evidence import baseline_study
+from runs import checkpoint as checkpoints
 
 
 def random_effects_pool(sets, contexts, rollouts, between, within, generator):
@@ -151,9 +148,9 @@ def test_concentration_and_snapshots(tmp_path):
     assert names == ["policy-0.pt", "policy-1.pt", "policy-2.pt"]
     states = [torch.load(out / "snapshots" / name, weights_only=False) for name in names]
     assert [state["iteration"] for state in states] == [0, 1, 2]
-    policy = backbones.build_policy(states[0]["policy_config"])
+    policy = checkpoints.build_policy(states[0]["policy_config"])
     policy.load_state_dict(states[0]["policy"])
-    mixture = backbones.load_backbone("digits")
+    mixture = load_backbone("digits")
     noise = mixture.sample_noise(3, torch.Generator().manual_seed(0))
     cond = mixture.encode_prompts(mixture.prompts[:3])
     alpha = policy(**mixture.policy_inputs(noise, cond))

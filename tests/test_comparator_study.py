@@ -4,13 +4,11 @@ the next one beyond it, at most EXTEND times)."""
 
 import argparse
 import itertools
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-sys.argv = sys.argv[:1]  # comparator_study parses its flags at import when run as a script only
-import comparator_study as study  # noqa: E402
+from evidence import comparator_study as study
 
 
 def test_hidden_state_rows_run_on_the_diffusers_backbones_only():

@@ -9,11 +9,12 @@ from conftest import run_script
 
 import backbones
 import evaluate
-import mixture
 import rewards
 import rollout
-from checkpoints import load_checkpoint, trained_backbone
+from backbones import mixture, trained_backbone
 from prompts import HPDV2_STYLES, context_noise, heldout_contexts, load_hpdv2
+from runs import heldout
+from runs.checkpoint import load_checkpoint
 
 STEPS = 4
 
@@ -59,7 +60,7 @@ def test_summarize_matches_hand_computed_values():
         "default": torch.tensor([1.0, 2.0, 3.0, 4.0]),
         "learned": torch.tensor([2.0, 2.0, 5.0, 5.0]),
     }
-    default, learned = evaluate.summarize(scores)
+    default, learned = heldout.summarize(scores)
     t3 = 3.182446305284263  # two-sided 95% Student-t quantile, 3 degrees of freedom
     # default: mean 2.5, sample variance 5/3; learned: mean 3.5, sample variance 3;
     # differences [1, 0, 2, 1]: mean 1, sample variance 2/3
@@ -72,14 +73,14 @@ def test_summarize_matches_hand_computed_values():
     )
     assert learned["diff_mean"] == pytest.approx(1.0)
     assert learned["diff_ci95"] == pytest.approx(t3 * math.sqrt(2 / 3 / 4))
-    table = evaluate.format_table([default, learned])
+    table = heldout.format_table([default, learned])
     assert "| default | 4 | 2.5 ± 2.054 | - |" in table
     assert "| learned | 4 | 3.5 ± 2.756 | +1 ± 1.299 |" in table
 
 
 def test_summarize_refuses_unpaired_scores():
     with pytest.raises(ValueError, match="same contexts"):
-        evaluate.summarize({"default": torch.zeros(3), "learned": torch.zeros(4)})
+        heldout.summarize({"default": torch.zeros(3), "learned": torch.zeros(4)})
 
 
 def test_heldout_contexts_and_noise(backbone):
@@ -95,7 +96,7 @@ def test_heldout_contexts_and_noise(backbone):
 def test_scores_equal_a_direct_computation_and_noise_is_paired(backbone, teacher, ckpt):
     _, policy = load_checkpoint(ckpt)
     prompts, seeds = heldout_contexts(backbone.prompts, 10)
-    learned = evaluate.policy_schedule(policy, backbone)
+    learned = heldout.policy_schedule(policy, backbone)
     seen = {"default": [], "learned": []}
 
     def recording(name, times_fn):
@@ -106,10 +107,10 @@ def test_scores_equal_a_direct_computation_and_noise_is_paired(backbone, teacher
         return method
 
     methods = {
-        "default": recording("default", evaluate.default_schedule(backbone, STEPS)),
+        "default": recording("default", heldout.default_schedule(backbone, STEPS)),
         "learned": recording("learned", learned),
     }
-    scores = evaluate.evaluate(backbone, teacher, prompts, seeds, methods, batch_size=4)
+    scores = heldout.evaluate(backbone, teacher, prompts, seeds, methods, batch_size=4)
 
     noise = torch.cat(
         [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
@@ -134,7 +135,7 @@ def test_scores_equal_a_direct_computation_and_noise_is_paired(backbone, teacher
     }
     for name in direct:
         torch.testing.assert_close(scores[name], direct[name])
-    rows = evaluate.summarize(scores)
+    rows = heldout.summarize(scores)
     assert rows[1]["mean"] == pytest.approx(direct["learned"].double().mean().item(), rel=1e-6)
     assert rows[1]["diff_mean"] == pytest.approx(
         (direct["learned"] - direct["default"]).double().mean().item(), rel=1e-5
@@ -146,13 +147,13 @@ def test_scores_do_not_depend_on_the_batch_size(backbone, teacher, ckpt):
     _, policy = load_checkpoint(ckpt)
     prompts, seeds = heldout_contexts(backbone.prompts, 10)
     methods = {
-        "default": evaluate.default_schedule(backbone, STEPS),
-        "learned": evaluate.policy_schedule(policy, backbone),
+        "default": heldout.default_schedule(backbone, STEPS),
+        "learned": heldout.policy_schedule(policy, backbone),
     }
-    whole = evaluate.evaluate(
+    whole = heldout.evaluate(
         backbone, teacher, prompts, seeds, methods, reference="limit", batch_size=64
     )
-    pieces = evaluate.evaluate(
+    pieces = heldout.evaluate(
         backbone, teacher, prompts, seeds, methods, reference="limit", batch_size=3
     )
     assert list(whole) == ["default", "learned", "limit"]
@@ -245,8 +246,8 @@ def test_cli_writes_table_scores_plots_and_resumes(
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     direct = {
         "default": backbone.default_times(STEPS).expand(10, -1),
-        "learned": evaluate.policy_schedule(learned_policy, backbone)(noise, cond),
-        "global": evaluate.policy_schedule(global_policy, backbone)(noise, cond),
+        "learned": heldout.policy_schedule(learned_policy, backbone)(noise, cond),
+        "global": heldout.policy_schedule(global_policy, backbone)(noise, cond),
     }
     means = read_table_means(out / "results.md")
     store = json.loads((out / "scores.json").read_text())

@@ -12,9 +12,9 @@ import pytest
 import torch
 from PIL import Image
 
-import geneval
-import preprocess
-from geneval import Detection, parse, score
+import rewards.images as preprocess
+from rewards import geneval
+from rewards.geneval import Detection, parse, score
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

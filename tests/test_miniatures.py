@@ -20,12 +20,21 @@ from diffusers import (
 )
 
 import backbones
-import launch
-import miniature
 import rewards
 import train
+from miniatures import build as miniature
+from miniatures import data
 from prompts import heldout_contexts
-from rewards import DigitReward, PreferenceReward, load_reward
+from rewards import load_reward
+from rewards.digits import (
+    DigitReward,
+    PreferenceReward,
+    PreferenceScorer,
+    digit_of,
+    load_classifier,
+    load_scorer,
+)
+from runs import launch
 
 STOCK = {
     "mini-sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel),
@@ -88,7 +97,7 @@ def test_fifty_step_samples_are_digits_the_classifier_recognises(mini, paraphras
     recognised at 50 default steps; with the paraphrases no training saw, at least 75% (mini-sd3 and
     mini-sdxl reach 100%, mini-flux, which reads prompts through T5 alone, 80%: miniature.py
     --check, 200 contexts). 80 contexts each here."""
-    prompts = miniature.prompt_lists()[paraphrases == "held-out"]
+    prompts = data.prompt_lists()[paraphrases == "held-out"]
     prompts, seeds = heldout_contexts(prompts, 80)
     reward = load_reward("digit", mini)
     noise = torch.cat([mini.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
@@ -104,7 +113,7 @@ def test_mini_flux_schnell_is_mini_flux_distilled_without_guidance_at_4_steps():
     4 steps by default, and its vae and text encoders are mini-flux's. At 4 steps through the
     stock pipeline, any guidance_scale gives the same images, and the classifier reads the
     prompted digit in at least 90% of 40 held-out contexts (the shipped folder: 95% or more of 200
-    in `python miniature.py --check`)."""
+    in `python -m evidence.miniatures --check`)."""
     folder = os.path.join(ROOT, "miniatures")
     pipe = FluxPipeline.from_pretrained(os.path.join(folder, "mini-flux-schnell"))
     teacher = FluxPipeline.from_pretrained(os.path.join(folder, "mini-flux"))
@@ -120,7 +129,7 @@ def test_mini_flux_schnell_is_mini_flux_distilled_without_guidance_at_4_steps():
     schnell = backbones.load_backbone("mini-flux-schnell")
     assert schnell.guidance is None and train.TRAINING["mini-flux-schnell"]["steps"] == 4
     assert torch.allclose(schnell.default_times(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
-    prompts, seeds = heldout_contexts(miniature.prompt_lists()[1], 40)
+    prompts, seeds = heldout_contexts(data.prompt_lists()[1], 40)
     images = {}
     for guidance in (0.0, 3.5):
         images[guidance] = pipe(
@@ -135,8 +144,8 @@ def test_mini_flux_schnell_is_mini_flux_distilled_without_guidance_at_4_steps():
         ).images
     assert torch.equal(images[0.0], images[3.5])
     with torch.no_grad():
-        digits = torch.tensor([rewards.digit_of(prompt) for prompt in prompts])
-        correct = rewards.load_classifier()(images[0.0]).argmax(1) == digits
+        digits = torch.tensor([digit_of(prompt) for prompt in prompts])
+        correct = load_classifier()(images[0.0]).argmax(1) == digits
     assert correct.float().mean().item() >= 0.9
 
 
@@ -150,7 +159,7 @@ def test_train_runs_on_mini_flux_schnell_at_its_4_steps_and_refuses_guidance(tmp
     assert report["steps"] == 4 and {"default", "learned (mean)"} <= set(report["realism"])
     config = train.parse_config(["--backbone", "mini-flux-schnell", "--guidance", "2"])
     with pytest.raises(SystemExit, match="mini-flux-schnell has no guidance input") as error:
-        launch.check_config(config, world_size=1)
+        launch.check(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
@@ -163,16 +172,16 @@ def test_different_prompts_give_different_embeddings(mini):
 
 
 def test_the_classifier_reads_digits_it_never_saw():
-    (images, labels), (own_images, _) = miniature.split()
+    (images, labels), (own_images, _) = data.split()
     assert len(images) + len(own_images) == 1797
-    classifier = rewards.load_classifier()
+    classifier = load_classifier()
     with torch.no_grad():
         accuracy = (classifier(images).argmax(1) == labels).float().mean().item()
     assert accuracy >= 0.97  # held out: the classifier trained on the other half only
 
 
 def test_the_digit_reward_is_the_log_probability_of_the_prompted_digit():
-    (images, labels), _ = miniature.split()
+    (images, labels), _ = data.split()
 
     reward = DigitReward(Pixels())
     picked = images[:20]
@@ -180,7 +189,7 @@ def test_the_digit_reward_is_the_log_probability_of_the_prompted_digit():
     wrong = [f"the digit {(d + 5) % 10}" for d in labels[:20].tolist()]
     scores, correct = reward.details(picked, right)
     with torch.no_grad():
-        expected = torch.log_softmax(reward.model(miniature.split()[0][0][:20]), 1)[
+        expected = torch.log_softmax(reward.model(data.split()[0][0][:20]), 1)[
             torch.arange(20), labels[:20]
         ]
     assert torch.allclose(
@@ -197,7 +206,7 @@ def test_the_digit_rewards_are_refused_on_other_backbones(tmp_path, reward):
     with pytest.raises(
         SystemExit, match=f"the {reward} reward reads the 16x16 handwritten digits that only the "
     ) as error:
-        launch.check_config(
+        launch.check(
             train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]),
             world_size=1,
         )
@@ -207,15 +216,15 @@ def test_the_digit_rewards_are_refused_on_other_backbones(tmp_path, reward):
 @pytest.fixture(scope="module")
 def unseen_digits():
     """The realism reference digits: no miniature and neither reward model saw them."""
-    return miniature.digit_splits()["reference"]
+    return data.digit_splits()["reference"]
 
 
 def test_the_shipped_preference_scorer_loads_and_is_refused_in_one_line_when_missing(tmp_path):
-    scorer = rewards.load_scorer()
-    assert type(scorer) is rewards.PreferenceScorer and not scorer.training
+    scorer = load_scorer()
+    assert type(scorer) is PreferenceScorer and not scorer.training
     assert sum(p.numel() for p in scorer.parameters()) < 100_000
     rewards.check_reward("preference")
-    with pytest.raises(ValueError, match="miniature.py --family preference") as error:
+    with pytest.raises(ValueError, match="miniatures.build --family preference") as error:
         rewards.check_reward("preference", str(tmp_path))
     assert "\n" not in str(error.value)
 
@@ -250,24 +259,24 @@ def test_the_preference_reward_ranks_real_digits_above_their_degradations(unseen
 def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases(tmp_path):
     for name in STOCK:
         config = train.parse_config(["--backbone", name, "--out-dir", str(tmp_path / "out")])
-        launch.check_config(config, world_size=1)  # no "--device cpu to insist"
+        launch.check(config, world_size=1)  # no "--device cpu to insist"
         assert config.reward == "preference" and config.device is None and config.threads == 1
         assert (config.prompts, config.eval_prompts) == (
             "prompts/digit_train.txt",
             "prompts/digit_heldout.txt",
         )
-    train_prompts, heldout = miniature.prompt_lists()
-    assert not set(train_prompts) & set(heldout) and {rewards.digit_of(p) for p in heldout} == set(
+    train_prompts, heldout = data.prompt_lists()
+    assert not set(train_prompts) & set(heldout) and {digit_of(p) for p in heldout} == set(
         range(10)
     )
 
 
 def test_bfloat16_rewards_are_finite_and_close_to_float32(mini):
     """The bf16 path a GPU run takes, on each miniature: the same contexts and schedule, the
-    backbone in bfloat16 (the reward stays float32). BF16_GAP is set from `python miniature.py
-    --check`, whose largest per-context gap at 3 steps over 200 contexts it bounds with room for
-    other contexts."""
-    _, heldout = miniature.prompt_lists()
+    backbone in bfloat16 (the reward stays float32). BF16_GAP is set from `python -m
+    evidence.miniatures --check`, whose largest per-context gap at 3 steps over 200 contexts it
+    bounds with room for other contexts."""
+    _, heldout = data.prompt_lists()
     prompts, seeds = heldout_contexts(heldout, 32)
     scores = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-bit PIL conversion
 
-import ocr
+from rewards import ocr
 
 PROMPT = 'a neon sign that says "OPEN LATE"'
 

@@ -8,12 +8,10 @@ import pytest
 import torch
 
 import backbones
-import families
-import pipeline
-from backbones import make_policy
-from checkpoints import load_checkpoint, load_policy, save_policy
+from backbones import families, pipeline
+from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from policy import mean_increments, times_from_increments
-from tests.tiny import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from runs.checkpoint import load_checkpoint, load_policy, make_policy, save_policy
 
 
 def learned_policy(backbone, steps, seed=0, kind="instance"):

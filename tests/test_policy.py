@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from backbones import BACKBONES, build_policy, make_policy
-from bench import POLICY_DIMS
+from backbones import BACKBONES
+from evidence.bench import POLICY_DIMS
 from policy import (
     ALPHA_MIN,
     TAU_FLOOR,
@@ -18,6 +18,7 @@ from policy import (
     sample_increments,
     times_from_increments,
 )
+from runs.checkpoint import build_policy, make_policy
 
 DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 

@@ -6,8 +6,15 @@ import math
 import pytest
 import torch
 
-import miniature
-from realism import FeatureSpace, frechet_distance, knn_radii, precision_recall
+from miniatures import build as miniature
+from miniatures.data import digit_splits
+from runs.realism import (
+    FeatureSpace,
+    frechet_distance,
+    knn_radii,
+    precision_recall,
+    realism_measure,
+)
 
 # four points, mean 0, unbiased covariance diag(2/3, 8/3)
 CROSS = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 2.0], [0.0, -2.0]], dtype=torch.float64)
@@ -44,7 +51,7 @@ def test_precision_and_recall_by_hand():
 
 
 def test_the_feature_space_is_the_reference_digits_principal_components():
-    images = miniature.digit_splits()["reference"][0]
+    images = digit_splits()["reference"][0]
     space = FeatureSpace(images, components=8)
     features = space(images)
     assert features.shape == (len(images), 8)
@@ -58,8 +65,8 @@ def test_real_digits_are_more_realistic_than_blurred_or_averaged_ones():
     by their class means (the failure modes of few-step samples): a Frechet distance under half
     theirs and a higher recall; blur also lowers precision, while class means, central to the real
     digits, keep all of it (precision sees realism, recall the missing variety)."""
-    realism = miniature.realism_measure()
-    real, labels = miniature.digit_splits()["preference"]
+    realism = realism_measure()
+    real, labels = digit_splits()["preference"]
     real, labels = real[:256], labels[:256]
     blurred = miniature.blurred(real, torch.full((len(real),), 1.2, dtype=real.dtype))
     means = torch.stack([real[labels == label].mean(0) for label in labels])

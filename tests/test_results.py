@@ -1,6 +1,6 @@
 """docs/RESULTS.md is written section by section by the commands (results.record)."""
 
-import results
+from evidence import results
 
 
 def test_a_section_is_written_under_its_command_and_commit_and_replaced_alone(tmp_path):

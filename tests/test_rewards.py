@@ -11,8 +11,9 @@ import torch
 from PIL import Image
 
 import backbones
-import preprocess
 import rewards
+import rewards.images as preprocess
+from rewards import hps, teacher
 
 
 class ImageBackbone:
@@ -50,7 +51,7 @@ def test_import_stays_light():
         "matplotlib",
     )
     code = (
-        "import sys, train, evaluate, sample, ocr, geneval; "
+        "import sys, train, evaluate, sample; from rewards import ocr, geneval; "
         f"print(sorted(m for m in {heavy} if m in sys.modules))"
     )
     repo = pathlib.Path(__file__).parents[1]
@@ -181,10 +182,10 @@ def test_teacher_cache_is_bounded_lru():
 
 def test_context_key():
     noise = torch.randn(2, 4, 3)
-    assert rewards.context_key(noise[0], "p") == rewards.context_key(noise[0].clone(), "p")
-    assert rewards.context_key(noise[0], "p") != rewards.context_key(noise[1], "p")
-    assert rewards.context_key(noise[0], "p") != rewards.context_key(noise[0], "q")
-    assert rewards.context_key(noise[0], "p") != rewards.context_key(noise[0].double(), "p")
+    assert teacher.context_key(noise[0], "p") == teacher.context_key(noise[0].clone(), "p")
+    assert teacher.context_key(noise[0], "p") != teacher.context_key(noise[1], "p")
+    assert teacher.context_key(noise[0], "p") != teacher.context_key(noise[0], "q")
+    assert teacher.context_key(noise[0], "p") != teacher.context_key(noise[0].double(), "p")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -348,7 +349,7 @@ def test_hps_missing_package(tmp_path, monkeypatch):
 
 def test_hps_preprocess_pads_the_short_side():
     images = torch.rand(1, 3, 30, 60, generator=torch.Generator().manual_seed(4))
-    pixels = rewards.hps_preprocess(images, 224)
+    pixels = hps.hps_preprocess(images, 224)
     assert pixels.shape == (1, 3, 224, 224)
     # 30x60 -> 112x224, 56 rows of black above and below: 0 normalised is -mean/std
     black = -torch.tensor(preprocess.CLIP_MEAN) / torch.tensor(preprocess.CLIP_STD)
@@ -358,7 +359,7 @@ def test_hps_preprocess_pads_the_short_side():
     # a square image at the model's size is only normalised (ResizeMaxSize leaves it alone)
     square = torch.rand(2, 3, 224, 224, generator=torch.Generator().manual_seed(5))
     assert torch.allclose(
-        rewards.hps_preprocess(square, 224),
+        hps.hps_preprocess(square, 224),
         (preprocess.quantize(square) - torch.tensor(preprocess.CLIP_MEAN).view(1, 3, 1, 1))
         / torch.tensor(preprocess.CLIP_STD).view(1, 3, 1, 1),
     )

@@ -25,6 +25,7 @@ from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-b
 
 import backbones
 import rewards
+from rewards import hps
 
 TINY = "hps-test-tiny"  # an open_clip config registered under this name by the fixture below
 
@@ -91,7 +92,7 @@ def test_preprocess_matches_hps_transform(tiny_hps, height, width):
     images = torch.rand(
         2, 3, height, width, generator=torch.Generator().manual_seed(height + width)
     )
-    ours = rewards.hps_preprocess(images, 224)
+    ours = hps.hps_preprocess(images, 224)
     reference = torch.stack([preprocess_val(to_pil(image)) for image in images])
     assert ours.shape == reference.shape
     assert torch.allclose(ours, reference, rtol=0, atol=1e-6)

@@ -232,7 +232,7 @@ def test_default_times_are_uniform(digits):
 
 def test_the_sampler_is_differentiable_in_the_times_and_oracles_beat_the_default():
     # ablation.py's oracles: gradient descent on the schedule through the exact sampler
-    from ablation import best_schedules, teacher_errors
+    from evidence.ablation import best_schedules, teacher_errors
 
     backbone = load_backbone("digits-prompt")
     noise, cond = contexts(backbone, 20, seed=7)

@@ -11,10 +11,10 @@ from conftest import run_script
 from PIL import Image
 
 import backbones
-import evaluate
-import figures
 import sample
-from checkpoints import load_checkpoint
+from prompts import context_noise
+from runs import figures, heldout
+from runs.checkpoint import load_checkpoint
 
 STEPS = 4
 
@@ -136,7 +136,7 @@ def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
         [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
     )
     cond = backbone.encode_prompts(prompts)
-    learned_times = evaluate.policy_schedule(policy, backbone)(noise, cond)
+    learned_times = heldout.policy_schedule(policy, backbone)(noise, cond)
     expected = {
         "default": backbone.default_times(STEPS).expand(4, -1),
         "learned": learned_times,
@@ -314,7 +314,7 @@ def test_a_stepwise_checkpoint_samples_and_its_schedules_replay(tmp_path, digits
     results = sample.sample_contexts(backbone, policy, ["a handwritten 3"] * 2, [0, 1])
     images, times, _, _ = results["learned"]
     torch.testing.assert_close(times, learned)
-    noise = evaluate.context_noise(backbone, [0, 1])
+    noise = context_noise(backbone, [0, 1])
     cond = backbone.encode_prompts(["a handwritten 3"] * 2)
     torch.testing.assert_close(backbone.decode(backbone.sample(noise, cond, times)), images)
     with pytest.raises(SystemExit, match="step-wise policy .* without --pipeline"):
@@ -332,7 +332,7 @@ def test_contexts_are_compared_by_the_runs_reward(ckpt):
         return latents.flatten(1).mean(1)
 
     scored = sample.sample_contexts(backbone, policy, prompts, seeds, reward=brightness)
-    noise, cond = evaluate.context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     for name in ("default", "learned"):
         _, times, _, scores = scored[name]
         latents = backbone.sample(noise, cond, times)

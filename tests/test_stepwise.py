@@ -7,17 +7,18 @@ import math
 import pytest
 import torch
 
-import stepwise
-from backbones import build_policy, from_pipeline, load_backbone, make_policy
-from checkpoints import load_policy, save_policy
-from stepwise import (
+from backbones import from_pipeline, load_backbone
+from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from baselines import BASELINES
+from comparator import stepwise
+from comparator.ppo import ppo_objective, ppo_update
+from comparator.stepwise import (
     Stepper,
     join_records,
-    ppo_objective,
     start_times,
     trajectory_log_prob,
 )
-from tests.tiny import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from runs.checkpoint import build_policy, load_policy, make_policy, save_policy
 
 STEPS = 4
 
@@ -180,7 +181,7 @@ def test_a_stepwise_policy_saves_and_loads_in_both_formats(digits, tmp_path):
 
 
 def test_a_stepwise_policy_is_refused_by_the_stock_pipeline_in_one_line():
-    import pipeline
+    from backbones import pipeline
 
     pipe = tiny_pipeline("sd3")
     backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION)
@@ -312,7 +313,7 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
 
     config = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
     rewards = torch.tensor([[1.0, 0.4], [0.3, 0.5], [2.0, 2.0]])  # (B, K)
-    advantages = train.advantages_of(rewards, config.baseline).flatten()
+    advantages = (rewards - BASELINES[config.baseline](rewards)).flatten()
     torch.testing.assert_close(advantages, torch.tensor([0.6, -0.6, -0.2, 0.2, 0.0, 0.0]))
     features = 1e-5 * torch.tensor(
         [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [2.0, 0.0], [3.0, 1.0], [0.5, 0.5]]
@@ -332,7 +333,7 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
         return norm
 
     shuffle = torch.Generator().manual_seed(0)
-    train.ppo_update(config, log_probs, torch.zeros(6), advantages, descend, shuffle)
+    ppo_update(config, log_probs, torch.zeros(6), advantages, descend, shuffle)
     assert sizes == [6, 6, 6, 6]  # 4 epochs, each one minibatch of the whole batch
     # at theta = 0 every ratio is 1 (unclipped): g = -mean_i A_i x_i
     g = -(advantages[:, None] * features).mean(0)
@@ -348,7 +349,7 @@ def test_an_older_stepwise_checkpoint_loads_as_it_was_and_one_that_cannot_is_ref
     """A checkpoint from before the hidden-state inputs (no inputs, inference keys) rebuilds the
     policy it was: the sampler's inputs, the Beta mean. One whose weights do not fit this version
     ends in one line."""
-    from checkpoints import load_checkpoint
+    from runs.checkpoint import load_checkpoint
 
     saved = torch.load(digits_stepwise_run / "ckpt.pt", weights_only=False)
     for key in ("inputs", "inference", "feature_channels", "time_dim"):

@@ -13,9 +13,11 @@ import pytest
 import torch
 from conftest import ENV, ROOT, run_script
 
-import checkpoints
-import launch
+import rewards
 import train
+from comparator import ppo as ppo_settings
+from runs import checkpoint as checkpoints
+from runs import folder, launch
 
 
 def read_metrics(out_dir):
@@ -73,7 +75,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch,
 
     # Kill the run in the middle of iteration 6's rollouts: the checkpoint of iteration 3 stays,
     # the rows of iterations 4 and 5 were logged after it.
-    real_load_reward = train.load_reward
+    real_load_reward = rewards.load_reward
 
     def load_dying_reward(*a, **k):
         reward = real_load_reward(*a, **k)
@@ -89,13 +91,13 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(tmp_path, monkeypatch,
 
         return dying
 
-    monkeypatch.setattr(train, "load_reward", load_dying_reward)
+    monkeypatch.setattr(rewards, "load_reward", load_dying_reward)
     killed = tmp_path / "killed"
     with pytest.raises(Killed):
         train.main(train.parse_config([*args, "--out-dir", str(killed)]))
     assert torch.load(killed / "ckpt.pt", weights_only=False)["iteration"] == 3
     assert len(read_metrics(killed)) == 5
-    monkeypatch.setattr(train, "load_reward", real_load_reward)
+    monkeypatch.setattr(rewards, "load_reward", real_load_reward)
     train.main(train.parse_config([*args, "--out-dir", str(killed), "--resume"]))
     resumed = read_metrics(killed)
 
@@ -121,7 +123,7 @@ def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
             handle.write(b"half a checkpoint")
         raise Killed
 
-    monkeypatch.setattr(checkpoints, "open", dies_halfway, raising=False)
+    monkeypatch.setattr(folder, "open", dies_halfway, raising=False)
     with pytest.raises(Killed):
         checkpoints.save_checkpoint(path, {"iteration": 2})
     assert torch.load(path, weights_only=False) == {"iteration": 1}
@@ -232,14 +234,14 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
     config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(config, world_size=1)
+        launch.check(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
 def test_contexts_must_split_over_ranks(tmp_path):
     config = train.parse_config(["--contexts", "9", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="not divisible by the 2 ranks"):
-        launch.check_config(config, world_size=2)
+        launch.check(config, world_size=2)
 
 
 SHORT = ["--iterations", "3", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "2"]
@@ -305,8 +307,8 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_dead_one_blocks_nothi
         [
             sys.executable,
             "-c",
-            f"import sys, time; sys.path.insert(0, {ROOT!r}); import checkpoints; "
-            f"lock = checkpoints.lock_run({str(out)!r}); "
+            f"import sys, time; sys.path.insert(0, {ROOT!r}); from runs import folder; "
+            f"lock = folder.lock_run({str(out)!r}); "
             "print('locked', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,
@@ -371,7 +373,7 @@ def test_unusable_places_and_devices_fail_in_one_line_before_loading(tmp_path, m
     make(tmp_path)
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(
+        launch.check(
             train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out"), *args]), world_size=1
         )
     assert "\n" not in str(error.value)
@@ -379,7 +381,7 @@ def test_unusable_places_and_devices_fail_in_one_line_before_loading(tmp_path, m
 
 def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
     config = train.parse_config([*SHORT, "--threads", "1000", "--out-dir", str(tmp_path / "out")])
-    launch.check_config(config, world_size=1)
+    launch.check(config, world_size=1)
     assert config.threads == os.cpu_count() and "is more than the" in capsys.readouterr().out
 
 
@@ -399,7 +401,7 @@ def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
 def test_a_run_folder_of_another_run_is_refused(short_run, tmp_path, change, message):
     out = copy_of(short_run, tmp_path)
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(
+        launch.check(
             train.parse_config([*SHORT, *change, "--out-dir", str(out), "--resume"]), world_size=1
         )
     assert "\n" not in str(error.value)
@@ -462,7 +464,7 @@ def test_a_bad_prompt_file_fails_in_one_line_naming_it(tmp_path, name, content, 
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(
+        launch.check(
             train.parse_config(["--prompts", str(path), "--out-dir", str(tmp_path / "out")]),
             world_size=1,
         )
@@ -486,7 +488,7 @@ def test_a_prompt_the_backbone_cannot_take_fails_before_training(tmp_path):
 
 
 def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real_load_reward = train.load_reward
+    real_load_reward = rewards.load_reward
 
     def load_broken_reward(*args, **kwargs):
         reward, calls = real_load_reward(*args, **kwargs), []
@@ -498,7 +500,7 @@ def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path
 
         return broken
 
-    monkeypatch.setattr(train, "load_reward", load_broken_reward)
+    monkeypatch.setattr(rewards, "load_reward", load_broken_reward)
     with pytest.raises(
         SystemExit,
         match="iteration 3: 16 rewards are NaN or inf.*ckpt.pt holds the last good state",
@@ -520,15 +522,13 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
     real = "sd35m,sd35l,sdxl,flux-dev,flux-schnell"
     small = "digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl"
     assert "{" + real + "," + small + ",mini-flux-schnell}" in text
-    # the defaults that follow --optimizer (train.OPTIMIZERS) are named in the help
+    # the defaults that follow --optimizer (train.REINFORCE, comparator/ppo.TPDM) are in the help
     assert "AdamW weight decay; None: 1e-4, ppo 0 (default: None)" in text
 
 
 def test_threads_one_for_the_embedded_backbones(tmp_path):
     def threads(*args):
-        config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
-        launch.check_config(config, world_size=1)
-        return config.threads
+        return train.parse_config([*args, "--out-dir", str(tmp_path / "out")]).threads
 
     assert (
         threads() == 1
@@ -539,44 +539,33 @@ def test_threads_one_for_the_embedded_backbones(tmp_path):
 
 
 def test_the_names_train_offers_are_the_registries():
-    """train.py names its choices without importing the registries (so --help needs no torch)."""
+    """Every backbone has its training row; the other choices are the registries' own keys."""
     import backbones
-    import baselines
-    import rewards
 
-    choices = train.CHOICES
-    assert choices["backbone"] == list(backbones.BACKBONES) == list(train.TRAINING)
-    assert choices["reward"] == list(rewards.REWARDS) and choices["baseline"] == list(
-        baselines.BASELINES
-    )
-    assert choices["policy"] == list(backbones.POLICIES)
+    assert train.CHOICES["backbone"] == list(backbones.BACKBONES) == list(train.TRAINING)
 
 
 @pytest.mark.parametrize(
-    "script",
+    "command",
     [
-        "train.py",
-        "evaluate.py",
-        "sample.py",
-        "toy_js.py",
-        "ablation.py",
-        "bench.py",
-        "miniature.py",
-        "baseline_study.py",
-        "comparator_study.py",
+        ["train.py"],
+        ["evaluate.py"],
+        ["sample.py"],
+        ["toy_js.py"],
+        ["-m", "evidence.ablation"],
+        ["-m", "evidence.baseline_study"],
+        ["-m", "evidence.comparator_study"],
+        ["-m", "evidence.bench"],
+        ["-m", "evidence.miniatures"],
+        ["-m", "miniatures.build"],
     ],
 )
-def test_help_answers_before_torch_loads(script):
-    """--help builds the parser before the heavy imports: torch is never imported."""
-    probe = (
-        f"import runpy, sys; sys.argv = [{script!r}, '--help']\n"
-        f"try:\n    runpy.run_path({script!r}, run_name='__main__')\nexcept SystemExit:\n    pass\n"
-        "print('torch' in sys.modules)"
-    )
+def test_every_command_answers_help(command):
+    """Each entry script and evidence command, as README and docs write it, answers --help."""
     result = subprocess.run(
-        [sys.executable, "-c", probe], cwd=ROOT, env=ENV, capture_output=True, text=True
+        [sys.executable, *command, "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True
     )
-    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout + result.stderr
+    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr
 
 
 def test_no_arguments_is_the_digits_main_job():
@@ -644,7 +633,7 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
     machine only with --device cpu."""
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as refused:
-            launch.check_config(
+            launch.check(
                 train.parse_config(
                     ["--backbone", "sd35m", "--steps", "10", "--out-dir", str(tmp_path / "out")]
                 ),
@@ -683,7 +672,7 @@ def test_text_and_object_rewards_are_refused_on_the_embedded_backbones(tmp_path,
         SystemExit,
         match=f"the {reward} reward reads text or objects, which the 8x8 digits images do not have",
     ):
-        launch.check_config(
+        launch.check(
             train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]),
             world_size=1,
         )
@@ -710,7 +699,7 @@ def test_each_reward_trains_on_its_shipped_prompts(tmp_path, reward, train_file,
             str(tmp_path / "out"),
         ]
     )
-    prompts, _, _ = launch.check_config(
+    prompts, _, _ = launch.check(
         config, world_size=1
     )  # every shipped prompt is one the reward can score
     assert (config.prompts, config.eval_prompts) == (train_file, heldout_file)
@@ -745,7 +734,7 @@ def test_a_prompt_the_reward_cannot_score_fails_in_one_line(tmp_path, reward, me
         ]
     )
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check_config(config, world_size=1)
+        launch.check(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
@@ -810,14 +799,14 @@ def test_hpdv2_prompts_offline_say_how_to_get_them(tmp_path):
         match=r"HPDv2's train.json is not available: fetch it once online with "
         r"`hf download zhwang/HPDv2 train.json --repo-type dataset`",
     ) as error:
-        launch.check_config(config, world_size=1)
+        launch.check(config, world_size=1)
     assert time.perf_counter() - started < 5 and "\n" not in str(error.value)
 
 
 def test_ppo_defaults_to_a_smaller_learning_rate_and_an_explicit_one_is_kept():
     reinforce = train.parse_config(["--policy", "stepwise"])
     ppo = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
-    assert ppo.lr == pytest.approx(reinforce.lr * train.PPO_LR_FACTOR)
+    assert ppo.lr == pytest.approx(reinforce.lr * ppo_settings.LR_FACTOR)
     explicit = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo", "--lr", "0.01"])
     assert explicit.lr == 0.01
 
@@ -857,4 +846,4 @@ def test_ppo_defaults_are_tpdms_settings_and_reinforce_keeps_the_projects():
         (["--policy", "stepwise", "--policy-inputs", "hidden"], "digits is an exact mixture"),
     ):
         with pytest.raises(SystemExit, match=message):
-            launch.check_config(train.parse_config(args), world_size=1)
+            launch.check(train.parse_config(args), world_size=1)

@@ -3,14 +3,15 @@ Benchmarks that print numbers: what the policy costs against the sampler, the sa
 the diffusers pipelines it replaces, and the embedded backbone's throughput; each report also goes
 to docs/RESULTS.md (section "bench <benchmark> on <device>").
 
-    python bench.py  # CPU: all three, tiny random pipelines (about a minute)
-    python bench.py --only policy  # FLOPs and parameter counts (meta device, no weights)
-    python bench.py --only loop --device cuda  # one GPU, bfloat16
-    python bench.py --only loop --backbones sd35m --model-path /models/sd35m --steps 10 --batch 8
-    python bench.py --only threads  # the main job at 1 thread and at torch's default (minutes)
-    .venv-hps/bin/python bench.py --only ocr  # OCR reward's time per image (optional environment)
-    python bench.py --only inference --backbones digits,mini-sd3 --steps 3  # single pass vs TPDM
-    python bench.py --only iteration --backbones digits-prompt,mini-sd3  # training: s / iteration
+    python -m evidence.bench  # CPU: all three, tiny random pipelines (about a minute)
+    python -m evidence.bench --only policy  # FLOPs and parameter counts (meta device, no weights)
+    python -m evidence.bench --only loop --device cuda  # one GPU, bfloat16
+    python -m evidence.bench --only loop --backbones sd35m --model-path /models/sd35m --steps 10 \
+        --batch 8
+    python -m evidence.bench --only threads  # the main job at 1 thread and at torch's default
+    .venv-hps/bin/python -m evidence.bench --only ocr  # OCR reward's time per image
+    python -m evidence.bench --only inference --backbones digits,mini-sd3 --steps 3  # vs TPDM
+    python -m evidence.bench --only iteration --backbones digits-prompt,mini-sd3  # s / iteration
 
 policy: FLOPs of one SD3.5-Medium transformer step at 1024^2 with CFG against one policy call,
 counted on the meta device (shapes only), and the parameters of each policy size. loop: for each
@@ -39,6 +40,15 @@ import os
 import sys
 import time
 
+import torch
+
+import backbones
+from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from evidence.results import commit, record
+from rewards import load_reward
+from runs.checkpoint import make_policy
+from runs.heldout import policy_schedule, run_method
+
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
 )
@@ -55,15 +65,6 @@ add("--device", default=None, help="default: cuda when available, else cpu")
 add("--steps", type=int, default=4, help="L, model calls per rollout")
 add("--batch", type=int, default=4, help="loop: rollouts per call")
 add("--repeats", type=int, default=10, help="timed calls after one warm-up; the best is shown")
-
-if __name__ == "__main__":
-    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
-
-import torch  # noqa: E402
-
-import backbones  # noqa: E402
-from backbones import make_policy  # noqa: E402
-from tests.tiny import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline  # noqa: E402
 
 # The dims each policy size is measured at: latents of 1024^2 images (128x128 latent; Flux
 # unpacked), text tokens (text_len, text_dim), pooled embedding.
@@ -236,8 +237,6 @@ def bench_embedded(args, device, count=64):
 def bench_inference(name, args, device, count=16):
     """Wall time of sampling `count` images at L = args.steps: the model calls alone, with the
     single-pass policy, with the step-wise one (each at its mean schedule)."""
-    from evaluate import policy_schedule, run_method
-
     backbone = backbones.load_backbone(name, path=args.model_path, device=device)
     steps, preset = args.steps, backbones.BACKBONES[name]["policy"]
     prompts = backbone.prompts or [f"a hand-drawn {i % 10}" for i in range(count)]
@@ -356,8 +355,6 @@ def bench_threads(busy_iterations=20):
 def bench_ocr(batch=4):
     from PIL import Image, ImageDraw, ImageFont
 
-    from rewards import load_reward
-
     class Images:  # a stand-in backbone whose latents are the images
         device = torch.device("cpu")
 
@@ -421,14 +418,12 @@ class Tee(io.StringIO):
 
 
 if __name__ == "__main__":
-    from results import commit, record
-
     args = parser.parse_args()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     started, printed = commit(), Tee()
     with contextlib.redirect_stdout(printed):
         run(args, device)
-    command = " ".join(["python bench.py", *sys.argv[1:]])
+    command = " ".join(["python -m evidence.bench", *sys.argv[1:]])
     record(
         f"bench {args.only or 'all'} on {device.type}",
         command,

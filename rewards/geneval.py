@@ -2,7 +2,7 @@
 GenEval (Ghosh et al. 2023, github.com/djghosh13/geneval) as a reward: a prompt names COCO objects
 with counts, colours and relative positions; an instance segmenter and CLIP check the image.
 
-    python geneval.py [--write]  # per-tag counts of the prompt sets below; --write writes them
+    python -m rewards.geneval [--write]  # per-tag counts of the prompt sets; --write writes them
     reward = load_geneval(backbone)  # reward(latents, prompts, noise, cond) -> (N,) in [0, 1]
     rows = reward.details(latents, prompts)  # per image: tag, GenEval's 0/1 "correct", requirements
     summary(rows)  # GenEval's per-task accuracy and overall (mean over tasks)
@@ -50,7 +50,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from preprocess import clip_preprocess, quantize
+from rewards.clip import CLIP_DEFAULT
+from rewards.images import clip_preprocess, quantize
 
 CLASSES = [
     "person",
@@ -153,7 +154,6 @@ COLOR_TEMPLATES = [
 BACKGROUND = 153 / 255  # "#999", the grey GenEval puts around a masked object before CLIP
 
 DETECTOR_DEFAULT = "facebook/mask2former-swin-small-coco-instance"
-CLIP_DEFAULT = "openai/clip-vit-large-patch14"
 HELDOUT_PER_TAG = 50
 # single objects: the 30 not held out; counting: 240 prompts exist, 80 of them GenEval's benchmark
 TRAIN_PER_TAG = {
@@ -664,9 +664,8 @@ if __name__ == "__main__":
             + "  ".join(f"{tag} {sum(r['tag'] == tag for r in records)}" for tag in TAGS)
         )
         if args.write and name != "benchmark":
-            path = os.path.join(
-                os.path.dirname(os.path.abspath(__file__)), "prompts", f"geneval_{name}.jsonl"
-            )
+            repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+            path = os.path.join(repository, "prompts", f"geneval_{name}.jsonl")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as file:
                 file.writelines(json.dumps(record) + "\n" for record in records)

@@ -28,7 +28,7 @@ from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.utils.torch_utils import randn_tensor
 
 import backbones
-import families
+from backbones import families
 from policy import mean_increments, times_from_increments
 
 

@@ -3,15 +3,15 @@ Trained miniature text-to-image pipelines: real SD3, Flux and SD-XL architecture
 train on a laptop CPU and to ship in the repository (miniatures/, about 11 MB with the reward
 models).
 
-    python miniature.py --family classifier   # the digit reward's classifier (about a minute)
-    python miniature.py --family sd3          # miniatures/mini-sd3 from scratch (minutes, 2 cores)
-    python miniature.py --family flux         # miniatures/mini-flux
-    python miniature.py --family sdxl         # miniatures/mini-sdxl
-    python miniature.py --family flux-schnell # mini-flux distilled for 4 steps (about 15 minutes)
-    python miniature.py --family preference   # the preference reward's scorer (a few minutes)
-    python miniature.py --guidance-sweep      # how each miniature's default guidance was chosen
-    python miniature.py --agreement           # the rewards against realism per default step count
-    python miniature.py --check               # what the shipped folders reach (RESULTS.md, "check")
+    python -m miniatures.build --family classifier   # the digit reward's classifier (a minute)
+    python -m miniatures.build --family sd3          # miniatures/mini-sd3 from scratch (minutes)
+    python -m miniatures.build --family flux         # miniatures/mini-flux
+    python -m miniatures.build --family sdxl         # miniatures/mini-sdxl
+    python -m miniatures.build --family flux-schnell # mini-flux distilled for 4 steps (15 minutes)
+    python -m miniatures.build --family preference   # the preference reward's scorer (minutes)
+
+How each miniature's default guidance was chosen and what the shipped folders reach:
+evidence/miniatures.py.
 
 Why they exist: random weights prove that rollout.py equals the diffusers pipelines, not that a
 learned schedule makes a trained model's images better. These are trained models of the real
@@ -58,37 +58,19 @@ import os
 import shutil
 import time
 
+import torch
+import torch.nn.functional as F
+
+import backbones
+from backbones.layouts import autoencoder, family_pipeline
+from miniatures.data import SIDE, digit_splits, prompt_lists, split
+from policy import increments_from_times, times_from_increments
+from prompts import context_noise, heldout_contexts
+from rewards.digits import DigitClassifier, PreferenceScorer, digit_of
+from rewards.images import quantize
+
 FAMILIES = ("sd3", "flux", "sdxl")
-parser = argparse.ArgumentParser(
-    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-)
-add = parser.add_argument
-add(
-    "--family",
-    choices=FAMILIES + ("flux-schnell", "classifier", "preference"),
-    help="what to train (and overwrite); preference reads the shipped miniatures",
-)
-add("--check", action="store_true", help="score the shipped folders")
-add("--agreement", action="store_true", help="the rewards against realism per default step count")
-add(
-    "--guidance-sweep",
-    action="store_true",
-    help="realism and accuracy of 50-step samples per guidance scale (how the defaults were set)",
-)
-add("--seed", type=int, default=0)
-add("--threads", type=int, default=None, help="CPU threads (default: torch's)")
-
-if __name__ == "__main__":
-    parser.parse_args()  # --help and bad flags answer here, before torch loads
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from rewards import DigitClassifier, digit_of, load_classifier  # noqa: E402
-
-REPOSITORY = os.path.dirname(os.path.abspath(__file__))
-FOLDER = os.path.join(REPOSITORY, "miniatures")
-SIDE = 16  # image side in pixels; the VAEs downsample 2x, so latents are 8x8
+FOLDER = os.path.dirname(os.path.abspath(__file__))  # miniatures/: the weights beside this code
 TEXT_LENGTH = 12  # tokens per prompt (CLIP and T5 alike): the longest paraphrase has 8
 LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sdxl": 4}
 DROP = 0.1  # fraction of training prompts replaced by the empty one (CFG)
@@ -114,64 +96,6 @@ VAE_UPDATES, VAE_BATCH, VAE_LR, VAE_KL = 800, 64, 2e-3, 1e-7
 
 # -----------------------------------------------------------------------------
 # data
-
-
-def digit_images():
-    """(1797, 3, 16, 16) float images in [0, 1] and their labels: scikit-learn's 8x8 digits
-    upsampled with Pillow's bicubic filter."""
-    import numpy as np
-    from PIL import Image
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    pixels = (digits.images * (255.0 / 16.0)).round().astype(np.uint8)
-    upsampled = [
-        np.asarray(Image.fromarray(image).resize((SIDE, SIDE), Image.BICUBIC)) for image in pixels
-    ]
-    images = torch.from_numpy(np.stack(upsampled)).float().div(255.0)[:, None].expand(-1, 3, -1, -1)
-    return images.contiguous(), torch.from_numpy(digits.target).long()
-
-
-def split():
-    """A seeded half of the digits for the pipelines, the other half for the classifier."""
-    images, labels = digit_images()
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(0))
-    pipelines, classifier = order[: len(order) // 2], order[len(order) // 2 :]
-    return (images[pipelines], labels[pipelines]), (images[classifier], labels[classifier])
-
-
-def digit_splits():
-    """The digits by use, each (images, labels): "pipelines" (the half that trains the miniatures'
-    VAEs and denoisers), and the other half, which no miniature saw: all of it trains the digit
-    classifier; a seeded half of it ("preference") trains the preference scorer, the rest
-    ("reference") is the realism measure's reference set (realism.py), which the scorer never
-    saw."""
-    pipelines, (images, labels) = split()
-    order = torch.randperm(len(images), generator=torch.Generator().manual_seed(1))
-    scorer, reference = order[: len(order) // 2], order[len(order) // 2 :]
-    return dict(
-        pipelines=pipelines,
-        classifier=(images, labels),
-        preference=(images[scorer], labels[scorer]),
-        reference=(images[reference], labels[reference]),
-    )
-
-
-def realism_measure():
-    """realism.Realism against the reference digits, its floor from the scorer's (both unseen by
-    every miniature)."""
-    from realism import Realism
-
-    splits = digit_splits()
-    return Realism(splits["reference"][0], splits["preference"][0])
-
-
-def prompt_lists():
-    from prompts import load_prompt_file
-
-    return load_prompt_file("prompts/digit_train.txt"), load_prompt_file(
-        "prompts/digit_heldout.txt"
-    )
 
 
 def noisy_paraphrases(prompts, count, tokenizers, seed=0):
@@ -328,11 +252,6 @@ def sample_bank(family, prompts, seeds):
     from the global generator, which train_preference seeds). Returns the images (S, N, 3,
     16, 16), each one's mean squared pixel distance to its 50-step solution (S, N), the digits
     (N,)."""
-    import backbones
-    from policy import increments_from_times, times_from_increments
-    from preprocess import quantize
-    from prompts import context_noise
-
     backbone = backbones.load_backbone(f"mini-{family}")
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     count, schedules = len(prompts), [backbone.default_times(50).expand(len(prompts), -1)]
@@ -395,9 +314,6 @@ def preference_pairs(real, labels, banks, generator, batch=PREFERENCE_BATCH):
 def train_preference(seed=0, log=print):
     """The preference scorer (PreferenceScorer) from the preference split and the miniatures'
     samples; returns it and its held-out pair accuracy per kind."""
-    from prompts import heldout_contexts
-    from rewards import PreferenceScorer
-
     torch.manual_seed(seed)
     # late in training, gradients underflow to denormal floats, which the CPU computes 10x slower
     torch.set_flush_denormal(True)
@@ -593,8 +509,6 @@ DENOISER_SIZES = dict(
 def build_pipeline(family, vae):
     """An untrained pipeline of `family` around a trained `vae`, seeded: the real family's layout
     (tests/tiny.py; mini-flux with FLUX.1-dev's guidance input) at DENOISER_SIZES."""
-    from tests.tiny import family_pipeline
-
     text = tokenizers_and_encoders(family)
     layout = "flux-dev" if family == "flux" else family
     return family_pipeline(layout, DENOISER_SIZES[family], lambda: vae, lambda: text, seed=10)
@@ -605,8 +519,6 @@ def train_vae(channels, images, seed=0):
     (1e-7: larger weights leave most of 16 channels at the prior, i.e. pure noise to the denoiser);
     its scaling factor (and, for the flow families, shift factor) from the latent statistics, as the
     real VAEs' are set. Returns the VAE and its reconstruction RMSE on its own images."""
-    from tests.tiny import autoencoder
-
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     vae = autoencoder(channels, (16, 32), 8, SIDE)
@@ -850,7 +762,7 @@ def train_family(family, seed=0, out=None):
                 seed=seed,
                 seconds=round(time.time() - started),
                 vae_rmse=error,
-                command=f"python miniature.py --family {family}",
+                command=f"python -m miniatures.build --family {family}",
             ),
             handle,
             indent=1,
@@ -894,9 +806,9 @@ def folder_size(folder):
 SCHNELL_PAIRS = 8192  # (noise, paraphrase) -> mini-flux's 50-step sample
 SCHNELL_TEACHER_STEPS = 50
 # the coupling's guidance, chosen on tuning contexts (held-out paraphrases, noise seeds from
-# TUNING_SEED): from mini-flux's default 1.5, 4-step students recognised the held-out wordings no
-# better than mini-flux's 50 steps (89-91% against 90.5%); from 2.0, 93.5%, with a higher
-# preference reward than mini-flux's 50 steps and, the price, a higher Frechet distance
+# prompts.TUNING_SEED): from mini-flux's default 1.5, 4-step students recognised the held-out
+# wordings no better than mini-flux's 50 steps (89-91% against 90.5%); from 2.0, 93.5%, with a
+# higher preference reward than mini-flux's 50 steps and, the price, a higher Frechet distance
 SCHNELL_GUIDANCE = 2.0
 SCHNELL_STEPS = 4  # its default step count, FLUX.1-schnell's
 SCHNELL_UPDATES, SCHNELL_BATCH, SCHNELL_LR = 3000, 128, 3e-4  # AdamW, one-cycle
@@ -935,8 +847,6 @@ def train_schnell(seed=0, out=None, log=print):
     """mini-flux-schnell from the shipped mini-flux (above); saved with save_pretrained, its
     transformer in float16 (it loads as float32) and links to mini-flux's SHARED components."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-
-    import backbones
 
     started = time.time()
     teacher = backbones.load_backbone("mini-flux", guidance=SCHNELL_GUIDANCE)
@@ -1020,7 +930,7 @@ def train_schnell(seed=0, out=None, log=print):
                 seconds=round(time.time() - started),
                 threads=torch.get_num_threads(),
                 teacher="mini-flux",
-                command="python miniature.py --family flux-schnell",
+                command="python -m miniatures.build --family flux-schnell",
             ),
             handle,
             indent=1,
@@ -1031,217 +941,18 @@ def train_schnell(seed=0, out=None, log=print):
     return out
 
 
-# -----------------------------------------------------------------------------
-# the miniatures' default guidance, chosen as a real model's is
-
-# Contexts for choosing settings: training paraphrases with noise seeds apart from the held-out
-# ones (prompts.HELDOUT_SEED) and from the preference scorer's samples (PREFERENCE_SEED).
-TUNING_SEED, TUNING_CONTEXTS = 2 * 10**6, 512
-GUIDANCES = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0)
-MIN_ACCURACY = 0.95  # of 50-step samples showing the prompted digit
-
-
-@torch.no_grad()
-def guidance_sweep():
-    """Each miniature's default guidance, chosen as a real model's default is: the best realism
-    (lowest Frechet distance to real digits) at which at least MIN_ACCURACY of 50-step samples show
-    the prompted digit, on training paraphrases and tuning noise (never the held-out contexts)."""
-    import backbones
-    from evaluate import default_schedule
-    from prompts import heldout_contexts
-    from realism import sample_images
-    from results import commit, record
-
-    started = commit()
-    realism, classifier = realism_measure(), load_classifier()
-    prompts, seeds = heldout_contexts(prompt_lists()[0], TUNING_CONTEXTS, TUNING_SEED)
-    digits = torch.tensor([digit_of(prompt) for prompt in prompts])
-    floor = realism.floor(TUNING_CONTEXTS)
-    lines = [
-        f"{TUNING_CONTEXTS} contexts (training paraphrases, tuning noise seeds), 50 default steps; "
-        f"real against real ({min(TUNING_CONTEXTS, len(digit_splits()['preference'][0]))} unseen "
-        "digits, all there are): Frechet {floor['frechet']:.3f}, precision "
-        f"{floor['precision']:.3f}, recall {floor['recall']:.3f}. Chosen (bold): the lowest "
-        f"Frechet distance with accuracy at least {MIN_ACCURACY}.",
-        "",
-        "| miniature | guidance | accuracy | Frechet distance | precision | recall |",
-        "|---|---|---|---|---|---|",
-    ]
-    for family in FAMILIES:
-        rows = {}
-        for guidance in GUIDANCES:
-            backbone = backbones.load_backbone(f"mini-{family}", guidance=guidance)
-            default = default_schedule(backbone, 50)
-            images = sample_images(backbone, default, prompts, seeds, batch_size=256)
-            accuracy = (classifier(images).argmax(1) == digits).float().mean().item()
-            rows[guidance] = dict(accuracy=accuracy, **realism(images))
-            print(f"mini-{family} guidance {guidance}: {rows[guidance]}", flush=True)
-        valid = [g for g in GUIDANCES if rows[g]["accuracy"] >= MIN_ACCURACY]
-        chosen = min(valid, key=lambda g: rows[g]["frechet"]) if valid else None
-        for guidance, row in rows.items():
-            mark = "**" if guidance == chosen else ""
-            lines.append(
-                f"| mini-{family} | {mark}{guidance}{mark} | {row['accuracy']:.3f} | "
-                f"{row['frechet']:.3f} | {row['precision']:.3f} | {row['recall']:.3f} |"
-            )
-    record("guidance", "python miniature.py --guidance-sweep", lines, at=started)
-    print("\n".join(lines))
-
-
-# -----------------------------------------------------------------------------
-# does the reward measure quality? Against realism, per default step count
-
-AGREEMENT_STEPS = (1, 2, 3, 5, 10, 50)
-
-
-@torch.no_grad()
-def reward_agreement(contexts=256):
-    """Per miniature at its default guidance, on the held-out contexts: the preference reward and
-    the digit reward of the default schedule at AGREEMENT_STEPS, beside the realism measures; the
-    rank correlation of each reward with minus the Frechet distance over the step counts; the real
-    reference digits (which neither the scorer nor any miniature saw) as the top row."""
-    from scipy.stats import spearmanr
-
-    import backbones
-    from evaluate import default_schedule
-    from prompts import heldout_contexts
-    from realism import sample_images
-    from results import commit, record
-    from rewards import load_scorer
-
-    started = commit()
-    realism, classifier, scorer = realism_measure(), load_classifier(), load_scorer()
-    prompts, seeds = heldout_contexts(prompt_lists()[1], contexts)
-    digits = torch.tensor([digit_of(prompt) for prompt in prompts])
-    real, real_labels = digit_splits()["reference"]
-
-    def rewards(images, labels):
-        preference = scorer(images).gather(1, labels[:, None]).squeeze(1)
-        log_probs = torch.log_softmax(classifier(images), 1)
-        digit = log_probs.gather(1, labels[:, None]).squeeze(1)
-        accuracy = (log_probs.argmax(1) == labels).float().mean().item()
-        return preference, digit, accuracy
-
-    def interval(values):
-        return f"{values.mean():.3f} ± {1.96 * values.std() / len(values) ** 0.5:.3f}"
-
-    floor = realism.floor(contexts)
-    preference, digit, accuracy = rewards(real, real_labels)
-    lines = [
-        f"{contexts} held-out contexts (held-out paraphrases, held-out noise) per row, each "
-        "miniature at its default guidance; mean ± 95% interval. Real digits: the reference set "
-        f"({len(real)} digits no miniature and no reward model saw) for the rewards; their realism "
-        f"row is {contexts} other unseen real digits against the reference (the floor at this N).",
-        "",
-        "| miniature | default steps | preference reward | digit log-prob | accuracy "
-        "| Frechet distance | precision | recall |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    real_row = (
-        f"| real digits | - | {interval(preference)} | {interval(digit)} | {accuracy:.3f} | "
-        f"{floor['frechet']:.3f} | {floor['precision']:.3f} | {floor['recall']:.3f} |"
-    )
-    summary = []
-    for family in FAMILIES:
-        backbone = backbones.load_backbone(f"mini-{family}")
-        means, frechets = {"preference": [], "digit": []}, []
-        lines.append(real_row)
-        for steps in AGREEMENT_STEPS:
-            default = default_schedule(backbone, steps)
-            images = sample_images(backbone, default, prompts, seeds, batch_size=256)
-            preference, digit, accuracy = rewards(images, digits)
-            measured = realism(images)
-            means["preference"].append(preference.mean().item())
-            means["digit"].append(digit.mean().item())
-            frechets.append(-measured["frechet"])
-            lines.append(
-                f"| mini-{family} | {steps} | {interval(preference)} | {interval(digit)} | "
-                f"{accuracy:.3f} | {measured['frechet']:.3f} | {measured['precision']:.3f} | "
-                f"{measured['recall']:.3f} |"
-            )
-        correlations = {name: spearmanr(values, frechets)[0] for name, values in means.items()}
-        summary.append(
-            f"- mini-{family}: rank correlation with minus the Frechet distance over "
-            f"{list(AGREEMENT_STEPS)} steps: preference reward {correlations['preference']:.2f}, "
-            f"digit log-prob {correlations['digit']:.2f}; guidance {backbone.guidance}"
-        )
-    lines += ["", *summary]
-    record("agreement", "python miniature.py --agreement", lines, at=started)
-    print("\n".join(lines))
-
-
-# -----------------------------------------------------------------------------
-# what the shipped folders reach
-
-
-def check(contexts=200):
-    """What the shipped folders reach: the classifier's held-out accuracy; per miniature (the three
-    and mini-flux-schnell), the share of contexts of unseen noise recognised at 50 default steps
-    (training and held-out paraphrases) and at 4, 3 and 2 (held-out paraphrases); the preference
-    reward of bfloat16 against float32 (the dtype a GPU run takes) on the held-out contexts at 3
-    steps; the sizes."""
-    import backbones
-    from evaluate import default_schedule
-    from prompts import heldout_contexts
-    from results import commit, record
-    from rewards import load_reward
-
-    started, lines = commit(), []
-    classifier = load_classifier()
-    (images, labels), _ = split()
-    with torch.no_grad():
-        accuracy = (classifier(images).argmax(1) == labels).float().mean().item()
-    lines.append(
-        f"- classifier: accuracy {accuracy:.4f} on the {len(images)} images the pipelines train on "
-        "(it never saw them)"
-    )
-    training, heldout = prompt_lists()
-    for family in FAMILIES + ("flux-schnell",):
-        name, line, rewards = f"mini-{family}", [], {}
-        for dtype in (torch.float32, torch.bfloat16):
-            backbone = backbones.load_backbone(name, dtype=dtype)
-            reward = load_reward("preference", backbone)  # its accuracy: the classifier's
-            runs = [
-                (50, "training"),
-                (50, "held-out"),
-                (4, "held-out"),
-                (3, "held-out"),
-                (2, "held-out"),
-            ]
-            for steps, paraphrases in runs if dtype == torch.float32 else [(3, "held-out")]:
-                prompts, seeds = heldout_contexts(
-                    heldout if paraphrases == "held-out" else training, contexts
-                )
-                noise = torch.cat(
-                    [backbone.sample_noise(1, torch.Generator().manual_seed(s)) for s in seeds]
-                )
-                cond = backbone.encode_prompts(prompts)
-                latents = backbone.sample(
-                    noise, cond, default_schedule(backbone, steps)(noise, cond)
-                )
-                score, correct = reward.details(latents, prompts)
-                rewards[dtype, steps] = score
-                if dtype == torch.float32:
-                    line.append(
-                        f"{correct.mean().item():.3f} at {steps} steps ({paraphrases} paraphrases)"
-                    )
-        gap = (rewards[torch.bfloat16, 3] - rewards[torch.float32, 3]).abs()
-        guidance = f"guidance {backbone.guidance}"
-        guidance = "no guidance input" if backbone.guidance is None else guidance
-        lines.append(
-            f"- {name} ({guidance}): recognised {', '.join(line)}, {contexts} "
-            "contexts of unseen noise each; "
-            f"preference reward at 3 steps {rewards[torch.float32, 3].mean():.4f} in float32, "
-            f"{rewards[torch.bfloat16, 3].mean():.4f} in bfloat16 "
-            f"(per context |difference| median {gap.median():.4f}, max {gap.max():.4f}); "
-            f"{folder_size(os.path.join(FOLDER, name)) / 1e6:.2f} MB"
-        )
-    lines.append(f"- miniatures/: {folder_size(FOLDER) / 1e6:.2f} MB in all")
-    record("check", "python miniature.py --check", lines, at=started)
-    print("\n".join(lines))
-
-
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--family",
+        required=True,
+        choices=FAMILIES + ("flux-schnell", "classifier", "preference"),
+        help="what to train (and overwrite); preference reads the shipped miniatures",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -1258,9 +969,3 @@ if __name__ == "__main__":
         train_schnell(args.seed)
     elif args.family:
         train_family(args.family, args.seed)
-    if args.guidance_sweep:
-        guidance_sweep()
-    if args.agreement:
-        reward_agreement()
-    if args.check or not (args.family or args.guidance_sweep or args.agreement):
-        check()

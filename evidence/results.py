@@ -3,11 +3,11 @@ docs/RESULTS.md, the project's evidence: every table in it is written there by t
 measured it, under that command and the commit it ran at, so no table is copied by hand and a
 rerun replaces its own section only.
 
-    from results import commit, record
+    from evidence.results import commit, record
 
     started = commit()  # the code that runs, should files change before the command ends
     table_lines = measure()
-    record("guidance", "python miniature.py --guidance-sweep", table_lines, at=started)
+    record("guidance", "python -m evidence.miniatures --guidance-sweep", table_lines, at=started)
 
 The evidence scripts train with `run_training(out_dir, arguments)`: train.py in its own process,
 read back when finished, continued when killed; `heldout_mean(report)` reads a row of its eval.json
@@ -19,7 +19,11 @@ import os
 import subprocess
 import sys
 
-REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+import torch
+
+from runs.heldout import mean_ci
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPOSITORY, "docs", "RESULTS.md")
 HEADER = [
     "# Results",
@@ -102,11 +106,8 @@ def heldout_mean(report, method="learned (mean)"):
     return {row["method"]: row for row in report["rows"]}[method]["mean"]
 
 
-def interval(values, digits):
-    """'mean ± half-width' of the values (one per seed), the 95% Student-t interval."""
-    import torch
-
-    from evaluate import mean_ci
-
-    mean, half = mean_ci(torch.tensor(values, dtype=torch.float64))
+def interval(values, digits=3):
+    """'mean ± half-width' of the values (a list, one per seed, or a 1-D tensor), the 95% Student-t
+    interval."""
+    mean, half = mean_ci(torch.as_tensor(values, dtype=torch.float64))
     return f"{mean:.{digits}f} ± {half:.{digits}f}"

@@ -2,25 +2,22 @@
 Every backbone by name: its model facts (BACKBONES) and where its weights come from (the hub, a
 local folder, or a miniature shipped in this repository), and load_backbone(name), which builds
 the frozen backbone: a diffusers pipeline of families.py or an embedded mixture of mixture.py.
-Missing, gated or incomplete weights end in one line that says how to get them. make_policy
-builds a policy (policy.py's, or stepwise.py's) at the size each backbone gets (PRESETS);
-build_policy rebuilds one from its `.config`; from_pipeline wraps an already built diffusers
-pipeline (the tests' tiny random ones).
+Missing, gated or incomplete weights end in one line that says how to get them, before anything
+loads (check_files); from_pipeline wraps an already built diffusers pipeline (the tests' tiny
+random ones, layouts.py).
 """
 
 import os
 
 import torch
 
-from families import FluxBackbone, SD3Backbone, SDXLBackbone
-from hub import hub_file
-from mixture import MixtureBackbone
-from policy import GlobalPolicy, SchedulePolicy, json_times
-from stepwise import StepwisePolicy
+from backbones.families import FluxBackbone, SD3Backbone, SDXLBackbone
+from backbones.mixture import MixtureBackbone
+from hub import check_safetensors, hub_file, read_json
 
 # +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
-REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the diffusers families (families.py), and the pipeline class each loads
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
@@ -95,12 +92,14 @@ BACKBONES = {
     # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
     # repository; prompts: (training, held-out) paraphrase files; the reward reads their pixels.
     # guidance: as a real model's default is chosen, the most realistic 50-step samples of which at
-    # least 95% show the prompted digit (`python miniature.py --guidance-sweep`, docs/RESULTS.md).
+    # least 95% show the prompted digit (`python -m evidence.miniatures --guidance-sweep`,
+    # docs/RESULTS.md).
     "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=1.25),
     "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=1.5),
     "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=1.25),
     # mini-flux distilled for few steps, as FLUX.1-schnell: no guidance input, 4 steps by default
-    # (train.py), no resolution shift (its scheduler's); `python miniature.py --family flux-schnell`
+    # (train.py), no resolution shift (its scheduler's);
+    # `python -m miniatures.build --family flux-schnell`
     "mini-flux-schnell": dict(
         MINIATURE, family="flux", folder="miniatures/mini-flux-schnell", guidance=None
     ),
@@ -124,7 +123,7 @@ def update_cost(name, contexts, rollouts, steps, guidance=None):
 
 def retrain_command(name):
     """The command that retrains the miniature `name` (mini-flux-schnell: --family flux-schnell)."""
-    return f"python miniature.py --family {name[len('mini-') :]}"
+    return f"python -m miniatures.build --family {name[len('mini-') :]}"
 
 
 def locate_weights(name, path=None):
@@ -133,10 +132,12 @@ def locate_weights(name, path=None):
     hub_id, folder = BACKBONES[name]["hub_id"], BACKBONES[name].get("folder")
     if path is None and folder is not None:  # a miniature shipped in this repository
         path = os.path.join(REPOSITORY, folder)
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
+        index = os.path.join(folder, "model_index.json")
+        if not os.path.isfile(os.path.join(REPOSITORY, index)):
+            what = index if os.path.isdir(path) else folder  # one file lost, or the whole folder
             raise ValueError(
-                f"{name}: {folder} is missing from this checkout; restore it with "
-                f"git, or retrain it with `{retrain_command(name)}`"
+                f"{name}: {what} is missing from this checkout; restore it with "
+                f"`git checkout {folder}`, or retrain it with `{retrain_command(name)}`"
             )
     if path is not None:
         if not os.path.isfile(os.path.join(path, "model_index.json")):
@@ -175,8 +176,8 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
             reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
             raise ValueError(
                 f"{name}: the files at {location} are incomplete or damaged ({reason}); download "
-                "them again, retrain a miniature with `python miniature.py`, or pass another "
-                "--model-path"
+                "them again, retrain a miniature with `python -m miniatures.build`, or pass "
+                "another --model-path"
             ) from None
         raise ValueError(
             f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run "
@@ -192,51 +193,106 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
     )
 
 
-# -----------------------------------------------------------------------------
-# the policy for a backbone
-
-# Network sizes, named in BACKBONES above. "real": about 20M parameters for the real models'
-# latents and text widths (the paper: "about 20M parameters, under 1% of the sampler"; bench.py
-# counts them); "embedded": about 100k for the 8x8 embedded backbones. `widths` are the conv
-# stages, each halving the resolution; their outputs are pooled to a `grid` x `grid` token grid of
-# width `dim`.
-PRESETS = {
-    "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
-    "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
-}
+# the files a tokenizer reads its vocabulary from (fast tokenizers, CLIP's BPE, T5's SentencePiece)
+VOCABULARIES = ("tokenizer.json", "vocab.json", "spiece.model", "vocab.txt")
+# the configuration each kind of component is loaded from (config.json for the models)
+CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_config.json"}
 
 
-def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", **options):
-    """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
+def check_files(name, path=None):
+    """Where backbone `name` loads from (locate_weights: ValueError in one line when
+    missing), checked before anything loads: the folder holds the pipeline class of the backbone's
+    family, and every component it lists has its configuration and whole weight files. ValueError
+    in one line naming the file, what is wrong and what to do."""
+    spec = BACKBONES[name]
+    if spec["family"] == "mixture":
+        return None
+    location = locate_weights(name, path)
+    folder = location
+    if not os.path.isdir(location):  # a hub id, found in the local cache (or just downloaded)
+        from huggingface_hub import try_to_load_from_cache
 
-    Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
-    `options` (concentration, stop_margin, any width; for the step-wise policy init="tpdm",
-    inputs="hidden", inference) override the preset.
-    """
-    start = dict(init="uniform")
-    if init_times is not None:
-        start = dict(init="default", init_times=json_times(init_times))
-    if kind in ("instance", "stepwise"):
-        dims = dict(
-            latent_channels=backbone_dims["latent_channels"],
-            text_dim=backbone_dims["text_dim"],
-            pooled_dim=backbone_dims.get("pooled_dim"),
+        index = try_to_load_from_cache(location, "model_index.json")
+        if not isinstance(index, str):
+            return location  # from_pretrained downloads it
+        folder = os.path.dirname(index)
+    if path is None and spec.get("folder"):
+        advice = (
+            f"restore it with `git checkout {spec['folder']}`, or retrain it with "
+            f"`{retrain_command(name)}`"
         )
-        if options.get("inputs") == "hidden":  # the denoiser's hidden states (families.py)
-            if "feature_channels" not in backbone_dims:
-                raise ValueError("this backbone has no hidden states a policy could read")
-            dims.update(
-                feature_channels=backbone_dims["feature_channels"],
-                time_dim=backbone_dims["time_dim"],
-            )
-        options = {**PRESETS[preset], **options, **dims}
-    return POLICIES[kind](steps, **{**start, **options})
+    elif path is not None:
+        advice = "download the model again, or pass another --model-path"
+    else:
+        advice = f"delete {location} from the hub cache and run again to download it afresh"
+    index = read_json(os.path.join(folder, "model_index.json"), advice)
+    wanted = PIPELINES[spec["family"]]
+    if not isinstance(index, dict) or index.get("_class_name") != wanted:
+        held = index.get("_class_name") if isinstance(index, dict) else None
+        raise ValueError(
+            f"{folder} holds a {held}, not the {wanted} that {name} runs; pass the folder of "
+            f"a {spec['family']} model"
+        )
+    for component, entry in index.items():
+        if component.startswith("_") or not isinstance(entry, list) or None in entry:
+            continue
+        subfolder = os.path.join(folder, component)
+        files = os.listdir(subfolder) if os.path.isdir(subfolder) else []
+        configs = [file for file in files if file.endswith("config.json")]
+        if not configs:  # the file from_pretrained reads first: scheduler_config.json, ...
+            wanted = CONFIG_FILES.get(component.rstrip("_0123456789"), "config.json")
+            raise ValueError(f"{os.path.join(subfolder, wanted)} is missing; {advice}")
+        # without its vocabulary a tokenizer can load as nothing at all, and its encoder goes unused
+        if "Tokenizer" in entry[1] and not any(file in VOCABULARIES for file in files):
+            raise ValueError(f"{subfolder} has no vocabulary ({entry[1]}); {advice}")
+        for file in configs:
+            read_json(os.path.join(subfolder, file), advice)
+        for file in files:
+            if file.endswith(".safetensors"):
+                check_safetensors(os.path.join(subfolder, file), advice)
+    return location
 
 
-POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}
+def open_backbone(name, path=None, **options):
+    """load_backbone after check_files. Weights that the model classes refuse
+    although every file is whole (shapes other than the configuration says) end in one line naming
+    the folder, not in the library's advice alone."""
+    location = check_files(name, path)
+    try:
+        return load_backbone(name, path=path, **options)
+    except ValueError as error:
+        if str(error).startswith(f"{name}:"):  # backbones' own one-line message
+            raise
+        reason = str(error).splitlines()[0]
+        raise ValueError(
+            f"{name}: {location} does not load ({reason}); pass the folder of a {name} model"
+        ) from None
 
 
-def build_policy(config):
-    """Rebuild a policy from its `.config` (then load_state_dict for its weights)."""
-    config = dict(config)
-    return POLICIES[config.pop("kind")](**config)
+def trained_backbone(config, device):
+    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone
+    (its files checked first: open_backbone)."""
+    return open_backbone(
+        config["backbone"],
+        path=config["model_path"],
+        device=device,
+        dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
+        resolution=config["resolution"],
+        guidance=config["guidance"],
+    )
+
+
+def check_device(name):
+    """The torch.device of a --device flag (None: cuda when available, else cpu). ValueError in one
+    line for a name that is not a device here."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {name!r} is not a device: pass cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}, but this machine has no CUDA device; pass --device cpu")
+    return device

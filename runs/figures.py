@@ -1,7 +1,7 @@
 """
-The figures of train.py (train.png), evaluate.py (results.png), sample.py's schedule panel and
-toy_js.py (toy_js.png), drawn on matplotlib Figures (no pyplot: files only, no display).
-matplotlib is imported when a figure is drawn, not with the scripts that import this module.
+The figures of train.py (train.png), evaluate.py (results.png) and sample.py's schedule panel,
+drawn on matplotlib Figures (no pyplot: files only, no display). matplotlib is imported when a
+figure is drawn, not with the scripts that import this module.
 """
 
 import json
@@ -115,20 +115,3 @@ def plot_results(path, scores_per_reward, learned_times, default_times, baseline
     last.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
-
-
-def plot_toy_js(cells, path):
-    """Each baseline's MSE over RLOO's against delta^2/sigma^2, at the paper's K = 2, B = 16 (cells:
-    toy_js.estimation_cell's)."""
-    from matplotlib.figure import Figure
-
-    ax = Figure(figsize=(6, 4), layout="tight").subplots()
-    row = [c for c in cells if c["K"] == 2 and c["B"] == 16]
-    for name in ("xctx", "js", "js-unbiased", "oracle"):
-        relative = [c["mse"][name] / c["mse"]["rloo"] for c in row]
-        ax.plot([c["ratio"] for c in row], relative, "-o", markersize=3, label=name)
-    ax.axhline(1.0, color="black", linestyle="--", label="rloo")
-    ax.set(xscale="symlog", yscale="log", xlabel="delta^2 / sigma^2 (symlog)", xlim=(0, 150))
-    ax.set(ylabel="MSE / RLOO's MSE", title="estimating a context's mean reward, K=2, B=16")
-    ax.legend(fontsize=8)
-    ax.figure.savefig(path, dpi=110)

@@ -14,10 +14,15 @@ unless told otherwise; "hpdv2" means HPDv2's own training prompts, from the hub.
 "style" or "tag" is its group: evaluate.py reports a table per group.
 """
 
+import argparse
 import json
 import os
 
-REPOSITORY = os.path.dirname(os.path.abspath(__file__))
+import torch
+
+from hub import hub_file
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (train, held out) per reward: text rendering for OCR, GenEval's templates, else HPDv2's styles
 SHIPPED = {
     "ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
@@ -27,11 +32,12 @@ DEFAULT = ("prompts/train.jsonl", "prompts/heldout.jsonl")
 HPDV2 = "zhwang/HPDv2"  # the hub dataset: train.json, benchmark/<style>.json
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
 HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds training draws
+# the noise seeds of tuning contexts (training prompts, for choosing settings) start here: apart
+# from the held-out seeds a table reports and from the seeds training draws
+TUNING_SEED = 2 * 10**6
 
 
 def _hpdv2_file(filename):
-    from hub import hub_file
-
     return hub_file(
         HPDV2,
         filename,
@@ -52,10 +58,13 @@ def load_prompt_file(path):
         and os.path.isfile(os.path.join(REPOSITORY, path))
     ):
         path = os.path.join(REPOSITORY, path)
+    if os.path.isdir(path):
+        raise ValueError(f"prompt file {path} is a folder; pass a .txt, .json or .jsonl file in it")
     if not os.path.isfile(path):
         raise ValueError(f"prompt file {path} does not exist")
     try:
-        with open(path, encoding="utf-8") as handle:
+        # utf-8-sig: a byte-order mark, as some editors write, is not part of the first prompt
+        with open(path, encoding="utf-8-sig") as handle:
             if path.endswith(".json"):
                 records = json.load(handle)
             elif path.endswith(".jsonl"):
@@ -95,7 +104,7 @@ def prompt_groups(path):
     if not path or not path.endswith(".jsonl"):
         return None
     path = path if os.path.exists(path) else os.path.join(REPOSITORY, path)
-    with open(path, encoding="utf-8") as handle:
+    with open(path, encoding="utf-8-sig") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
     return [
         record.get("style", record.get("tag")) for record in records if record["prompt"].strip()
@@ -144,8 +153,6 @@ def heldout_contexts(prompts, count=None, seed=HELDOUT_SEED):
 
 def noise_seed(text):
     """argparse type of a noise seed: an integer torch's manual_seed takes, 0 <= seed < 2^63."""
-    import argparse
-
     try:
         seed = int(text)
     except ValueError:
@@ -157,7 +164,5 @@ def noise_seed(text):
 
 def context_noise(backbone, seeds):
     """Initial noise per seed, drawn one by one: identical for every method and batch size."""
-    import torch  # here, so that the scripts' parsers can use this module before torch loads
-
     generators = [torch.Generator().manual_seed(seed) for seed in seeds]
     return torch.cat([backbone.sample_noise(1, generator) for generator in generators])

@@ -4,8 +4,8 @@ against the paper's single-pass policy with James-Stein, on an embedded backbone
 miniatures, with the one setting of TPDM's that cannot transfer, the learning rate, tuned on
 training contexts.
 
-    python comparator_study.py --jobs 2   # about 65 min on 2 idle cores
-    python comparator_study.py --backbones mini-sd3 --seeds 0 --jobs 2   # a part of it
+    python -m evidence.comparator_study --jobs 2   # about 65 min on 2 idle cores
+    python -m evidence.comparator_study --backbones mini-sd3 --seeds 0 --jobs 2   # a part of it
 
 1. The learning rate of step-wise PPO, per backbone: each rate of RATES trains once (training seed
    TUNING_RUN), at that backbone's defaults otherwise, and is scored at its deterministic schedule
@@ -31,13 +31,22 @@ import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
+import backbones
+from evidence.results import commit, heldout_mean, interval, record, run_training
+from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
+from rewards import load_reward
+from runs.checkpoint import load_checkpoint
+from runs.heldout import evaluate, policy_schedule
+
 STUDIED = ["digits-prompt", "mini-sd3", "mini-flux", "mini-sdxl"]
 RATES = [3e-5, 1e-4, 3e-4]  # around the default, REINFORCE's 3e-3 x PPO_LR_FACTOR = 1e-4
 RATE_STEP = 10**0.5  # between neighbours of the grid, and to an added rate
 EXTEND = 2
 WINDOW = 20  # iterations averaged for the training reward at the start and at the end
 TUNING_RUN = 100  # the training seed of the tuning runs, apart from the compared seeds
-TUNING_SEED, TUNING_CONTEXTS = 2 * 10**6, 256
+TUNING_CONTEXTS = 256  # training prompts with tuning noise (prompts.TUNING_SEED)
 SINGLE_ROW, PPO_ROW = "single-pass, JS (the paper's method)", "step-wise, PPO with TPDM's settings"
 HIDDEN_ROW = "step-wise, REINFORCE with JS, hidden-state inputs"
 ROWS = {  # name -> train.py flags; PPO's row gets --lr, tuned
@@ -66,13 +75,6 @@ add("--backbones", nargs="+", default=STUDIED, help="embedded or mini-* backbone
 add("--seeds", type=int, nargs="+", default=[0, 1, 2], help="training seeds of the compared rows")
 add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
 
-if __name__ == "__main__":
-    ARGS = parser.parse_args()  # --help and bad flags answer here, before torch loads
-
-import torch  # noqa: E402
-
-from results import heldout_mean, interval, run_training  # noqa: E402
-
 
 def folder(args, name, row, seed, rate=None):
     label = row.split(",")[0] + ("-ppo" if row == PPO_ROW else "")
@@ -91,9 +93,6 @@ def train(args, name, row, seed, rate=None):
 def tuning_setup(name, reward_name):
     """The backbone, its reward and the tuning contexts (prompts, noise seeds), loaded once per
     backbone for all of its rates."""
-    import backbones
-    from prompts import heldout_contexts, load_prompt_file
-    from rewards import load_reward
 
     backbone = backbones.load_backbone(name)
     train_file = backbones.BACKBONES[name].get("prompts", [None])[0]
@@ -108,8 +107,6 @@ def tuning_setup(name, reward_name):
 @torch.no_grad()
 def tuning_score(args, name, rate):
     """The mean reward of a tuning run's deterministic schedule on the tuning contexts."""
-    from checkpoints import load_checkpoint
-    from evaluate import evaluate, policy_schedule
 
     path = os.path.join(folder(args, name, PPO_ROW, TUNING_RUN, rate), "ckpt.pt")
     checkpoint, policy = load_checkpoint(path)
@@ -153,7 +150,6 @@ def training_reward(reports, part):
 
 
 def main(args):
-    from results import commit, record
 
     started = commit()
     os.makedirs(args.out_dir, exist_ok=True)
@@ -223,8 +219,9 @@ def main(args):
             lines.append(f"| {label} | " + " | ".join(cells) + f" | {seconds:.2f} |")
         lines.append("")
     print("\n".join(lines))
-    record("comparator", " ".join(["python comparator_study.py", *sys.argv[1:]]), lines, at=started)
+    command = " ".join(["python -m evidence.comparator_study", *sys.argv[1:]])
+    record("comparator", command, lines, at=started)
 
 
 if __name__ == "__main__":
-    main(ARGS)
+    main(parser.parse_args())

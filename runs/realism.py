@@ -19,14 +19,16 @@ same reference.
 
 import torch
 
+from miniatures.data import digit_splits
+from rewards.images import quantize
+
 COMPONENTS = 32  # principal components kept (about 90% of the digits' pixel variance)
 NEIGHBOURS = 3  # k of the k-NN balls (Kynkaanniemi et al.'s default)
 
 
 def grey(images):
     """(N, 3, H, W) images in [0, 1] -> (N, H*W) float64 grey pixels of their 8-bit form."""
-    quantized = images.float().clamp(0, 1).mul(255).round().div(255)
-    return quantized.mean(1).flatten(1).double()
+    return quantize(images).mean(1).flatten(1).double()
 
 
 class FeatureSpace:
@@ -69,8 +71,8 @@ def precision_recall(features, reference, k=NEIGHBOURS):
 
 class Realism:
     """The realism measures of sample images against `reference` real images (N, 3, H, W); the
-    floor from `unseen`, other real images of the same kind (miniature.realism_measure builds it
-    from the digits no miniature saw)."""
+    floor from `unseen`, other real images of the same kind (realism_measure builds it from the
+    digits no miniature saw)."""
 
     def __init__(self, reference, unseen):
         self.space = FeatureSpace(reference)
@@ -92,27 +94,8 @@ class Realism:
         return self(self.unseen[order][:count])
 
 
-@torch.no_grad()
-def sample_images(backbone, method, prompts, seeds, batch_size=128):
-    """The decoded 8-bit images (N, 3, H, W) in [0, 1] of the contexts (prompts[i], seeds[i])
-    sampled with `method` (evaluate.py's: a callable (noise, cond) -> times), batch by batch."""
-    from evaluate import run_method
-    from preprocess import quantize
-    from prompts import context_noise
-
-    images = []
-    for start in range(0, len(prompts), batch_size):
-        noise = context_noise(backbone, seeds[start : start + batch_size])
-        cond = backbone.encode_prompts(prompts[start : start + batch_size])
-        latents = run_method(backbone, method, noise, cond)[1]
-        images.append(quantize(backbone.decode(latents)).clamp(0, 1).cpu())
-    return torch.cat(images)
-
-
-def realism_table(backbone, methods, prompts, seeds, realism, batch_size=128):
-    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i]), on the
-    same noises."""
-    return {
-        name: realism(sample_images(backbone, method, prompts, seeds, batch_size))
-        for name, method in methods.items()
-    }
+def realism_measure():
+    """Realism against the reference digits, its floor from the preference scorer's (both unseen by
+    every miniature; miniatures/data.py)."""
+    splits = digit_splits()
+    return Realism(splits["reference"][0], splits["preference"][0])

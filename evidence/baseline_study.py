@@ -4,8 +4,8 @@ mini-sdxl) with the preference reward: schedules learned with cross-context RLOO
 (the paper's) and James-Stein leave-one-context-out (this project's), against the default schedule;
 their learning curves; and Theorem 3.2 measured on the training distribution.
 
-    python baseline_study.py --jobs 2   # everything below; about an hour on 2 idle cores
-    python baseline_study.py --miniatures mini-sd3 --seeds 0 1 --jobs 2   # a part of it
+    python -m evidence.baseline_study --jobs 2   # everything below; about an hour on 2 idle cores
+    python -m evidence.baseline_study --miniatures mini-sd3 --seeds 0 1 --jobs 2   # a part of it
 
 Protocol: the paper's where the paper states it, else this project's choice (said so).
 - K = 2 rollouts per context (the paper's). B = 32 contexts per update on mini-sd3 and mini-sdxl,
@@ -49,6 +49,17 @@ import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
+import backbones
+from baselines import BASELINES, MIN_CONTEXTS, shrinkage
+from evidence.results import commit, heldout_mean, interval, record, run_training
+from policy import log_prob, sample_increments, times_from_increments
+from prompts import context_noise, load_prompt_file
+from rewards import load_reward
+from runs.checkpoint import load_checkpoint
+from runs.heldout import mean_ci
+
 MINIATURES = {"mini-sd3": 32, "mini-flux": 16, "mini-sdxl": 32}  # name: B
 BASELINE_ROWS = ["xctx", "rloo", "js", "js-unbiased"]
 STARTS = ("flat", "default")
@@ -70,16 +81,6 @@ add("--steps", type=int, nargs="+", default=[2, 3], help="the step budgets L")
 add("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4], help="training seeds")
 add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
 add("--measure", nargs=2, metavar=("NAME", "START"), help=argparse.SUPPRESS)  # one measurement
-
-if __name__ == "__main__":
-    ARGS = parser.parse_args()  # --help and bad flags answer here, before torch loads
-
-import torch  # noqa: E402
-
-from baselines import BASELINES, MIN_CONTEXTS, shrinkage  # noqa: E402
-from evaluate import mean_ci  # noqa: E402
-from policy import log_prob, sample_increments, times_from_increments  # noqa: E402
-from results import heldout_mean, interval, run_training  # noqa: E402
 
 # -----------------------------------------------------------------------------
 # Theorem 3.2's quantities, as functions of rewards and gradients (tests/test_baseline_study.py
@@ -164,11 +165,6 @@ def gradient_statistics(gradients):
 def measure(name, start, args):
     """Theorem 3.2's quantities at each snapshot of the seed-0 JS run (L = the first --steps) of
     `start`: written to out_dir/measure-NAME-START.json."""
-    import backbones
-    from checkpoints import load_checkpoint
-    from prompts import context_noise, load_prompt_file
-    from rewards import load_reward
-
     torch.set_num_threads(1)
     torch.manual_seed(0)
     steps, contexts = args.steps[0], MINIATURES[name]
@@ -410,8 +406,6 @@ def plot_curves(args, results, name, path):
 
 
 def main(args):
-    from results import commit, record
-
     started = commit()
     os.makedirs(args.out_dir, exist_ok=True)
     jobs = [  # the paper's start first
@@ -468,10 +462,12 @@ def main(args):
         plot_curves(args, results, name, path)
         lines.append(f"Learning curves: [{path}]({os.path.basename(path)})")
     print("\n".join(lines))
-    record("baselines", " ".join(["python baseline_study.py", *sys.argv[1:]]), lines, at=started)
+    command = " ".join(["python -m evidence.baseline_study", *sys.argv[1:]])
+    record("baselines", command, lines, at=started)
 
 
 if __name__ == "__main__":
+    ARGS = parser.parse_args()
     if ARGS.measure:
         measure(*ARGS.measure, ARGS)
     else:

@@ -1,9 +1,9 @@
 """
-Pipelines of the real diffusers families' layouts, small enough for a CPU and built offline (no hub
-ids): `family_pipeline` lays out each family (its denoiser's class and fixed settings, its real
-scheduler, its pipeline class) around the sizes and components given; `tiny_pipeline` is the
-randomly initialised one the tests check the backbone code on and bench.py times ("-tiny"), and
-miniature.py builds its trained miniatures with the same layout at its own sizes.
+Pipelines in the real diffusers families' layouts at any size, built offline (no hub ids):
+`family_pipeline` lays out each family (its denoiser's class and fixed settings, its real scheduler,
+its pipeline class) around the sizes and components given. miniatures/build.py trains its
+miniatures in these layouts; `tiny_pipeline` is a randomly initialised one small enough for a CPU,
+which the tests check the backbone code on and evidence/bench.py times ("-tiny").
 """
 
 import torch

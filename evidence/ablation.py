@@ -4,15 +4,17 @@ held-out contexts, the default schedule, the best time shift, the oracle schedul
 best per prompt class, best per sub-population, best per context with hindsight), a learned global
 schedule and learned instance-level schedules with each baseline, over several training seeds.
 
-    python ablation.py --jobs 2  # 3 backbones x 6 trainings x 3 seeds, about 75 min on 2 idle cores
-    python ablation.py --backbones digits-xor --trainings "global, js" "instance, js" --jobs 2
-    python ablation.py --backbones digits-prompt --seeds 0  # one backbone, one seed per training
-    python ablation.py --miniatures --jobs 2  # trained miniatures: 3 x 3 L x 2 policies x 3 seeds
-    python ablation.py --distilled --jobs 2  # learned schedules against the distilled model
-    python ablation.py --backbones digits-prompt digits-noise --trainings "global, js" \
-        "instance, js" "stepwise, js" "stepwise, ppo" --jobs 2  # the comparator TPDM (stepwise.py)
-    python ablation.py --miniatures --backbones mini-sd3 --mini-steps 3 --mini-trainings global \
-        instance stepwise "stepwise, ppo" --jobs 2
+    # 3 backbones x 6 trainings x 3 seeds, about 75 min on 2 idle cores
+    python -m evidence.ablation --jobs 2
+    python -m evidence.ablation --backbones digits-xor --trainings "global, js" "instance, js" \
+        --jobs 2
+    python -m evidence.ablation --backbones digits-prompt --seeds 0  # one seed per training
+    python -m evidence.ablation --miniatures --jobs 2  # the miniatures: L x 2 policies x 3 seeds
+    python -m evidence.ablation --distilled --jobs 2  # learned schedules against the distilled one
+    python -m evidence.ablation --backbones digits-prompt digits-noise --trainings "global, js" \
+        "instance, js" "stepwise, js" "stepwise, ppo" --jobs 2  # the comparator TPDM
+    python -m evidence.ablation --miniatures --backbones mini-sd3 --mini-steps 3 \
+        --mini-trainings global instance stepwise "stepwise, ppo" --jobs 2
 
 The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniature.py) have no exact
 oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out paraphrases,
@@ -43,7 +45,24 @@ import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
+import backbones
+from evidence.results import commit, heldout_mean, interval, record, run_training
+from miniatures.data import prompt_lists
+from policy import increments_from_times, times_from_increments
 from prompts import HELDOUT_SEED, context_noise, heldout_contexts
+from rewards import load_reward
+from runs.checkpoint import load_checkpoint
+from runs.folder import write_json_atomic
+from runs.heldout import (
+    default_schedule,
+    fixed_schedule,
+    policy_schedule,
+    realism_table,
+    score_table,
+)
+from runs.realism import realism_measure
 
 DEFAULT_BACKBONES = ["digits", "digits-prompt", "digits-noise"]
 parser = argparse.ArgumentParser(
@@ -74,16 +93,6 @@ add(
     metavar="NAME",
     help="of MINI_TRAININGS; default: global instance",
 )
-
-if __name__ == "__main__":
-    parser.parse_args()  # --help and bad flags answer here, before torch and the models load
-
-import torch  # noqa: E402
-
-import backbones  # noqa: E402
-from checkpoints import write_json_atomic  # noqa: E402
-from policy import increments_from_times, times_from_increments  # noqa: E402
-from results import heldout_mean, run_training  # noqa: E402
 
 TRAININGS = {  # name -> train.py arguments
     "global, js": ["--baseline", "js", "--policy", "global"],
@@ -250,9 +259,6 @@ def plot(path, backbone, oracle, checkpoints):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from checkpoints import load_checkpoint
-    from evaluate import policy_schedule
-
     (_, instance), (_, global_policy) = (
         load_checkpoint(checkpoints["instance, js"]),
         load_checkpoint(checkpoints["global, js"]),
@@ -367,12 +373,6 @@ def miniature_evidence(args):
     50-step default solution's squared distance); the default step count that matches each row's
     reward, and the one that matches its realism. Writes the table to out_dir/results.md and to
     docs/RESULTS.md (section "miniatures")."""
-    from checkpoints import load_checkpoint
-    from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
-    from miniature import prompt_lists, realism_measure
-    from realism import realism_table
-    from results import commit, record
-    from rewards import load_reward
 
     started = commit()
     selected = args.mini_trainings or ["global", "instance"]
@@ -503,7 +503,8 @@ def miniature_evidence(args):
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines) + "\n")
-    record("miniatures", " ".join(["python ablation.py", *sys.argv[1:]]), lines, at=started)
+    command = " ".join(["python -m evidence.ablation", *sys.argv[1:]])
+    record("miniatures", command, lines, at=started)
 
 
 @torch.no_grad()
@@ -514,8 +515,6 @@ def plot_miniatures(path, names, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from evaluate import policy_schedule
 
     columns = ["default, L=2", "learned, L=2", "default, L=3", "learned, L=3", "default, 50 steps"]
     figure, axes = plt.subplots(
@@ -559,14 +558,6 @@ DISTILLED_STEPS = {"mini-flux": [2, 3, 4, 5], "mini-flux-schnell": [2, 3, 4]}
 REFERENCE_STEPS = 50  # mini-flux's converged samples, the distillation's teacher
 
 
-def interval(values, digits=3):
-    """'mean ± 95% Student-t half-width' of a list or a 1-D tensor (evaluate.mean_ci)."""
-    from evaluate import mean_ci
-
-    mean, half = mean_ci(torch.as_tensor(values, dtype=torch.float64))
-    return f"{mean:.{digits}f} ± {half:.{digits}f}"
-
-
 def headline(member, column):
     """A method's preference reward (the mean over contexts) or its realism measure `column`."""
     return member[column].mean().item() if column == "preference" else member[column]
@@ -581,12 +572,6 @@ def distilled_comparison(args):
     of the gap between mini-flux's default and mini-flux-schnell that the learned schedule closes,
     and the paired difference to mini-flux-schnell per context. Writes docs/RESULTS.md (section
     "distilled") and docs/distilled.png."""
-    from checkpoints import load_checkpoint
-    from evaluate import default_schedule, policy_schedule, score_table
-    from miniature import prompt_lists, realism_measure
-    from realism import realism_table
-    from results import commit, record
-    from rewards import load_reward
 
     started = commit()
     runs = [
@@ -713,7 +698,7 @@ def distilled_comparison(args):
     )
     lines += ["", *summary]
     print("\n".join(lines))
-    record("distilled", " ".join(["python ablation.py", *sys.argv[1:]]), lines, at=started)
+    record("distilled", " ".join(["python -m evidence.ablation", *sys.argv[1:]]), lines, at=started)
 
 
 @torch.no_grad()
@@ -724,8 +709,6 @@ def plot_distilled(path, models, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from evaluate import policy_schedule
 
     prompts = [f"a hand-drawn {d}" for d in digits]
     seeds = [HELDOUT_SEED + 7 * d for d in digits]
@@ -758,7 +741,6 @@ def plot_distilled(path, models, policies, seed, digits=(0, 2, 3, 5, 7, 8)):
 
 
 def main(args):
-    from results import commit, record
 
     started = commit()
 
@@ -853,7 +835,7 @@ def main(args):
     section = "embedded"
     if args.backbones != DEFAULT_BACKBONES:  # another selection keeps the default table
         section += " " + " ".join(args.backbones)
-    record(section, " ".join(["python ablation.py", *sys.argv[1:]]), lines, at=started)
+    record(section, " ".join(["python -m evidence.ablation", *sys.argv[1:]]), lines, at=started)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """
 The comparator TPDM ("Schedule On the Fly", Ye et al., CVPR 2025, arXiv 2412.01243; the paper's
 "TPDM-style PPO" row): a step-wise policy that picks each next time from the sampler's state,
-trained with PPO. Its settings follow TPDM's public code (github.com/maple-research-lab/TPDM);
-train.OPTIMIZERS and README say which file each comes from; docs/COMPARATOR.md what differs.
+trained with PPO (ppo.py). Its settings follow TPDM's public code
+(github.com/maple-research-lab/TPDM); ppo.TPDM and README say which file each comes from;
+docs/COMPARATOR.md what differs.
 
 At step l, after the model call at t_l, the policy reads what the sampler has there and draws the
 decay rate of the next time from a Beta:
@@ -315,15 +316,3 @@ class StepwiseRollouts:
         """The sum of the L Beta log-densities of the samples `index`, recomputed with gradients
         from the recorded states (trajectory_log_prob)."""
         return trajectory_log_prob(policy, self.record(), index)
-
-
-def ppo_objective(logp, logp_old, advantages, clip):
-    """PPO's clipped surrogate loss (Schulman et al. 2017), to minimise, and the fraction of
-    samples whose ratio was clipped:
-        -mean(min(rho A, clip(rho, 1 - eps, 1 + eps) A)),   rho = exp(log pi - log pi_old)
-    one ratio per schedule (the whole trajectory's log-probability; its only reward is the final
-    image's)."""
-    ratio = (logp - logp_old.detach()).exp()
-    clipped = ratio.clamp(1.0 - clip, 1.0 + clip)
-    loss = -torch.minimum(ratio * advantages, clipped * advantages).mean()
-    return loss, (clipped != ratio).float().mean().detach()

@@ -1,0 +1,70 @@
+"""
+CLIP image-text similarity through transformers (no torchvision): a light prompt-alignment reward
+for machines without the HPS environment.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from rewards.hps import unique_prompts
+from rewards.images import clip_preprocess
+
+CLIP_DEFAULT = "openai/clip-vit-large-patch14"
+
+
+class CLIPReward:
+    """100 x cos(image, prompt) in a CLIP model's projected embedding space."""
+
+    def __init__(self, backbone, checkpoint=CLIP_DEFAULT, device=None, batch_size=32):
+        from transformers import AutoTokenizer, CLIPModel
+
+        self.backbone = backbone
+        self.device = torch.device(device or backbone.device)
+        self.batch_size = batch_size
+        try:
+            self.model = (
+                CLIPModel.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
+            )
+            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        except OSError as error:
+            raise ValueError(
+                f"CLIP model {checkpoint!r} not found ({type(error).__name__}): download it with "
+                f"`hf download {checkpoint}` or pass --reward-checkpoint PATH to a local copy"
+            ) from None
+        self.image_size = self.model.config.vision_config.image_size
+        self.max_length = self.model.config.text_config.max_position_embeddings
+
+    def _text(self, prompts):
+        tokens = self.tokenizer(
+            prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
+        ).to(self.device)
+        pooled = self.model.text_model(
+            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
+        ).pooler_output
+        return F.normalize(self.model.text_projection(pooled), dim=-1)
+
+    def _image(self, images):
+        pooled = self.model.vision_model(
+            pixel_values=clip_preprocess(images.to(self.device), self.image_size)
+        ).pooler_output
+        return F.normalize(self.model.visual_projection(pooled), dim=-1)
+
+    @torch.no_grad()
+    def __call__(self, latents, prompts, noise, cond):
+        images = self.backbone.decode(latents)
+        unique, which = unique_prompts(prompts)
+        text = torch.cat(
+            [
+                self._text(unique[start : start + self.batch_size])
+                for start in range(0, len(unique), self.batch_size)
+            ]
+        )
+        image = torch.cat([self._image(chunk) for chunk in images.split(self.batch_size)])
+        which = torch.tensor(which, device=self.device)
+        return 100.0 * (image.float() * text.float()[which]).sum(-1)
+
+
+def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
+    return CLIPReward(
+        backbone, checkpoint=checkpoint or CLIP_DEFAULT, device=device, batch_size=batch_size
+    )

@@ -1,0 +1,146 @@
+"""
+The miniatures' rewards, read from their decoded pixels: "digit", the log-probability of the
+prompted digit under a small classifier, and "preference", their HPSv2, a scorer trained on
+preference pairs (miniatures/build.py trains both on digits no miniature saw).
+"""
+
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from huggingface_hub import PyTorchModelHubMixin
+
+from rewards.images import quantize
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def digit_of(prompt):
+    """The digit a prompt asks for: its one character 0-9. ValueError in one line otherwise."""
+    found = [character for character in prompt if character.isdigit()]
+    if len(found) != 1:
+        raise ValueError(
+            f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}"
+        )
+    return int(found[0])
+
+
+class DigitClassifier(nn.Module, PyTorchModelHubMixin):
+    """A small CNN over 16x16 RGB digits in [0, 1]: logits (N, 10)."""
+
+    def __init__(self, side=16, width=24):
+        super().__init__()
+        self.config = dict(side=side, width=width)
+        self.side = side
+        self.features = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.Conv2d(2 * width, 2 * width, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(
+            nn.Flatten(),
+            nn.Dropout(0.3),
+            nn.Linear(2 * width * (side // 4) ** 2, 64),
+            nn.ReLU(),
+            nn.Linear(64, 10),
+        )
+
+    def forward(self, images):
+        return self.head(self.features(2.0 * images - 1.0))
+
+
+class PreferenceScorer(DigitClassifier):
+    """The miniatures' preference model, built as HPSv2 is (a scorer of image and prompt trained on
+    pairwise preferences): the same CNN, its 10 outputs read as the score of an image for each
+    prompted digit, trained with a Bradley-Terry loss by miniature.py (train_preference)."""
+
+
+def model_folder(kind, folder=None):
+    """Where the miniatures' `kind` ("classifier" or "preference") is: `folder`, else the shipped
+    one. ValueError in one line if absent."""
+    folder = folder or os.path.join(REPOSITORY, "miniatures", kind)
+    if not all(
+        os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")
+    ):
+        raise ValueError(
+            f"no digit {kind} in {folder}; restore miniatures/{kind} with git, retrain it with "
+            f"`python -m miniatures.build --family {kind}`, or pass --reward-checkpoint FOLDER"
+        )
+    return folder
+
+
+def load_classifier(folder=None):
+    return DigitClassifier.from_pretrained(model_folder("classifier", folder)).eval()
+
+
+def load_scorer(folder=None):
+    return PreferenceScorer.from_pretrained(model_folder("preference", folder)).eval()
+
+
+class DigitReward:
+    """log p(prompted digit | image) under the classifier of miniature.py, a black box on the
+    decoded pixels as HPSv2 is on a real model's: 8-bit images, resized to the classifier's side
+    (bicubic, antialiased; the miniatures already decode at its 16 px), its own normalisation. 0 is
+    certainty. The classifier was trained on digits that no miniature saw (miniature.py)."""
+
+    def __init__(self, backbone, checkpoint=None, device=None):
+        self.backbone = backbone
+        self.device = torch.device(device or backbone.device)
+        self.model = load_classifier(checkpoint).to(self.device).requires_grad_(False)
+
+    def pixels(self, latents):
+        """The decoded 8-bit images at the models' side: (N, 3, 16, 16) in [0, 1]."""
+        images = quantize(self.backbone.decode(latents)).to(self.device)
+        side = self.model.side
+        if images.shape[-1] != side or images.shape[-2] != side:
+            images = F.interpolate(
+                images, (side, side), mode="bicubic", align_corners=False, antialias=True
+            )
+        return images.clamp(0, 1)
+
+    def log_probs(self, latents):
+        return torch.log_softmax(self.model(self.pixels(latents)).float(), dim=1)  # (N, 10)
+
+    @torch.no_grad()
+    def details(self, latents, prompts):
+        log_probs = self.log_probs(latents)
+        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=log_probs.device)
+        correct = (log_probs.argmax(1) == digits).float()
+        return log_probs.gather(1, digits[:, None]).squeeze(1), correct
+
+    def __call__(self, latents, prompts, noise, cond):
+        return self.details(latents, prompts)[0]
+
+
+class PreferenceReward(DigitReward):
+    """The miniatures' quality reward, their HPSv2: the preference scorer's score of the image for
+    the prompted digit (higher is preferred; real digits score highest, blurred, averaged, noisy,
+    erased, wrong and unconverged ones lower). details() also gives the classifier's accuracy."""
+
+    def __init__(self, backbone, checkpoint=None, device=None):
+        super().__init__(backbone, device=device)
+        self.scorer = load_scorer(checkpoint).to(self.device).requires_grad_(False)
+
+    @torch.no_grad()
+    def details(self, latents, prompts):
+        images = self.pixels(latents)
+        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)
+        scores = self.scorer(images).float().gather(1, digits[:, None]).squeeze(1)
+        correct = (self.model(images).argmax(1) == digits).float()
+        return scores, correct
+
+
+def load_digit(backbone, device=None, checkpoint=None):
+    return DigitReward(backbone, checkpoint=checkpoint, device=device)
+
+
+def load_preference(backbone, device=None, checkpoint=None):
+    return PreferenceReward(backbone, checkpoint=checkpoint, device=device)

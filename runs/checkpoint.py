@@ -1,0 +1,256 @@
+"""
+A policy built for a backbone, saved with what trained it, and loaded back.
+
+make_policy builds each kind (policy.py's instance and global policies, comparator/stepwise.py's
+step-wise one) at the size its backbone gets (PRESETS). train.py saves into its --out-dir ckpt.pt
+(everything to resume: policy, optimizer, iteration, configuration, RNG state, the metrics rows;
+atomic) and policy/: the trained policy in the Hugging Face Hub format (config.json +
+model.safetensors, no pickle; the backbone, L and the training configuration in config.json), to
+share with `policy.push_to_hub(repo_id)` and load with load_policy. evaluate.py, sample.py and
+backbones/pipeline.py take either ckpt.pt or such a folder / hub id and rebuild the policy and its
+frozen backbone from it alone. Every way a file can be missing, truncated or of another run ends in
+one line that says what to do.
+"""
+
+import contextlib
+import io
+import json
+import os
+
+import torch
+
+from comparator.stepwise import StepwisePolicy
+from hub import check_safetensors, hub_file, read_json
+from policy import GlobalPolicy, SchedulePolicy, json_times
+from runs.folder import metric_rows, write_bytes_atomic, write_lines_atomic
+
+# where the main job, `python train.py`, writes its checkpoint: what evaluate.py and sample.py read
+# when not told (tests/test_train.py checks it against train.py's default --out-dir)
+MAIN_RUN = os.path.join("out", "digits-L4-instance-s0", "ckpt.pt")
+
+# -----------------------------------------------------------------------------
+# a policy for a backbone
+
+# Network sizes, named in backbones.BACKBONES ("policy"). "real": about 20M parameters for the
+# real models' latents and text widths (the paper: "about 20M parameters, under 1% of the
+# sampler"; evidence/bench.py counts them); "embedded": about 100k for the 8x8 embedded backbones
+# and the miniatures. `widths` are the conv stages, each halving the resolution; their outputs are
+# pooled to a `grid` x `grid` token grid of width `dim`.
+PRESETS = {
+    "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
+    "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
+}
+
+
+def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", **options):
+    """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
+
+    Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
+    `options` (concentration, stop_margin, any width; for the step-wise policy init="tpdm",
+    inputs="hidden", inference) override the preset.
+    """
+    start = dict(init="uniform")
+    if init_times is not None:
+        start = dict(init="default", init_times=json_times(init_times))
+    if kind in ("instance", "stepwise"):
+        dims = dict(
+            latent_channels=backbone_dims["latent_channels"],
+            text_dim=backbone_dims["text_dim"],
+            pooled_dim=backbone_dims.get("pooled_dim"),
+        )
+        if options.get("inputs") == "hidden":  # the denoiser's hidden states (families.py)
+            if "feature_channels" not in backbone_dims:
+                raise ValueError("this backbone has no hidden states a policy could read")
+            dims.update(
+                feature_channels=backbone_dims["feature_channels"],
+                time_dim=backbone_dims["time_dim"],
+            )
+        options = {**PRESETS[preset], **options, **dims}
+    return POLICIES[kind](steps, **{**start, **options})
+
+
+POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}
+
+
+def build_policy(config):
+    """Rebuild a policy from its `.config` (then load_state_dict for its weights)."""
+    config = dict(config)
+    return POLICIES[config.pop("kind")](**config)
+
+
+# -----------------------------------------------------------------------------
+# saved and loaded
+
+
+def save_checkpoint(path, state):
+    """Serialised in memory first (its size is known before the disk is touched), then written
+    atomically (write_bytes_atomic)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
+def read_checkpoint(path):
+    """The state train.py saved, loaded without unpickling code (weights_only). ValueError in one
+    line if the file is missing, empty, truncated or not a checkpoint of train.py."""
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path} (train one with `python train.py`)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    # EOFError, UnpicklingError, RuntimeError of the zip reader, OSError: all mean "unreadable"
+    except Exception as error:
+        raise ValueError(
+            f"{path} is not a readable checkpoint ({type(error).__name__}: the file is empty, "
+            "truncated or of another program); train again or point to another file"
+        ) from None
+    required = {"policy", "policy_config", "config", "iteration"}
+    if not isinstance(state, dict) or not required <= set(state):
+        held = f"a {type(state).__name__}"
+        if isinstance(state, dict):
+            held = f"its keys: {sorted(map(str, state))[:6]}"
+        raise ValueError(
+            f"{path} is not a checkpoint written by train.py ({held}); pass the ckpt.pt or "
+            "policy/ folder of a train.py run"
+        )
+    return state
+
+
+def save_policy(folder, policy, config, iteration):
+    """The policy in the Hub format: config.json holds its constructor arguments, among them the
+    backbone and the training configuration (with the iteration); model.safetensors its weights."""
+    training = dict(config, iteration=iteration)
+    arguments = dict(policy.config, backbone=config["backbone"], training_config=training)
+    policy.save_pretrained(folder, config=arguments)
+    umask = os.umask(0)  # safetensors writes 0600: readable as any other file of the run
+    os.umask(umask)
+    for name in os.listdir(folder):
+        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+
+
+def load_checkpoint(source, backbone=None, steps=None):
+    """A trained policy (CPU, eval mode) and what it came from, {"config": training configuration,
+    "iteration": ...}, from a train.py checkpoint file or a policy folder / hub id (save_policy).
+    backbone / steps, when given, must match what it was trained for: ValueError with one clear line
+    otherwise, before anything heavy."""
+    if os.path.isfile(source):
+        checkpoint = read_checkpoint(source)
+        training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
+        arguments = dict(backbone=training["backbone"], training_config=training)
+        try:  # a policy saved by another version of its class is refused in one line
+            policy = build_policy(dict(checkpoint["policy_config"], **arguments))
+            policy.load_state_dict(checkpoint["policy"])
+        except (TypeError, RuntimeError, ValueError) as error:
+            kind = checkpoint["policy_config"].get("kind", "instance")
+            raise ValueError(
+                f"{source} holds a {kind} policy this version cannot load "
+                f"({str(error).splitlines()[0][:120]}); train it again"
+            ) from None
+    # a folder, or a hub id user/name
+    elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
+        names = ("config.json", "model.safetensors")
+        missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
+        in_folder = os.path.isdir(source)
+        if in_folder and not all(os.path.isfile(os.path.join(source, name)) for name in names):
+            raise ValueError(missing)
+        if in_folder:
+            files = {name: os.path.join(source, name) for name in names}
+        else:
+            files = {name: hub_file(source, name, missing) for name in names}
+        again = "train again, or pass the policy/ folder of another run"
+        saved = read_json(files["config.json"], again)
+        check_safetensors(files["model.safetensors"], again)
+        if not isinstance(saved, dict) or "steps" not in saved:
+            raise ValueError(missing)
+        # whatever save_pretrained / push_to_hub wrote: the training configuration when there is
+        # one, else what the folder itself says (backbone, L)
+        training = saved.get("training_config")
+        if training is None:
+            training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
+        training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
+        checkpoint = dict(config=training, iteration=training["iteration"])
+        kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
+        folder = os.path.dirname(files["config.json"])
+        # the mixin prints "Loading weights from local directory"
+        with contextlib.redirect_stdout(io.StringIO()):
+            policy = POLICIES[kind].from_pretrained(
+                folder, backbone=training["backbone"], training_config=training
+            )
+    else:
+        raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
+    config = checkpoint["config"]
+    if backbone is not None and config["backbone"] is not None and backbone != config["backbone"]:
+        trained_on = config["backbone"]
+        raise ValueError(f"{source} was trained on backbone {trained_on!r}, not {backbone!r}")
+    if steps is not None and steps != config["steps"]:
+        raise ValueError(f"{source} was trained for L={config['steps']} steps, not L={steps}")
+    return checkpoint, policy.eval()
+
+
+def load_policy(source, backbone=None, steps=None):
+    """Just the policy of load_checkpoint: from ckpt.pt, a policy folder or a hub id."""
+    return load_checkpoint(source, backbone, steps)[1]
+
+
+# What a run folder is continued with. The rest of the configuration defines the experiment:
+# changing it would mix two runs in one metrics.jsonl and one eval.json.
+CONTINUABLE = (
+    "out_dir",
+    "resume",
+    "ckpt_interval",
+    "log_interval",
+    "snapshots",
+    "track",
+    "iterations",
+    "device",
+    "threads",
+    "model_path",
+)
+
+
+def existing_run(config):
+    """The checkpoint out_dir holds (None for a new run). ValueError in one line if it holds another
+    run (any key outside CONTINUABLE differs), is damaged, or lost its metrics.jsonl."""
+    path = os.path.join(config["out_dir"], "ckpt.pt")
+    if not os.path.isfile(path):
+        if config["resume"]:
+            raise ValueError(f"--resume but {path} does not exist; drop --resume to start afresh")
+        return None
+    checkpoint = read_checkpoint(path)
+    for key, value in config.items():
+        saved = checkpoint["config"].get(key)
+        if key not in CONTINUABLE and saved != value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{config['out_dir']} holds a run with {key}={saved!r}, not {value!r}; pass "
+                f"another --out-dir for this run (or {flag} {saved} to continue that one)"
+            )
+    if not os.path.isfile(os.path.join(config["out_dir"], "metrics.jsonl")):
+        raise ValueError(
+            f"{path} has no metrics.jsonl beside it; restore that file, or start afresh in another "
+            "--out-dir"
+        )
+    return checkpoint
+
+
+def restore(checkpoint, policy, optimizer, metrics_path=None):
+    """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl
+    (on the rank that writes it) cut back to its iteration, whose later rows will be logged again;
+    a torn line is dropped with a note. Returns that iteration."""
+    policy.load_state_dict(checkpoint["policy"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    torch.set_rng_state(checkpoint["rng"]["torch"])
+    if metrics_path is None:
+        return checkpoint["iteration"]
+    rows, torn = metric_rows(metrics_path)
+    if torn:
+        print(
+            f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)"
+        )
+    iteration = checkpoint["iteration"]
+    kept = {row["iteration"]: row for row in rows if row["iteration"] <= iteration}
+    # the checkpoint carries the rows up to its iteration: a row lost to a torn line comes back
+    carried = [row for row in checkpoint.get("metrics", []) if row["iteration"] <= iteration]
+    kept = {**{row["iteration"]: row for row in carried}, **kept}
+    lines = [json.dumps(kept[done]) + "\n" for done in sorted(kept)]
+    write_lines_atomic(metrics_path, lines)
+    return iteration

@@ -1,0 +1,140 @@
+"""
+A run folder on disk: written atomically (a kill never leaves a torn file; a full disk or read-only
+storage ends in one line that keeps the last good file), held by one writer at a time, and its
+metrics.jsonl read back whatever a kill left of it.
+"""
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+
+
+class WriteFailed(ValueError):
+    """A write to a run folder failed (write_failed says why, in one line)."""
+
+
+def write_failed(path, error, needed=None):
+    """The one line that ends a run whose write failed: which folder, why, and (disk full) how much
+    free space the write needs."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(folder).free
+        size = f"{needed / 2**20:.1f} MiB free" if needed else "more free space"
+        return WriteFailed(
+            f"could not write {path}: the disk is full ({free / 2**20:.1f} MiB free in {folder}, "
+            f"the write needs {size}); free some space and run the same command again: it "
+            "continues from the last checkpoint"
+        )
+    if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        return WriteFailed(
+            f"could not write {path}: {folder} is not writable ({error.strerror}); make it "
+            "writable, or pass another --out-dir"
+        )
+    return WriteFailed(f"could not write {path}: {error.strerror or error}")
+
+
+def write_bytes_atomic(path, data):
+    """Written to a temporary file, then renamed: a kill never leaves a corrupt file. A write that
+    fails (disk full, read-only storage) removes its temporary file, leaves the earlier file as it
+    was and raises ValueError in one line (write_failed)."""
+    try:
+        with open(path + ".tmp", "wb") as file:
+            file.write(data)
+        os.replace(path + ".tmp", path)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise write_failed(path, error, len(data)) from None
+
+
+def write_lines_atomic(path, lines):
+    write_bytes_atomic(path, "".join(lines).encode())
+
+
+def write_json_atomic(path, data):
+    write_lines_atomic(path, [json.dumps(data)])
+
+
+def check_writable(folder, flag="--out-dir"):
+    """ValueError in one line unless `folder` is, or can be made, a folder this user writes to;
+    creates nothing (the nearest existing ancestor is what is checked)."""
+    if not folder:
+        raise ValueError(f"{flag} is empty; pass a folder, or drop {flag} for the default")
+    parent = os.path.abspath(folder)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        itself = parent == os.path.abspath(folder)
+        if not os.path.isdir(parent):
+            what = "a file, not a folder" if itself else f"not writable here ({parent} is a file)"
+        elif itself:
+            what = "a folder this user cannot write (read-only storage or permissions)"
+        else:
+            what = f"not writable here ({parent} is read-only for this user)"
+        raise ValueError(f"{flag} {folder} is {what}; pass a folder this user can write")
+
+
+def lock_run(out_dir):
+    """One writer per run folder: an exclusive flock on out_dir/run.lock, held while this process
+    lives and released by the operating system when it ends, however it ends (a killed run never
+    blocks the next). ValueError in one line, naming the holder's PID, if another process holds it.
+    Returns the open lock file: keep it referenced."""
+    import fcntl
+
+    os.makedirs(out_dir, exist_ok=True)
+    handle = open(os.path.join(out_dir, "run.lock"), "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ValueError(
+            f"{out_dir} is in use by another run (PID {holder}); wait for it to end, or pass "
+            "another --out-dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
+
+
+def metric_rows(path):
+    """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at
+    most the last one unfinished; damage, any): those are skipped, not fatal, as every checkpoint
+    carries the rows up to its iteration."""
+    rows, torn = [], 0
+    with open(path, errors="replace") as file:
+        for line in file:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                row = None
+            if isinstance(row, dict) and isinstance(row.get("iteration"), int):
+                rows.append(row)
+            else:
+                torn += 1
+    return rows, torn
+
+
+def claim_run(out_dir, fresh):
+    """Take out_dir for this run (lock_run; ValueError in one line if another run holds it). A
+    fresh run (no checkpoint) finding a metrics.jsonl finds what a run that failed before its first
+    checkpoint left: it is kept as metrics.jsonl.failed (replacing an older one), with a note, so
+    that the two runs' rows are never mixed. Returns the lock: keep it referenced."""
+    lock = lock_run(out_dir)
+    for name in os.listdir(out_dir):  # what a write cut short left (write_bytes_atomic)
+        if name.endswith(".tmp"):
+            os.remove(os.path.join(out_dir, name))
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if fresh and os.path.isfile(metrics_path):
+        rows, _ = metric_rows(metrics_path)
+        os.replace(metrics_path, metrics_path + ".failed")
+        print(
+            f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first "
+            f"checkpoint; moved to {metrics_path}.failed, this run starts afresh"
+        )
+    return lock

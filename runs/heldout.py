@@ -1,0 +1,261 @@
+"""
+Schedules scored on held-out contexts, paired: every method samples from the same initial noise for
+each context (prompt + seed), so differences between methods are paired.
+
+A method is a callable (noise, cond) -> times (N, L+1), or -> (times, latents) when it samples
+itself (a step-wise policy chooses its times inside the sampling loop): the default schedule, a
+trained policy's (its Dirichlet mean, or a draw), any fixed schedule. score_batches scores them
+with any rewards, batch by batch (evaluate.py resumes from what it stored); summarize and
+format_table give each method's mean and the paired difference to the default, with 95% Student-t
+intervals. train.py logs heldout_gain at each checkpoint and ends with heldout_report.
+"""
+
+import math
+import os
+
+import torch
+from tqdm import tqdm
+
+import rewards as reward_lib
+from backbones import BACKBONES
+from comparator import stepwise
+from policy import mean_increments, sample_increments, times_from_increments
+from prompts import context_noise
+from rewards.images import quantize
+from runs.folder import write_json_atomic
+from runs.realism import realism_measure
+
+GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (heldout_gain)
+
+
+# -----------------------------------------------------------------------------
+# methods: callables (noise, cond) -> times (N, L+1)
+def policy_schedule(policy, backbone, mode="mean", generator=None):
+    """A trained policy's schedule: the Dirichlet mean ("mean", deterministic) or one draw; for a
+    step-wise policy its deterministic rate at each step (the Beta mode or mean, policy.inference)
+    or a draw, returned with the latents it sampled."""
+
+    if policy.config["kind"] == "stepwise":  # it picks its times while sampling
+        draws = generator if mode != "mean" else None
+        return lambda noise, cond: stepwise.sample(policy, backbone, noise, cond, draws)
+
+    @torch.no_grad()
+    def times_fn(noise, cond):
+        alpha = policy(**backbone.policy_inputs(noise, cond))  # (N, L+1)
+        if mode == "mean":
+            return times_from_increments(mean_increments(alpha))
+        return times_from_increments(sample_increments(alpha, 1, generator)[:, 0])
+
+    return times_fn
+
+
+def run_method(backbone, method, noise, cond):
+    """(times, latents) of a method on these contexts: its times run by the sampler, or what it
+    sampled itself."""
+    used = method(noise, cond)
+    return used if isinstance(used, tuple) else (used, backbone.sample(noise, cond, used))
+
+
+def fixed_schedule(times):
+    """The same schedule times (L+1,) for every context."""
+    return lambda noise, cond: times.to(noise.device).expand(noise.shape[0], -1)
+
+
+def default_schedule(backbone, steps):
+    return fixed_schedule(backbone.default_times(steps))
+
+
+# -----------------------------------------------------------------------------
+# scores
+@torch.no_grad()
+def score_batches(
+    backbone,
+    rewards,
+    prompts,
+    seeds,
+    methods,
+    reference=None,
+    batch_size=64,
+    pending=None,
+    progress=False,
+):
+    """Score contexts (prompts[i], seeds[i]) with every method and reward, batch by batch, on the
+    same noise. rewards: name -> reward; methods: name -> callable (noise, cond) -> times;
+    reference: the name of a row that scores backbone.reference (the teacher), or None.
+    pending(row, index) -> bool: the contexts a row still needs (default: all); a batch with none is
+    skipped before encoding. Yields scores[row][reward] = {index: float}, times[row] = {index: [L+1
+    floats]} per batch."""
+    samplers = {**methods, **({reference: None} if reference else {})}  # None: the teacher
+    pending = pending or (lambda row, index: True)
+    batches = range(0, len(prompts), batch_size)
+    for start in tqdm(batches, disable=not progress, desc=f"{len(prompts)} contexts"):
+        stop = min(start + batch_size, len(prompts))
+        todo = {name: [i for i in range(start, stop) if pending(name, i)] for name in samplers}
+        if not any(todo.values()):
+            continue
+        noise = context_noise(backbone, seeds[start:stop])
+        cond = backbone.encode_prompts(prompts[start:stop])
+        scores, times = {}, {}
+        for name, schedule in samplers.items():
+            if not todo[name]:
+                continue
+            pick = torch.tensor([i - start for i in todo[name]])
+            sub_noise = noise[pick.to(noise.device)]
+            sub_cond = {key: value[pick.to(value.device)] for key, value in cond.items()}
+            if schedule is None:
+                latents = backbone.reference(sub_noise, sub_cond)
+            else:
+                used, latents = run_method(backbone, schedule, sub_noise, sub_cond)
+                times[name] = dict(zip(todo[name], used.float().cpu().tolist()))
+            samples = (latents, [prompts[i] for i in todo[name]], sub_noise, sub_cond)
+            scores[name] = {}
+            for reward_name, reward in rewards.items():  # for OCR and GenEval a second column
+                for column, values in reward_lib.metrics(reward, reward_name, *samples).items():
+                    scores[name][column] = dict(zip(todo[name], values.tolist()))
+        yield scores, times
+
+
+def score_table(
+    backbone, rewards, prompts, seeds, methods, reference=None, batch_size=64, progress=False
+):
+    """Per-sample scores of each row and column (each reward's metrics) on the contexts (prompts[i],
+    seeds[i]): row -> column -> Tensor (N,) in context order, independent of batch_size."""
+    collected, order = {}, range(len(prompts))
+    for scores, _ in score_batches(
+        backbone, rewards, prompts, seeds, methods, reference, batch_size, progress=progress
+    ):
+        for name, columns in scores.items():
+            for column, values in columns.items():
+                collected.setdefault(name, {}).setdefault(column, {}).update(values)
+    return {
+        name: {column: torch.tensor([values[i] for i in order]) for column, values in row.items()}
+        for name, row in collected.items()
+    }
+
+
+def evaluate(
+    backbone, reward, prompts, seeds, methods, reference=None, batch_size=64, progress=False
+):
+    """score_table for one reward: name -> Tensor (N,)."""
+    table = score_table(
+        backbone, {"reward": reward}, prompts, seeds, methods, reference, batch_size, progress
+    )
+    return {name: columns["reward"] for name, columns in table.items()}
+
+
+def mean_ci(values):
+    """(mean, 95% Student-t half-width) of a 1-D tensor; the half-width is nan for n < 2."""
+    from scipy.stats import t as student_t  # scipy comes with scikit-learn
+
+    values, n = values.double(), values.numel()
+    if n < 2:
+        return values.mean().item(), math.nan
+    sem = (values.std() / math.sqrt(n)).item()
+    return values.mean().item(), float(student_t.ppf(0.975, n - 1)) * sem
+
+
+def summarize(scores, baseline="default"):
+    """One row per method: n, mean, ci95 (half-width of the 95% interval) and the paired difference
+    to the baseline method on the same contexts (diff_mean, diff_ci95; None for the baseline)."""
+    rows = []
+    for name, values in scores.items():
+        row = dict(method=name, n=values.numel(), diff_mean=None, diff_ci95=None)
+        row["mean"], row["ci95"] = mean_ci(values)
+        if baseline in scores and name != baseline:
+            if scores[baseline].shape != values.shape:
+                counts = f"{name} has {values.numel()}, {baseline} has {scores[baseline].numel()}"
+                raise ValueError(f"paired difference needs the same contexts: {counts}")
+            row["diff_mean"], row["diff_ci95"] = mean_ci(values - scores[baseline])
+        rows.append(row)
+    return rows
+
+
+def format_table(rows, baseline="default"):
+    """Markdown table of summarize()'s rows: mean ± 95% CI and paired difference ± 95% CI."""
+
+    def number(value):
+        return "-" if value is None or math.isnan(value) else f"{value:.4g}"
+
+    lines = [f"| method | n | mean ± 95% CI | diff to {baseline} ± 95% CI |", "|---|---|---|---|"]
+    for row in rows:
+        mean, diff = f"{number(row['mean'])} ± {number(row['ci95'])}", "-"
+        if row["diff_mean"] is not None:
+            diff = f"{row['diff_mean']:+.4g} ± {number(row['diff_ci95'])}"
+        lines.append(f"| {row['method']} | {row['n']} | {mean} | {diff} |")
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# train.py's held-out curve and final report
+
+
+def heldout_gain(backbone, reward, heldout, steps):
+    """A function policy -> the mean paired gain (a number) of its mean schedule over the default on
+    the first GAIN_CONTEXTS held-out contexts: the curve of train.py's figure, logged at each
+    checkpoint (unlike the batch reward, on the same contexts every time)."""
+    prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
+    methods = {"default": default_schedule(backbone, steps)}
+    default = evaluate(backbone, reward, prompts, seeds, methods)["default"]
+
+    def gain(policy):
+        methods = {"learned": policy_schedule(policy, backbone)}
+        learned = evaluate(backbone, reward, prompts, seeds, methods)["learned"]
+        return (learned - default).mean().item()
+
+    return gain
+
+
+def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
+    """train.py's final table on its held-out contexts, the same noises for every method: printed
+    and written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
+    draws = torch.Generator().manual_seed(seed)
+    methods = {
+        "default": default_schedule(backbone, policy.steps),
+        "learned (mean)": policy_schedule(policy, backbone),
+        "learned (sampled)": policy_schedule(policy, backbone, "sample", draws),
+    }
+    # the teacher row: the reward's own target, error 0
+    teacher = "limit (teacher)" if reward_name == "teacher" else None
+    scores = evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True)
+    rows = summarize(scores)
+    print(
+        f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n"
+        f"{format_table(rows)}"
+    )
+    report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
+    if BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
+        measure = realism_measure()
+        compared = {name: methods[name] for name in ("default", "learned (mean)")}
+        realism = realism_table(backbone, compared, prompts, seeds, measure)
+        floor = measure.floor(len(seeds))
+        print(
+            "realism against real digits (Frechet distance lower, precision and recall higher):\n"
+            + "\n".join(
+                f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items())
+                for name, row in {**realism, "real digits (floor)": floor}.items()
+            )
+        )
+        report.update(realism=realism, realism_floor=floor)
+    write_json_atomic(os.path.join(out_dir, "eval.json"), report)
+
+
+@torch.no_grad()
+def sample_images(backbone, method, prompts, seeds, batch_size=128):
+    """The decoded 8-bit images (N, 3, H, W) in [0, 1] of the contexts (prompts[i], seeds[i])
+    sampled with `method` (evaluate.py's: a callable (noise, cond) -> times), batch by batch."""
+    images = []
+    for start in range(0, len(prompts), batch_size):
+        noise = context_noise(backbone, seeds[start : start + batch_size])
+        cond = backbone.encode_prompts(prompts[start : start + batch_size])
+        latents = run_method(backbone, method, noise, cond)[1]
+        images.append(quantize(backbone.decode(latents)).clamp(0, 1).cpu())
+    return torch.cat(images)
+
+
+def realism_table(backbone, methods, prompts, seeds, realism, batch_size=128):
+    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i]), on the
+    same noises."""
+    return {
+        name: realism(sample_images(backbone, method, prompts, seeds, batch_size))
+        for name, method in methods.items()
+    }
