@@ -3,15 +3,16 @@ A trained schedule inside a stock diffusers pipeline.
 
     model = "stabilityai/stable-diffusion-3.5-medium"
     pipe = StableDiffusion3Pipeline.from_pretrained(model, torch_dtype=torch.bfloat16).to("cuda")
-    policy = checkpoints.load_policy("out/sd35m-L10-instance-s0/policy").to("cuda")  # or a hub id
+    policy = load_policy("out/sd35m-L10-instance-s0/policy").to("cuda")  # runs.checkpoint; a hub id
     generator = torch.Generator("cuda").manual_seed(0)
     images = generate(pipe, policy, "a red fox in fresh snow", generator=generator).images
 
 generate() draws the initial noise the way the pipeline draws it, asks the policy for that noise and
 prompt's schedule (its Dirichlet mean), installs a scheduler that runs exactly those times and calls
-the pipeline itself, with latents= and the prompt embeddings already computed for the policy. It
-returns the pipeline's own output (PIL images by default), one pipeline call per image, since every
-image has its own schedule.
+the pipeline itself, with latents= and the prompt embeddings already computed for the policy, at the
+guidance the policy was trained with unless guidance_scale= says otherwise. It returns the
+pipeline's own output (PIL images by default), one pipeline call per image, since every image has
+its own schedule.
 
 The schedulers run the times as given: LearnedFlowMatchScheduler (SD3.5, Flux: sigma = t) and
 LearnedEulerScheduler (SD-XL: sigma interpolated from the model's noise table at timestep t * 999)
@@ -146,6 +147,17 @@ def _pick(value, index):
     return value
 
 
+def trained_guidance(policy):
+    """The guidance scale a policy was trained at: its training configuration's --guidance, else its
+    backbone's default (backbones.BACKBONES); None when neither is known or the model has no
+    guidance input (FLUX.1-schnell). A schedule is learned for one guidance: the pipeline's own
+    default (7.0 for SD3 and SD-XL) is another."""
+    guidance = (policy.training_config or {}).get("guidance")
+    if guidance is None:
+        guidance = backbones.BACKBONES.get(policy.backbone, {}).get("guidance")
+    return guidance
+
+
 STEPWISE = (
     "a step-wise policy (TPDM) picks each time from the sampler's state inside the loop, which a "
     "stock pipeline's scheduler does not hand out: sample it with sample.py without --pipeline"
@@ -160,11 +172,11 @@ def generate(
     for its noise and prompt (the Dirichlet mean). pipe_kwargs are the pipeline's own call
     arguments: the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip,
     precomputed prompt_embeds, ...) reach the pipeline as given and the policy through the
-    pipeline's encode_prompt; height, width, guidance_scale, output_type, return_dict behave as in
-    the pipeline. num_inference_steps is the policy's L; timesteps and sigmas, a policy of an
-    embedded backbone, an empty prompt and num_images_per_prompt < 1 are refused (ValueError, one
-    line). The pipeline is left as it was found (its scheduler, modules' modes, grad flags,
-    progress bar)."""
+    pipeline's encode_prompt; height, width, output_type, return_dict behave as in the pipeline;
+    guidance_scale defaults to the policy's own (trained_guidance). num_inference_steps is the
+    policy's L; timesteps and sigmas, a policy of an embedded backbone, an empty prompt and
+    num_images_per_prompt < 1 are refused (ValueError, one line). The pipeline is left as it was
+    found (its scheduler, modules' modes, grad flags, progress bar)."""
     if policy.config["kind"] == "stepwise":
         raise ValueError(STEPWISE)
     family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
@@ -190,6 +202,10 @@ def generate(
         raise ValueError(
             f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}"
         )
+    if "guidance_scale" not in pipe_kwargs:  # the guidance it was trained with, not the pipeline's
+        guidance = trained_guidance(policy)
+        if guidance is not None:
+            pipe_kwargs["guidance_scale"] = guidance
     height = pipe_kwargs.pop("height", None) or pipe.default_sample_size * pipe.vae_scale_factor
     if pipe_kwargs.pop("width", height) != height:
         raise ValueError("the learned schedules are trained on square images: pass height == width")

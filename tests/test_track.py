@@ -1,0 +1,104 @@
+"""train.py --track: every row of metrics.jsonl mirrored to TensorBoard and to Weights & Biases.
+
+The stand-in test runs everywhere; the ones with the real packages (requirements-track.txt) run in
+the optional environment (tests/hps_env.sh installs them; TRACK_TESTS_REQUIRED=1 makes a missing
+package a failure there)."""
+
+import importlib.machinery
+import importlib.util
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+from conftest import train_in_process
+
+from runs.track import check_tracker
+
+SHORT = ["--iterations", "4", "--ckpt-interval", "2", "--eval-contexts", "4", "--contexts", "8"]
+REQUIRED = os.environ.get("TRACK_TESTS_REQUIRED") == "1"
+
+
+def needs(module):
+    if importlib.util.find_spec(module) is None:
+        if REQUIRED:
+            pytest.fail(f"{module} is not installed: pip install -r requirements-track.txt")
+        pytest.skip(f"optional environment (bash tests/hps_env.sh): {module} is not installed")
+
+
+def metric_rows(out):
+    """metrics.jsonl as the trackers see it: the numbers of each row by iteration, NaN left out."""
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return {
+        row["iteration"]: {
+            key: value
+            for key, value in row.items()
+            if key != "iteration" and isinstance(value, float | int) and math.isfinite(value)
+        }
+        for row in rows
+    }
+
+
+def test_wandb_gets_each_row_at_its_iteration(tmp_path, monkeypatch):
+    """With a stand-in wandb module: one init naming the run folder, then one log per row of
+    metrics.jsonl, at its iteration, with the same numbers."""
+    calls = []
+
+    class Run:
+        step = 0
+
+        def log(self, values, step):
+            calls.append((step, values))
+            self.step = step
+
+        def finish(self):
+            calls.append("finish")
+
+    def init(**options):
+        calls.append(options)
+        return Run()
+
+    stand_in = types.ModuleType("wandb")
+    stand_in.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    stand_in.init = init
+    monkeypatch.setitem(sys.modules, "wandb", stand_in)
+    out = train_in_process(tmp_path / "out", *SHORT, "--track", "wandb")
+    init_options, *logged, finished = calls
+    assert init_options["name"] == "out" and init_options["dir"] == str(out)
+    assert init_options["config"]["track"] == "wandb" and finished == "finish"
+    assert dict(logged) == metric_rows(out) and [step for step, _ in logged] == [1, 2, 3, 4]
+
+
+def test_a_missing_tracker_package_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="needs the tensorboard package: pip install -r "):
+        check_tracker("tensorboard")
+    check_tracker(None)  # nothing to check
+
+
+def test_tensorboard_event_files_hold_metrics_jsonl(tmp_path):
+    needs("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = train_in_process(tmp_path / "out", *SHORT, "--track", "tensorboard")
+    events = EventAccumulator(str(out / "tensorboard")).Reload()
+    mirrored = {}
+    for tag in events.Tags()["scalars"]:
+        for event in events.Scalars(tag):
+            mirrored.setdefault(event.step, {})[tag] = event.value
+    rows = metric_rows(out)
+    assert set(mirrored) == set(rows)
+    for step, values in rows.items():  # stored as float32 by TensorBoard
+        assert mirrored[step] == pytest.approx(values, rel=1e-6, abs=1e-12), step
+
+
+def test_wandb_runs_offline_without_a_network(tmp_path, monkeypatch):
+    needs("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = train_in_process(tmp_path / "out", *SHORT, "--track", "wandb")
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and (runs[0] / "run-out.wandb").stat().st_size > 0
+    assert len(metric_rows(out)) == 4
