@@ -25,6 +25,7 @@ missing, so an interrupted run resumes and --limit can be raised later.
 import argparse
 import os
 import sys
+import time
 
 import torch
 
@@ -39,7 +40,7 @@ from prompts import (
     noise_seed,
     prompt_groups,
 )
-from runs.checkpoint import MAIN_RUN, load_checkpoint
+from runs.checkpoint import MAIN_RUN, check_fits, load_checkpoint
 from runs.figures import plot_results
 from runs.folder import check_writable, write_json_atomic, write_lines_atomic
 from runs.heldout import default_schedule, format_table, policy_schedule, score_batches, summarize
@@ -83,6 +84,10 @@ add("--device", help="default: cuda when available, else cpu")
 
 # -----------------------------------------------------------------------------
 # command line: checkpoints, prompt sets, resumable scores, report
+
+SAVE_EVERY = 30.0  # seconds between writes of scores.json (and at the end, and at a Ctrl-C)
+
+
 def score_store(path, rows):
     """evaluate.py's resumable scores (scores.json: rows, contexts, scores, times), empty when
     absent. ValueError in one line if the file is damaged or defines one of `rows` otherwise."""
@@ -154,6 +159,8 @@ def main(argv=None):
         score_store(store_path, {})  # a damaged one fails before anything loads
         torch.set_num_threads(backbones.BACKBONES[trained_on]["threads"] or torch.get_num_threads())
         backbone = backbones.trained_backbone(config, device)
+        for path, _, policy in policies.values():
+            check_fits(policy, backbone, path)
         backbone.check_prompts(prompt_list or [], config["reward"])
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
@@ -206,8 +213,6 @@ def main(argv=None):
         store = score_store(store_path, identity)
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
-    created = not os.path.isdir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     keys = [f"{seed}|{prompt}" for prompt, seed in zip(prompts, seeds)]
     contexts = zip(keys, prompts, seeds, styles)
     store["contexts"].update({key: dict(prompt=p, seed=s, style=y) for key, p, s, y in contexts})
@@ -216,23 +221,46 @@ def main(argv=None):
         stored = store["scores"].get(row, {})
         return any(keys[index] not in stored.get(reward_name, {}) for reward_name in rewards)
 
+    created = not os.path.isdir(out_dir)  # made at the first save: an early stop leaves none
+
+    def save():  # a full disk or read-only storage: one line, the last scores.json kept
+        try:
+            os.makedirs(out_dir, exist_ok=True)
+            write_json_atomic(store_path, store)
+        except (ValueError, OSError) as error:
+            if created and os.path.isdir(out_dir) and not os.listdir(out_dir):
+                os.rmdir(out_dir)  # no empty folder left behind
+            sys.exit(f"evaluate.py: error: {error}")
+
     batch_size = args.batch_size or (200 if backbone.prompts else 8)
-    for run_backbone, run_methods, reference in runs:
-        for scores, times in score_batches(
-            run_backbone, rewards, prompts, seeds, run_methods, reference, batch_size, pending, True
-        ):
-            for name, per_reward in scores.items():
-                for reward_name, values in per_reward.items():
-                    column = store["scores"].setdefault(name, {}).setdefault(reward_name, {})
-                    column.update({keys[i]: v for i, v in values.items()})
-                row_times = {keys[i]: t for i, t in times.get(name, {}).items()}
-                store["times"].setdefault(name, {}).update(row_times)
-            try:  # a full disk or read-only storage: one line, the last scores.json kept
-                write_json_atomic(store_path, store)
-            except ValueError as error:
-                if created and not os.listdir(out_dir):  # no empty folder left behind
-                    os.rmdir(out_dir)
-                sys.exit(f"evaluate.py: error: {error}")
+    scored, saved = 0, time.monotonic()
+    try:
+        for run_backbone, run_methods, reference in runs:
+            batches = score_batches(
+                run_backbone, rewards, prompts, seeds, run_methods, reference, batch_size, pending,
+                progress=True,
+            )  # fmt: skip
+            for scores, times in batches:
+                for name, per_reward in scores.items():
+                    for reward_name, values in per_reward.items():
+                        column = store["scores"].setdefault(name, {}).setdefault(reward_name, {})
+                        column.update({keys[i]: v for i, v in values.items()})
+                        scored += len(values)
+                    row_times = {keys[i]: t for i, t in times.get(name, {}).items()}
+                    store["times"].setdefault(name, {}).update(row_times)
+                if time.monotonic() - saved > SAVE_EVERY:  # scores.json, now and then
+                    save()
+                    saved = time.monotonic()
+    except KeyboardInterrupt:  # Ctrl-C: what is scored is kept; one line, exit 130 as a shell
+        if scored:
+            save()
+            kept = f"{store_path} keeps every score made so far; the same command scores the rest"
+        else:
+            kept = "nothing was scored or written; the same command starts again"
+        print(f"evaluate.py: interrupted: {kept}", file=sys.stderr)
+        sys.exit(130)
+    if scored or not os.path.isfile(store_path):
+        save()
 
     lines = [
         f"# Evaluation of {os.path.abspath(args.ckpt)}\n\nbackbone {trained_on}, L = {steps} "
@@ -274,4 +302,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # before the scoring loop, which keeps its own scores
+        print("evaluate.py: interrupted before any score: nothing was written", file=sys.stderr)
+        sys.exit(130)

@@ -42,7 +42,7 @@ import torch
 import backbones
 from prompts import context_noise, load_prompt_file, noise_seed
 from rewards import check_reward, load_reward
-from runs.checkpoint import MAIN_RUN, load_checkpoint
+from runs.checkpoint import MAIN_RUN, check_fits, load_checkpoint
 from runs.figures import context_labels, draw_schedules
 from runs.folder import check_writable, write_failed
 from runs.heldout import default_schedule, policy_schedule, run_method
@@ -243,9 +243,11 @@ def write_outputs(out_dir, write):
     try:
         os.makedirs(out_dir, exist_ok=True)
         write()
-    except OSError as error:
-        if created:
+    except (OSError, KeyboardInterrupt) as error:
+        if created:  # a folder this call made, half written
             shutil.rmtree(out_dir, ignore_errors=True)
+        if isinstance(error, KeyboardInterrupt):
+            raise
         sys.exit(f"sample.py: error: {write_failed(error.filename or out_dir, error)}")
 
 
@@ -280,6 +282,7 @@ def main(argv=None):
             check_writable(out_dir)
         torch.set_num_threads(spec["threads"] or torch.get_num_threads())
         backbone = backbones.trained_backbone(config, device)
+        check_fits(policy, backbone, args.ckpt)
         backbone.check_prompts(prompts, config["reward"])
         contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
     except ValueError as error:
@@ -365,4 +368,12 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # one line, exit 130 as a shell; what was written stays as it is
+        print(
+            "sample.py: interrupted: the images already written stay; the same command samples "
+            "them all again",
+            file=sys.stderr,
+        )
+        sys.exit(130)

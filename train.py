@@ -28,6 +28,7 @@ import functools
 import json
 import math
 import os
+import sys
 import textwrap
 import time
 import types
@@ -45,8 +46,9 @@ from comparator.stepwise import StepwiseRollouts
 from policy import DirichletRollouts
 from prompts import DEFAULT, SHIPPED, context_seed
 from rewards import REWARDS
-from runs import launch, track
+from runs import launch
 from runs.checkpoint import POLICIES, save_checkpoint
+from runs.track import TRACKERS
 
 # -----------------------------------------------------------------------------
 # configuration: one field per line; None = resolved by resolve() below
@@ -177,7 +179,7 @@ CHOICES = dict(
     optimizer=["reinforce", "ppo"],
     dtype=["bfloat16", "float16", "float32"],
     device=["cpu", "cuda"],
-    track=list(track.TRACKERS),
+    track=list(TRACKERS),
 )
 
 
@@ -286,9 +288,16 @@ def main(config):
     run = launch.setup(config, functools.partial(make_optimizer, config))
     if run is None:  # out_dir holds this run, finished: reported
         return
+    with run:  # the run folder (one writer), the trackers, the process group: until the run ends
+        train(config, run)
+        # ---------------- held-out evaluation, figure, policy in the Hub format ----------------
+        launch.finish(config, run)
+
+
+def train(config, run):
+    """The loop: config.iterations - run.start policy updates, each logged, checkpointed on time."""
     raw_policy, backbone, reward = run.policy, run.backbone, run.reward
     policy = DistributedDataParallel(raw_policy) if run.distributed else raw_policy
-    tracker = track.open_tracker(config.track, config.out_dir, config) if run.master else None
     # the one place the policy's kind matters: single pass (policy.py) or step-wise (comparator/)
     Rollouts = StepwiseRollouts if config.policy == "stepwise" else DirichletRollouts
     contexts_per_rank = config.contexts // run.world_size
@@ -374,8 +383,8 @@ def main(config):
         run.rows.append(row)
         with launch.written(run.metrics_path), open(run.metrics_path, "a") as file:
             file.write(json.dumps(row) + "\n")
-        if tracker:
-            tracker.log(row)
+        if run.tracker:
+            run.tracker.log(row)
         if done % config.log_interval == 0 or done == config.iterations:
             clipped = f" | clipped {clip_fraction:.2f}" if config.optimizer == "ppo" else ""
             progress.write(
@@ -398,11 +407,11 @@ def main(config):
                 save_checkpoint(run.ckpt_path, state)
             launch.snapshot(config, raw_policy, done)
 
-    # ---------------- held-out evaluation, figure, policy in the Hub format ----------------
-    if tracker:
-        tracker.close()
-    launch.finish(config, run)
-
 
 if __name__ == "__main__":
-    main(parse_config())
+    CONFIG = parse_config()
+    try:
+        main(CONFIG)
+    except KeyboardInterrupt:  # Ctrl-C: one line, what the run folder keeps; 130, as a shell exits
+        print(launch.interrupted(CONFIG), file=sys.stderr)
+        sys.exit(130)

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from backbones import BACKBONES
 from comparator.stepwise import StepwisePolicy
 from hub import check_safetensors, hub_file, read_json
 from policy import GlobalPolicy, SchedulePolicy, json_times
@@ -151,6 +152,10 @@ def load_checkpoint(source, backbone=None, steps=None):
         missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
         in_folder = os.path.isdir(source)
         if in_folder and not all(os.path.isfile(os.path.join(source, name)) for name in names):
+            inside = [name for name in ("policy", "ckpt.pt") if os.path.exists(f"{source}/{name}")]
+            if inside:  # a run folder of train.py, given instead of what it holds
+                ways = " or ".join(os.path.join(source, name) for name in inside)
+                raise ValueError(f"{source} is a run folder of train.py: pass {ways}")
             raise ValueError(missing)
         if in_folder:
             files = {name: os.path.join(source, name) for name in names}
@@ -166,15 +171,22 @@ def load_checkpoint(source, backbone=None, steps=None):
         training = saved.get("training_config")
         if training is None:
             training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
+        check_saved_config(files["config.json"], saved, training)
         training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
         checkpoint = dict(config=training, iteration=training["iteration"])
         kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
         folder = os.path.dirname(files["config.json"])
-        # the mixin prints "Loading weights from local directory"
-        with contextlib.redirect_stdout(io.StringIO()):
-            policy = POLICIES[kind].from_pretrained(
-                folder, backbone=training["backbone"], training_config=training
-            )
+        try:  # the mixin prints "Loading weights from local directory"
+            with contextlib.redirect_stdout(io.StringIO()):
+                policy = POLICIES[kind].from_pretrained(
+                    folder, backbone=training["backbone"], training_config=training
+                )
+        except (TypeError, ValueError, RuntimeError) as error:  # fields edited out of step
+            reason = str(error).splitlines()[0][:160]
+            raise ValueError(
+                f"{files['config.json']} does not describe the weights beside it ({reason}); "
+                f"restore it, or {again}"
+            ) from None
     else:
         raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
     config = checkpoint["config"]
@@ -184,6 +196,42 @@ def load_checkpoint(source, backbone=None, steps=None):
     if steps is not None and steps != config["steps"]:
         raise ValueError(f"{source} was trained for L={config['steps']} steps, not L={steps}")
     return checkpoint, policy.eval()
+
+
+def check_saved_config(path, saved, training):
+    """ValueError in one line naming config.json and its field when a policy folder's config.json
+    contradicts itself (edited by hand): a kind no policy has, a backbone this project does not
+    know, or a backbone or L other than its training configuration's."""
+    kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
+    if kind not in POLICIES:
+        known = ", ".join(POLICIES)
+        raise ValueError(f'{path}: "kind" is {kind!r}, not a policy kind ({known}); {RESTORE}')
+    name = saved.get("backbone")
+    if name is not None and name not in BACKBONES:
+        raise ValueError(f'{path}: "backbone" is {name!r}, not a backbone here; {RESTORE}')
+    for field in ("backbone", "steps"):
+        trained = training.get(field)
+        if saved.get(field) is not None and trained is not None and saved[field] != trained:
+            raise ValueError(
+                f'{path}: "{field}" is {saved[field]!r} but its "training_config" says '
+                f"{trained!r}; {RESTORE}"
+            )
+
+
+def check_fits(policy, backbone, source):
+    """ValueError in one line when the policy reads inputs of other sizes than the backbone gives
+    (its config.json names another backbone's latent channels or text widths), before sampling."""
+    keys = ("latent_channels", "text_dim", "pooled_dim")
+    built = {key: policy.config.get(key) for key in keys if key in policy.config}
+    given = {key: backbone.policy_dims.get(key) for key in built}
+    if built != given:
+        raise ValueError(
+            f"{source} was built for inputs {built}, {backbone.name} gives {given}: its "
+            f"config.json names another backbone's sizes; {RESTORE}"
+        )
+
+
+RESTORE = "restore the file from the run folder it came from, or train again"
 
 
 def load_policy(source, backbone=None, steps=None):

@@ -102,6 +102,27 @@ def lock_run(out_dir):
     return handle
 
 
+# what train.py writes into a run folder (run.lock first, when it takes the folder)
+RUN_FILES = (
+    "ckpt.pt",
+    "metrics.jsonl",
+    "eval.json",
+    "train.png",
+    "policy",
+    "snapshots",
+    "tensorboard",
+    "wandb",
+)
+
+
+def foreign_files(out_dir):
+    """The files of RUN_FILES that `out_dir` holds although no run of train.py took it (it has no
+    run.lock): a user's, which a run would overwrite."""
+    if os.path.exists(os.path.join(out_dir, "run.lock")):
+        return []
+    return [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+
+
 def metric_rows(path):
     """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at
     most the last one unfinished; damage, any): those are skipped, not fatal, as every checkpoint

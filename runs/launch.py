@@ -33,9 +33,16 @@ from runs.checkpoint import (
     save_policy,
 )
 from runs.figures import context_labels, plot_training
-from runs.folder import WriteFailed, check_writable, claim_run, metric_rows, write_failed
+from runs.folder import (
+    WriteFailed,
+    check_writable,
+    claim_run,
+    foreign_files,
+    metric_rows,
+    write_failed,
+)
 from runs.heldout import GAIN_CONTEXTS, format_table, heldout_gain, heldout_report, policy_schedule
-from runs.track import check_tracker
+from runs.track import check_tracker, open_tracker
 
 # the least value of each setting (contexts: the baseline's own, baselines.MIN_CONTEXTS)
 LEAST = dict(
@@ -96,10 +103,24 @@ class Run:
     eval_path: str
     heldout_gain: Callable | None
     lock: object | None  # the open run.lock of the master rank: one writer per run folder
+    tracker: object | None  # --track's TensorBoard or W&B mirror (the master rank's)
 
     @property
     def master(self):
         return self.rank == 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *error):
+        """However the run ends: the trackers flushed, the process group left, the run folder
+        released for the next writer."""
+        if self.tracker is not None:
+            self.tracker.close()
+        if self.distributed:
+            dist.destroy_process_group()
+        if self.lock is not None:
+            self.lock.close()
 
 
 def fail(message):
@@ -198,6 +219,12 @@ def check(config, world_size):
         checkpoint = existing_run(dataclasses.asdict(config))
         if not finished(config, checkpoint):  # a finished run is reported, even if read-only
             check_writable(config.out_dir)
+        foreign = [] if checkpoint else foreign_files(config.out_dir)
+        if foreign:  # a user's files where this run would write its own: never overwritten
+            fail(
+                f"--out-dir {config.out_dir} holds {', '.join(foreign)}, which no run of train.py "
+                "wrote (there is no run.lock); pass another --out-dir, or move them away"
+            )
         return prompts, heldout, checkpoint
     except ValueError as error:
         fail(error)
@@ -350,9 +377,10 @@ def setup(config, make_optimizer):
             f"{config.contexts // world_size} contexts each"
         )
     eval_path = os.path.join(config.out_dir, "eval.json")
+    tracker = open_tracker(config.track, config.out_dir, config) if master else None
     return Run(
         rank, world_size, device, distributed, backbone, reward, prompts, heldout, policy,
-        optimizer, start, rows, *paths, eval_path, gain, lock,
+        optimizer, start, rows, *paths, eval_path, gain, lock, tracker,
     )  # fmt: skip
 
 
@@ -384,8 +412,7 @@ def check_finite(config, run, iteration, rewards):
 
 def finish(config, run):
     """The training figure, the policy in the Hub format and the held-out report (rank 0; its
-    eval.json last, as it marks the run finished), then the end of the process group and the run
-    folder's lock."""
+    eval.json last, as it marks the run finished); the other ranks wait for it."""
     if run.master:
         backbone, policy = run.backbone, run.policy
         prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
@@ -413,6 +440,18 @@ def finish(config, run):
         )
     if run.distributed:
         dist.barrier()
-        dist.destroy_process_group()
-    if run.lock is not None:
-        run.lock.close()
+
+
+def interrupted(config):
+    """The one line a Ctrl-C ends train.py with: what the run folder keeps, and how to go on."""
+    path = os.path.join(config.out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        return (
+            f"interrupted before the first checkpoint: nothing of this run is kept in "
+            f"{config.out_dir}; the same command starts it afresh"
+        )
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return (
+        f"interrupted: {path} holds iteration {state['iteration']} of {config.iterations}; the "
+        "same command continues from there"
+    )

@@ -221,10 +221,11 @@ def test_cli_writes_table_scores_plots_and_resumes(
         "4",
     ]
 
-    # an interrupted run (killed in the second batch) keeps the first batch
+    # a run stopped by Ctrl-C in the second batch keeps the first batch, and exits 130
     Counter(monkeypatch, die_at_reward_call=5)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit) as stopped:
         evaluate.main([*args, "--count", "10"])
+    assert stopped.value.code == 130
     store = json.loads((out / "scores.json").read_text())
     assert {m: len(store["scores"][m]["teacher"]) for m in store["scores"]} == {
         "default": 4,

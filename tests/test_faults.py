@@ -151,6 +151,27 @@ def run_copy(damage=lambda out: None):
     return make
 
 
+def edited_config(**fields):
+    """A policy folder whose config.json was edited by hand: `fields` set at its top level."""
+
+    def edit(policy):
+        config = json.loads((policy / "config.json").read_text())
+        (policy / "config.json").write_text(json.dumps({**config, **fields}))
+
+    return policy_copy(edit)
+
+
+def users_files(tmp, run):
+    """A folder a user keeps files in that a run would write: no run of train.py took it."""
+    (tmp / "out" / "policy").mkdir(parents=True)
+    (tmp / "out" / "train.png").write_bytes(b"a user's figure")
+    (tmp / "out" / "metrics.jsonl").write_text('{"note": "a user\'s log"}\n')
+    (tmp / "out" / "policy" / "README.md").write_text("a user's notes\n")
+
+
+BOM = "\ufeff"
+
+
 def nothing(tmp, run):
     pass
 
@@ -473,6 +494,103 @@ CASES = [
         ["train.py", *RUN_ARGS, "--seed", "1", "--out-dir", "{tmp}/run", "--resume"],
         r"holds a run with seed=0, not 1; pass another --out-dir for this run \(or --seed 0",
     ),
+    # 11. what a new user still hit: hand-edited policy folders, a foreign --out-dir, a run folder
+    # given as --ckpt, prompt files with a byte-order mark or a folder, missing files named, seeds
+    (
+        "policy-config-kind-edited",
+        edited_config(kind="tpdm"),
+        NONE,
+        ["sample.py", "--ckpt", "{tmp}/policy"],
+        r'policy/config.json: "kind" is \'tpdm\', not a policy kind \(instance, global, stepwise\)',
+    ),
+    (
+        "policy-config-backbone-edited",
+        edited_config(backbone="mini-sd3"),
+        NONE,
+        ["sample.py", "--ckpt", "{tmp}/policy"],
+        r'policy/config.json: "backbone" is \'mini-sd3\' but its "training_config" says \'digits\'',
+    ),
+    (
+        "policy-config-steps-edited",
+        edited_config(steps=7),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/policy"],
+        r'policy/config.json: "steps" is 7 but its "training_config" says 4',
+    ),
+    (
+        "out-dir-of-a-users-files",
+        users_files,
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/out"],
+        r"--out-dir .*out holds metrics.jsonl, train.png, policy, which no run of train.py wrote",
+    ),
+    (
+        "sample-ckpt-a-run-folder",
+        run_copy(),
+        NONE,
+        ["sample.py", "--ckpt", "{tmp}/run"],
+        r"run is a run folder of train.py: pass .*run/policy or .*run/ckpt.pt",
+    ),
+    (
+        "evaluate-ckpt-a-run-folder",
+        run_copy(),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/run"],
+        r"run is a run folder of train.py: pass .*run/policy or .*run/ckpt.pt",
+    ),
+    (
+        "prompts-txt-with-a-byte-order-mark",
+        write("bom.txt", BOM + "a handwritten 3\na handwritten 5\n"),
+        NONE,
+        ["train.py", *RUN_ARGS, "--prompts", "{tmp}/bom.txt", "--out-dir", "{tmp}/out"],
+        "wrote .*out/ckpt.pt",
+    ),
+    (
+        "prompts-jsonl-with-a-byte-order-mark",
+        write("bom.jsonl", BOM + '{"prompt": "a handwritten 3"}\n'),
+        NONE,
+        ["train.py", *RUN_ARGS, "--prompts", "{tmp}/bom.jsonl", "--out-dir", "{tmp}/out"],
+        "wrote .*out/ckpt.pt",
+    ),
+    (
+        "prompts-a-folder",
+        write("prompts/a.txt", "a handwritten 3\n"),
+        NONE,
+        ["train.py", "--prompts", "{tmp}/prompts", "--out-dir", "{tmp}/out"],
+        r"prompt file .*prompts is a folder; pass a .txt, .json or .jsonl file in it",
+    ),
+    (
+        "miniature-no-scheduler-config",
+        miniature_copy(
+            lambda m: (m / "scheduler/scheduler_config.json").rename(m / "scheduler/old.json")
+        ),
+        NONE,
+        [*MINI, "--model-path", "{tmp}/m"],
+        r"m/scheduler/scheduler_config.json is missing",
+    ),
+    (
+        "miniature-no-model-index",
+        miniature_copy(lambda m: (m / "model_index.json").unlink(), "miniatures/mini-sd3"),
+        MINIATURES_HERE,
+        MINI,
+        r"mini-sd3: miniatures/mini-sd3/model_index.json is missing from this checkout; restore "
+        r"it with `git checkout miniatures/mini-sd3`",
+    ),
+    (
+        "train-seed-negative",
+        nothing,
+        NONE,
+        ["train.py", "--seed", "-1", "--out-dir", "{tmp}/out"],
+        r"--seed must be an integer from 0 to 134,217,727 \(got -1\): a training context's noise "
+        "seed is built from it",
+    ),
+    (
+        "sample-seed-negative",
+        nothing,
+        NONE,
+        ["sample.py", "--seeds", "-1"],
+        r"argument --seeds: a seed is an integer from 0 to 2\^63 - 1, got -1",
+    ),
 ]
 
 
@@ -630,3 +748,116 @@ def test_a_prompt_past_the_window_is_refused_where_the_reward_reads_it_else_note
     backbone.check_prompts([LONG.strip()] * 3, "teacher")  # the same prompt: one note, one line
     printed = capsys.readouterr().out.strip()
     assert printed.startswith("note: 1 prompt(s) are longer") and "\n" not in printed
+
+
+# -----------------------------------------------------------------------------
+# Ctrl-C: one line saying what was kept and that the same command goes on, exit 130, as a shell
+
+# a KeyboardInterrupt as Ctrl-C raises it: after train.py's first checkpoint, in the middle of
+# evaluate.py's scoring (after `batches` batches) or of sample.py's sampling
+CTRL_C_AFTER_CHECKPOINT = """
+import runs.checkpoint as _checkpoint
+_save = _checkpoint.save_checkpoint
+def _save_then_ctrl_c(path, state):
+    _save(path, state)
+    if path.endswith("ckpt.pt"):
+        raise KeyboardInterrupt
+_checkpoint.save_checkpoint = _save_then_ctrl_c
+"""
+
+
+def ctrl_c_while_scoring(batches):
+    return f"""
+import runs.heldout as _heldout
+_score_batches = _heldout.score_batches
+def _stopped(*args, **kwargs):
+    for index, batch in enumerate(_score_batches(*args, **kwargs)):
+        if index == {batches}:
+            raise KeyboardInterrupt
+        yield batch
+_heldout.score_batches = _stopped
+"""
+
+
+CTRL_C_WHILE_SAMPLING = """
+import runs.heldout as _heldout
+def _ctrl_c(*args, **kwargs):
+    raise KeyboardInterrupt
+_heldout.run_method = _ctrl_c
+"""
+
+
+KEPT = r"interrupted: .*out/ckpt.pt holds iteration 1 of 2; the same command continues"
+
+
+@pytest.mark.parametrize("backbone", ["digits", "mini-sd3"])
+def test_ctrl_c_during_train_says_what_is_kept_and_the_same_command_continues(tmp_path, backbone):
+    command = ["train.py", *RUN_ARGS, "--backbone", backbone, "--out-dir", str(tmp_path / "out")]
+    if backbone != "digits":
+        command += ["--steps", "2"]
+    stopped = run_case(tmp_path, command, CTRL_C_AFTER_CHECKPOINT)
+    assert stopped.returncode == 130 and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
+    assert re_search(KEPT, stopped.stderr.strip().splitlines()[-1]), stopped.stderr
+    again = run_case(tmp_path, command, NONE)
+    assert again.returncode == 0 and "from iteration 1" in again.stdout, again.stderr[-2000:]
+    assert read_rows(tmp_path / "out") == [1, 2]
+
+
+def test_ctrl_c_during_evaluate_keeps_the_scores_or_leaves_no_folder(tmp_path, finished_run):
+    out = tmp_path / "eval"
+    command = ["evaluate.py", "--ckpt", f"{finished_run}/ckpt.pt", "--out-dir", str(out)]
+    command += ["--batch-size", "2"]
+    before = run_case(tmp_path, command, ctrl_c_while_scoring(0))  # before the first batch
+    assert before.returncode == 130 and "Traceback" not in before.stderr, before.stderr[-2000:]
+    assert "nothing was scored or written" in before.stderr and not out.exists()
+    during = run_case(tmp_path, command, ctrl_c_while_scoring(1))  # after one batch of two
+    assert during.returncode == 130 and "Traceback" not in during.stderr, during.stderr[-2000:]
+    last = during.stderr.strip().splitlines()[-1]
+    assert "scores.json keeps every score made so far; the same command scores the rest" in last
+    kept = json.loads((out / "scores.json").read_text())["scores"]["default"]["teacher"]
+    assert len(kept) == 2  # the first batch's contexts
+    again = run_case(tmp_path, command, NONE)
+    assert again.returncode == 0 and (out / "results.md").is_file(), again.stderr[-2000:]
+
+
+def test_ctrl_c_during_sample_ends_in_one_line_and_writes_nothing(tmp_path, finished_run):
+    out = tmp_path / "samples"
+    command = ["sample.py", "--ckpt", f"{finished_run}/policy", "--out-dir", str(out)]
+    stopped = run_case(tmp_path, command, CTRL_C_WHILE_SAMPLING)
+    assert stopped.returncode == 130 and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
+    assert "sample.py: interrupted" in stopped.stderr.strip().splitlines()[-1]
+    assert not out.exists()
+
+
+def test_a_users_files_in_out_dir_are_refused_and_left_as_they_were(tmp_path):
+    users_files(tmp_path, None)
+    before = {path: path.read_bytes() for path in (tmp_path / "out").rglob("*") if path.is_file()}
+    result = run_case(tmp_path, ["train.py", *RUN_ARGS, "--out-dir", str(tmp_path / "out")], NONE)
+    assert result.returncode == 1 and "no run of train.py wrote" in result.stderr
+    after = {path: path.read_bytes() for path in (tmp_path / "out").rglob("*") if path.is_file()}
+    assert after == before  # nothing renamed, overwritten or added
+
+
+def test_the_main_job_closes_every_file_it_opens(tmp_path):
+    """`python -W error train.py`: no ResourceWarning (the run folder's lock is closed)."""
+    result = subprocess.run(
+        [sys.executable, "-W", "error", os.path.join(ROOT, "train.py"), *RUN_ARGS],
+        cwd=tmp_path,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr[-2000:]
+
+
+def test_generate_samples_at_the_guidance_the_policy_was_trained_with():
+    from backbones.pipeline import trained_guidance
+    from runs.checkpoint import make_policy
+
+    dims = dict(latent_channels=16, text_dim=32, pooled_dim=64)
+    policy = make_policy("instance", dims, 3, backbone="mini-sd3")
+    assert trained_guidance(policy) == 1.25  # the miniature's, not the SD3 pipeline's 7.0
+    policy.training_config = dict(backbone="mini-sd3", guidance=2.0)
+    assert trained_guidance(policy) == 2.0
+    assert trained_guidance(make_policy("instance", dims, 3, backbone="flux-schnell")) is None
