@@ -15,6 +15,12 @@ Part B, gradients: a contextual bandit with a Dirichlet action like the schedule
 hidden per-context reward offsets (like prompt difficulty). Its expected reward has a closed form,
 so autograd gives the exact gradient; the table gives the MSE of the REINFORCE estimate (B = 16,
 K = 2) against it: the noise a baseline leaves in an update.
+
+Part C, the bound (docs/BOUND.md): the variance of the advantage r[c, i] - b[c, i] under each
+baseline in the same random-effects model, in closed form (rloo_variance, cross_context_variance,
+mix_variance with the weights oracle_weight and variance_optimal_weight) beside simulated batches,
+the plug-in JS and js-unbiased simulated only; then the effective-batch factors of JS over RLOO and
+over the better of RLOO and XCTX (factor_table, closed forms only: the same in --quick).
 """
 
 import argparse
@@ -45,7 +51,10 @@ REWARDS_PER_CELL = (2**19, 2**23)  # at the first look, and at most while JS - R
 SIGNIFICANT = 3.5  # |z| above this: two-sided p < 4.7e-4 per look
 OFFSET_SPREADS = (0.0, 1.0, 10.0)  # part B: std of the hidden per-context offsets, in rollout noise
 BANDIT = dict(actions=5, features=4, contexts=16, rollouts=2, batches=4000)
-QUICK = dict(rewards=(2**14, 2**14), batches=256)
+BOUND_RATIOS = (0.0, 0.1, 0.3, 1.0, 3.0, 10.0)  # part C: delta^2 / sigma^2, docs/BOUND.md's table
+BOUND_ROLLOUTS, BOUND_CONTEXTS = (2, 4), (4, 16)  # the K and B part C simulates
+BOUND_REWARDS = 2**21  # rewards per simulated cell of part C
+QUICK = dict(rewards=(2**14, 2**14), batches=256, bound_rewards=2**13)
 ESTIMATORS = {name: baselines.BASELINES[name] for name in ("rloo", "xctx", "js", "js-unbiased")}
 BASELINES = {"none": torch.zeros_like, **ESTIMATORS}  # part B also tries no baseline
 
@@ -207,28 +216,231 @@ def gradient_errors(bandit, offset_spread, batches, generator):
     return results
 
 
-def plot_toy_js(cells, path):
-    """Each baseline's MSE over RLOO's against delta^2/sigma^2, at the paper's K = 2, B = 16 (cells:
-    estimation_cell's)."""
+# ---- part C: the variance of the advantage r - b, closed forms (docs/BOUND.md) and simulation
+# Every form is in units of sigma^2, a function of ratio = rho = delta^2 / sigma^2, rollouts K and
+# contexts B (floats; B = math.inf gives the limit). N = B*K. Each baseline below but the plug-in JS
+# leaves r[c, i] out, so Var(r - b) = sigma^2 + E(b - mu_c)^2 (BOUND.md, eq. 0): part A's MSE + 1.
+BOUND_FORMS = ("rloo", "xctx", "js a*", "oracle")  # printed; "ideal" (b = mu_c, 1) is checked too
+
+
+def rloo_variance(rollouts):
+    """Var(r - b_rloo) / sigma^2 = K / (K-1), whatever B and rho (BOUND.md, eq. 1)."""
+    return rollouts / (rollouts - 1)
+
+
+def cross_context_variance(ratio, rollouts, contexts=math.inf):
+    """Var(r - b_xctx) / sigma^2 = N/(N-1) + rho K^2 B(B-1) / (N-1)^2, -> 1 + rho as B -> inf
+    (BOUND.md, eq. 2); written with 1/N and 1/B so that B = math.inf gives the limit."""
+    inverse = 1 / (contexts * rollouts)  # 1/N
+    return 1 / (1 - inverse) + ratio * (1 - 1 / contexts) / (1 - inverse) ** 2
+
+
+def mix_variance(weight, ratio, rollouts, contexts=math.inf):
+    """Var(r - b) / sigma^2 for b = (1 - a) b_rloo + a b_xctx with a fixed weight a (BOUND.md,
+    eq. 3): 1 + (1-a)^2 / (K-1) + a^2 M_x + 2 a (1-a) / (N-1), M_x = eq. 2 - 1 the MSE of b_xctx;
+    1/(N-1) is the covariance of the two baselines' errors (they share context c's K-1 others)."""
+    inverse = 1 / (contexts * rollouts)
+    shared = inverse / (1 - inverse)  # 1/(N-1)
+    cross_error = cross_context_variance(ratio, rollouts, contexts) - 1  # M_x
+    rloo_error = 1 / (rollouts - 1)
+    keep = 1 - weight
+    return 1 + keep**2 * rloo_error + weight**2 * cross_error + 2 * weight * keep * shared
+
+
+def oracle_weight(ratio, rollouts):
+    """a* = (1/(K-1)) / (1/(K-1) + rho): JS's weight with sigma^2 and delta^2 known, the posterior
+    weight on mu_0 were mu_0 known (BOUND.md, eq. 4)."""
+    return (1 / (rollouts - 1)) / (1 / (rollouts - 1) + ratio)
+
+
+def variance_optimal_weight(ratio, rollouts, contexts=math.inf):
+    """a_var = (1/(K-1)) / (1/(K-1) + rho N/(N-1)), the fixed weight that minimises eq. 3 (BOUND.md,
+    eq. 5); a_var < a* at finite B, equal as B -> inf. Its mix is oracle_baseline exactly."""
+    return (1 / (rollouts - 1)) / (1 / (rollouts - 1) + ratio / (1 - 1 / (contexts * rollouts)))
+
+
+def effective_batch(ratio, rollouts, contexts=math.inf, weight=None):
+    """How many times its batch RLOO, or the better of RLOO and XCTX, needs for the advantage
+    variance of b = (1 - a) b_rloo + a b_xctx, a = a* unless given (BOUND.md, eq. 8):
+    {"rloo": V_rloo / V, "best": min(V_rloo, V_xctx) / V}."""
+    weight = oracle_weight(ratio, rollouts) if weight is None else weight
+    variance = mix_variance(weight, ratio, rollouts, contexts)
+    better = min(rloo_variance(rollouts), cross_context_variance(ratio, rollouts, contexts))
+    return {"rloo": rloo_variance(rollouts) / variance, "best": better / variance}
+
+
+def largest_factor_over_best(rollouts, contexts=math.inf):
+    """(rho, factor): the largest factor over the better of RLOO and XCTX that any baseline built
+    from the other rewards reaches (oracle_baseline, eq. 5's mix), at the rho where the two tie,
+    rho = (1 - 1/N) / (K-1); there a_var = 1/2 and the factor is 2K / (2K - 1 + (K-1)/(N-1))
+    (BOUND.md, eq. 9), 2K/(2K-1) as B -> inf."""
+    inverse = 1 / (contexts * rollouts)
+    ratio = (1 - inverse) / (rollouts - 1)
+    return ratio, 2 * rollouts / (2 * rollouts - 1 + (rollouts - 1) * inverse / (1 - inverse))
+
+
+def factor_table(ratios=BOUND_RATIOS, rollouts=(2, 4), contexts=(16, math.inf)):
+    """The lines of BOUND.md's table: JS's effective-batch factors (weight a*) over RLOO and over
+    the better of RLOO and XCTX, per rho, K and B, from the closed forms alone."""
+    columns = list(itertools.product(rollouts, contexts))
+    head = " | ".join(f"K={k} B={b:<4g}  " for k, b in columns)
+    lines = [f"d2/s2 | {head}".rstrip(), "      | " + " | ".join("/rloo  /best" for _ in columns)]
+    for ratio in ratios:
+        factors = [effective_batch(ratio, k, b) for k, b in columns]
+        row = " | ".join(f"{f['rloo']:5.3f}  {f['best']:5.3f}" for f in factors)
+        lines.append(f"{ratio:>5g} | {row}")
+    return lines
+
+
+def advantage_squares(ratio, contexts, rollouts, batches, generator):
+    """name -> (batches,): per simulated batch, the mean of (r - b)^2 over its B*K advantages, an
+    unbiased estimate of Var(r - b) (E(r - b) = 0 for every baseline here); "kept" is 1 - beta,
+    beta = mean of (b_js - mu_c) eps over the batch, which estimates Cov(b_js[c, i], eps[c, i]) /
+    sigma^2 = E[d b_js[c, i] / d r[c, i]] (Stein's lemma): how far the plug-in JS moves with the
+    reward it is the baseline of, which scales the gradient's signal by 1 - beta (BOUND.md)."""
+    chunk = 2**20 // (contexts * rollouts)  # batches simulated at once
+    fixed = {
+        "js a*": oracle_weight(ratio, rollouts),
+        "oracle": variance_optimal_weight(ratio, rollouts, contexts),
+    }
+    results = []
+    for start in range(0, batches, chunk):
+        size = min(chunk, batches - start)
+        means = 3.0 + math.sqrt(ratio) * normal((size, contexts, 1), generator)  # mu_c
+        noise = normal((size, contexts, rollouts), generator)  # eps
+        rewards = means + noise
+        own, cross = baselines.rloo(rewards), baselines.cross_context(rewards)
+        estimates = {"rloo": own, "xctx": cross, "ideal": means}
+        estimates.update({name: (1 - a) * own + a * cross for name, a in fixed.items()})
+        estimates["js"] = baselines.james_stein(rewards)
+        estimates["js-unbiased"] = baselines.james_stein_unbiased(rewards)
+        squares = {name: (rewards - b).square().mean((-2, -1)) for name, b in estimates.items()}
+        kept = 1 - ((estimates["js"] - means) * noise).mean((-2, -1))
+        results.append(dict(squares, kept=kept))
+    return {name: torch.cat([result[name] for result in results]) for name in results[0]}
+
+
+def bound_cell(ratio, contexts, rollouts, rewards, generator):
+    """Closed forms and simulated means (with standard errors) of Var(r - b) / sigma^2."""
+    batches = max(rewards // (contexts * rollouts), 16)
+    squares = advantage_squares(ratio, contexts, rollouts, batches, generator)
+    weights = {
+        "js a*": oracle_weight(ratio, rollouts),
+        "oracle": variance_optimal_weight(ratio, rollouts, contexts),
+    }
+    form = {
+        "rloo": rloo_variance(rollouts),
+        "xctx": cross_context_variance(ratio, rollouts, contexts),
+        **{name: mix_variance(a, ratio, rollouts, contexts) for name, a in weights.items()},
+        "ideal": 1.0,
+    }
+    simulated = {name: value.mean().item() for name, value in squares.items()}
+    error = {name: value.std().item() / math.sqrt(batches) for name, value in squares.items()}
+    z = {name: (simulated[name] - form[name]) / error[name] for name in form}
+    per_signal = simulated["js"] / simulated["kept"] ** 2  # the plug-in's variance per unit signal
+    cell = dict(ratio=ratio, K=rollouts, B=contexts, batches=batches, form=form, z=z)
+    return dict(cell, simulated=simulated, standard_error=error, js_per_signal=per_signal)
+
+
+def bound_lines(cells):
+    """Part C's tables and conclusions: closed form against simulation, then the factors."""
+    lines = ["Part C: Var(r - b) / sigma^2, closed form (docs/BOUND.md) and simulated", "", "```"]
+    lines.append(
+        " K   B  d2/s2 |  rloo (sim)   |  xctx (sim)   | js a* (sim)   | oracle (sim)  | max|z|"
+        " |  js    kept js/kept^2 js-unb"
+    )
+    for c in cells:
+        pairs = [f"{c['form'][n]:6.3f} {c['simulated'][n]:6.3f}" for n in BOUND_FORMS]
+        largest = max(abs(z) for z in c["z"].values())
+        plug_in = f"{c['simulated']['js']:6.3f} {c['simulated']['kept']:5.3f}"
+        tail = f"{plug_in} {c['js_per_signal']:9.3f} {c['simulated']['js-unbiased']:6.3f}"
+        head = f"{c['K']:>2} {c['B']:>3} {c['ratio']:>6g}"
+        lines.append(f"{head} | {' | '.join(pairs)} | {largest:6.1f} | {tail}")
+    lines += ["```", "", "Effective batch of JS (weight a*), closed forms (BOUND.md, eq. 8):", ""]
+    lines += ["```", *factor_table(), "```"]
+    return lines
+
+
+def bound_summary(cells):
+    """The conclusions of part C, one line each."""
+    largest = max(abs(z) for c in cells for z in c["z"].values())
+    lines = [
+        f"closed forms against {len(cells)} simulated cells: largest |z| = {largest:.1f} "
+        f"(each a mean of (r - b)^2 over the cell's batches, in standard errors)"
+    ]
+    for rollouts in BOUND_ROLLOUTS:
+        ceilings = []
+        for contexts in (16, math.inf):
+            ratio, factor = largest_factor_over_best(rollouts, contexts)
+            js = effective_batch(ratio, rollouts, contexts)["best"]
+            ceilings.append(
+                f"B={contexts:g}: {factor:.3f} at d2/s2 = {ratio:.3f} (JS a*: {js:.3f})"
+            )
+        ideal = rloo_variance(rollouts)
+        lines.append(
+            f"K={rollouts}: largest factor over the better of RLOO and XCTX, "
+            + ", ".join(ceilings)
+            + f"; b = mu_c itself is worth {ideal:.3f}x RLOO's batch"
+        )
+    for c in cells:
+        if (c["K"], c["B"], c["ratio"]) == (2, 16, 1.0):
+            better = min(c["form"]["rloo"], c["form"]["xctx"])
+            plug_in, kept = c["simulated"]["js"] / better, c["simulated"]["kept"]
+            oracle, per_signal = c["form"]["oracle"] / better, c["js_per_signal"] / better
+            lines.append(
+                f"K=2 B=16 d2/s2=1: plug-in JS's Var(r - b) is {plug_in:.3f}x the better of RLOO "
+                f"and XCTX, below the oracle's {oracle:.3f}x: it keeps {kept:.3f} of the signal, "
+                f"so per unit of signal {per_signal:.3f}x"
+            )
+    return lines
+
+
+def plot_toy_js(cells, bound_cells, path):
+    """Left: each baseline's MSE over RLOO's against delta^2/sigma^2, at the paper's K = 2, B = 16
+    (cells: estimation_cell's). Right: the effective batch over the better of RLOO and XCTX, same
+    K and B, closed forms as lines, simulated batches as markers (bound_cells: bound_cell's)."""
     from matplotlib.figure import Figure
 
-    ax = Figure(figsize=(6, 4), layout="tight").subplots()
+    left, right = Figure(figsize=(12, 4), layout="tight").subplots(1, 2)
     row = [c for c in cells if c["K"] == 2 and c["B"] == 16]
     for name in ("xctx", "js", "js-unbiased", "oracle"):
         relative = [c["mse"][name] / c["mse"]["rloo"] for c in row]
-        ax.plot([c["ratio"] for c in row], relative, "-o", markersize=3, label=name)
-    ax.axhline(1.0, color="black", linestyle="--", label="rloo")
-    ax.set(xscale="symlog", yscale="log", xlabel="delta^2 / sigma^2 (symlog)", xlim=(0, 150))
-    ax.set(ylabel="MSE / RLOO's MSE", title="estimating a context's mean reward, K=2, B=16")
-    ax.legend(fontsize=8)
-    ax.figure.savefig(path, dpi=110)
+        left.plot([c["ratio"] for c in row], relative, "-o", markersize=3, label=name)
+    left.axhline(1.0, color="black", linestyle="--", label="rloo")
+    left.set(xscale="symlog", yscale="log", xlabel="delta^2 / sigma^2 (symlog)", xlim=(0, 150))
+    left.set(ylabel="MSE / RLOO's MSE", title="estimating a context's mean reward, K=2, B=16")
+    left.legend(fontsize=8)
+
+    ratios = [10 ** (k / 40) for k in range(-60, 61)]  # 0.03 .. 30
+    for contexts, style in ((16, "-"), (math.inf, ":")):
+        factors = [effective_batch(ratio, 2, contexts)["best"] for ratio in ratios]
+        right.plot(ratios, factors, style, color="C1", label=f"js a*, closed form, B={contexts:g}")
+    ideal = [min(2.0, cross_context_variance(ratio, 2, 16)) for ratio in ratios]
+    right.plot(ratios, ideal, "--", color="gray", label="b = mu_c, closed form, B=16")
+    row = [c for c in bound_cells if c["K"] == 2 and c["B"] == 16 and c["ratio"] > 0]
+    better = [min(c["form"]["rloo"], c["form"]["xctx"]) for c in row]
+    simulated = {
+        "js a*": [c["simulated"]["js a*"] for c in row],
+        "js (plug-in), raw": [c["simulated"]["js"] for c in row],
+        "js (plug-in), per unit of signal": [c["js_per_signal"] for c in row],
+        "js-unbiased": [c["simulated"]["js-unbiased"] for c in row],
+    }
+    for (name, variances), marker in zip(simulated.items(), "o^sD"):
+        factors = [b / v for b, v in zip(better, variances)]
+        right.plot([c["ratio"] for c in row], factors, marker, fillstyle="none", label=name)
+    right.axhline(1.0, color="black", linewidth=0.8)
+    right.set(xscale="log", xlabel="delta^2 / sigma^2", ylim=(0.8, 2.1))
+    right.set(ylabel="min(V_rloo, V_xctx) / V", title="effective batch over the better, K=2, B=16")
+    right.legend(fontsize=8)
+    left.figure.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.out_dir, exist_ok=True)
-    settings = QUICK if args.quick else dict(rewards=REWARDS_PER_CELL, batches=BANDIT["batches"])
+    full = dict(rewards=REWARDS_PER_CELL, batches=BANDIT["batches"], bound_rewards=BOUND_REWARDS)
+    settings = QUICK if args.quick else full
     if args.record and args.quick:
         parser.error("--record writes evidence: run it without --quick")
     started, code = time.time(), commit()
@@ -262,11 +474,21 @@ if __name__ == "__main__":
         rloo_mse = gradient["rloo"][0]
         relative = [f"{n}/rloo = {gradient[n][0] / rloo_mse:.2f}" for n in ("js", "xctx", "none")]
         conclusions.append(f"offset spread {spread:g}: gradient MSE " + ", ".join(relative))
-    lines += ["```", "", "Conclusions:", "", *(f"- {line}" for line in conclusions)]
+    lines.append("```")
+
+    # ---- part C: the bound
+    grid = itertools.product(BOUND_ROLLOUTS, BOUND_CONTEXTS, BOUND_RATIOS)  # K, B, delta^2/sigma^2
+    rewards = settings["bound_rewards"]
+    bound_cells = [bound_cell(ratio, B, K, rewards, generator) for K, B, ratio in grid]
+    lines += ["", *bound_lines(bound_cells)]
+    conclusions += bound_summary(bound_cells)
+    lines += ["", "Conclusions:", "", *(f"- {line}" for line in conclusions)]
     print("\n".join(lines))
-    plot_toy_js(cells, os.path.join(args.out_dir, "toy_js.png"))
+    plot_toy_js(cells, bound_cells, os.path.join(args.out_dir, "toy_js.png"))
     gradient = dict(zip(map(str, OFFSET_SPREADS), gradients))
-    summary = dict(settings=settings, estimation=cells, gradient=gradient, conclusions=conclusions)
+    bound = dict(cells=bound_cells, factors=factor_table())
+    summary = dict(settings=settings, estimation=cells, gradient=gradient, bound=bound)
+    summary["conclusions"] = conclusions
     with open(os.path.join(args.out_dir, "toy_js.json"), "w") as file:
         json.dump(dict(summary, seconds=time.time() - started), file, indent=1)
     written = f"{args.out_dir}/toy_js.json and toy_js.png"
