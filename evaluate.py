@@ -18,8 +18,9 @@ One GPU, HPSv2 and CLIP on the 3,200 HPDv2 test prompts (once: `hf download zhwa
 
 Writes under --out-dir (default: eval/ next to the checkpoint): results.md (mean and 95% CI per
 method, paired difference to default with its CI, per style for HPDv2), scores.json (every score,
-per method, reward and context) and results.png. A rerun loads scores.json and scores only what is
-missing, so an interrupted run resumes and --limit can be raised later.
+per method, reward and context) and, with --figure, results.png. A rerun loads scores.json and
+scores only what is missing, so an interrupted run resumes and --limit can be raised later
+(scores.json is written every 30 s, at the end and at a Ctrl-C: a kill loses at most 30 s).
 """
 
 import argparse
@@ -52,6 +53,7 @@ add = parser.add_argument
 add("--ckpt", default=MAIN_RUN, help="instance-level checkpoint written by train.py")
 add("--global-ckpt", help="optional checkpoint of a global schedule (same backbone and L)")
 add("--out-dir", help="output folder; default: eval/ next to --ckpt")
+add("--figure", action="store_true", help="also draw results.png (differences, learned times)")
 # contexts
 add("--prompts", help="prompt file (.txt, .json, .jsonl)")
 add("--hpdv2", nargs="?", const="hub", help="HPDv2 test prompts: folder of <style>.json, else hub")
@@ -78,7 +80,7 @@ add("--schnell-path", help="local Flux-Schnell folder; default: the hub cache or
 add("--backbone", help="expected backbone; an error if the checkpoint was trained on another")
 add("--steps", type=int, help="expected L; an error if the checkpoint was trained for another")
 # system
-add("--batch-size", type=int, help="contexts per batch; default 200 for digits, 8 otherwise")
+add("--batch-size", type=int, help="contexts per batch; default 8 at 512 px and up, else 256")
 add("--device", help="default: cuda when available, else cpu")
 
 
@@ -139,6 +141,11 @@ def check_args(args):
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
     check_writable(out_dir)
     return policies, args.rewards or [trained_reward, *beside], local, out_dir
+
+
+def default_batch_size(backbone):
+    """Contexts per batch: 8 at 512 px and above (a GPU's memory), 256 for the small backbones."""
+    return 8 if backbone.resolution >= 512 else 256
 
 
 def main(argv=None):
@@ -232,7 +239,7 @@ def main(argv=None):
                 os.rmdir(out_dir)  # no empty folder left behind
             sys.exit(f"evaluate.py: error: {error}")
 
-    batch_size = args.batch_size or (200 if backbone.prompts else 8)
+    batch_size = args.batch_size or default_batch_size(backbone)
     scored, saved = 0, time.monotonic()
     try:
         for run_backbone, run_methods, reference in runs:
@@ -295,10 +302,13 @@ def main(argv=None):
         write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)])
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
-    learned_times = {name: in_order(store["times"][name]) for name in policies}
-    default_times = backbone.default_times(steps).cpu()
-    plot_results(os.path.join(out_dir, "results.png"), tables, learned_times, default_times)
-    print(f"\nwrote {os.path.join(out_dir, 'results.md')}, scores.json and results.png")
+    written = f"{os.path.join(out_dir, 'results.md')} and scores.json"
+    if args.figure:
+        learned_times = {name: in_order(store["times"][name]) for name in policies}
+        default_times = backbone.default_times(steps).cpu()
+        plot_results(os.path.join(out_dir, "results.png"), tables, learned_times, default_times)
+        written += " and results.png"
+    print(f"\nwrote {written}")
 
 
 if __name__ == "__main__":

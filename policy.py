@@ -80,25 +80,30 @@ def increments_from_times(times):
 def sample_increments(alpha, rollouts, generator=None):
     """alpha (N, L+1) -> tau (N, rollouts, L+1) float32: K = rollouts Dirichlet draws per row.
 
-    Drawn in float64 on the generator's device (then moved to alpha's), so a CPU generator gives the
-    same schedules on any device. Gamma draws are taken in log space,
-    log G(a) = log G(a+1) + log(U)/a (Marsaglia & Tsang), and normalised with a softmax: a plain
-    Gamma(1e-3) draw underflows to 0 even in float64, and a row of zeros would give NaN. Flooring
-    at TAU_FLOOR and renormalising changes only draws below 1e-6 (and rescales the rest by at most
-    1 + L * 1e-6), so the gradient is biased only where such draws are common. tau_i is
-    Beta(a, A - a) with a = alpha_i, A = sum(alpha), so P(tau_i < 1e-6) ~ 1e-6 ** a /
-    (a B(a, A - a)): 1.1e-2 at a = 0.5 and 1e-4 at a = 1 for the default concentration A = 100,
-    0.42 at a = 0.1.
+    `generator`: one for every draw, or a list of one per row (train.py: each context draws from its
+    own, so that a context's draws depend neither on the batch nor on the number of ranks). Drawn in
+    float64 on the generators' device (then moved to alpha's), so a CPU generator gives the same
+    schedules on any device. Gamma draws are taken in log space, log G(a) = log G(a+1) + log(U)/a
+    (Marsaglia & Tsang), and normalised with a softmax: a plain Gamma(1e-3) draw underflows to 0
+    even in float64, and a row of zeros would give NaN. Flooring at TAU_FLOOR and renormalising
+    changes only draws below 1e-6 (and rescales the rest by at most 1 + L * 1e-6), so the gradient
+    is biased only where such draws are common. tau_i is Beta(a, A - a) with a = alpha_i, A =
+    sum(alpha), so P(tau_i < 1e-6) ~ 1e-6 ** a / (a B(a, A - a)): 1.1e-2 at a = 0.5 and 1e-4 at
+    a = 1 for the default concentration A = 100, 0.42 at a = 0.1.
     """
-    device = generator.device if generator is not None else alpha.device
+    rows = generator if isinstance(generator, (list, tuple)) else [generator]
+    device = rows[0].device if rows[0] is not None else alpha.device
     concentration = alpha.detach().to(device=device, dtype=torch.float64)
     concentration = concentration[:, None, :].expand(-1, rollouts, -1).contiguous()  # (N, K, L+1)
-    uniform = 1.0 - torch.rand(
-        concentration.shape, generator=generator, device=device, dtype=torch.float64
-    )
-    # torch._standard_gamma is what Gamma.sample uses; called directly as that takes no generator
-    gamma = torch._standard_gamma(concentration + 1.0, generator=generator)
-    log_gamma = torch.log(gamma) + uniform.log() / concentration
+    parts = concentration.split(1) if len(rows) > 1 else [concentration]
+    uniform, gamma = [], []
+    for part, draws in zip(parts, rows):  # each row's draws from its own generator, in this order
+        uniform.append(
+            1.0 - torch.rand(part.shape, generator=draws, device=device, dtype=torch.float64)
+        )
+        # torch._standard_gamma is what Gamma.sample uses, called directly: it takes a generator
+        gamma.append(torch._standard_gamma(part + 1.0, generator=draws))
+    log_gamma = torch.cat(gamma).log() + torch.cat(uniform).log() / concentration
     tau = torch.softmax(log_gamma, dim=-1).clamp_min(TAU_FLOOR)
     tau = tau / tau.sum(-1, keepdim=True)
     return tau.to(device=alpha.device, dtype=torch.float32)
@@ -132,20 +137,21 @@ def log_prob(alpha, tau):
 class DirichletRollouts:
     """K schedules per context drawn from a single-pass policy (instance or global) before the
     sampling loop runs, and their log-probability. train.py's loop asks the same of the step-wise
-    policy's (stepwise.StepwiseRollouts), which draws each time inside the loop:
-        rollouts = Rollouts(policy, backbone, noise, cond, generators, K)  # under torch.no_grad()
+    policy's (comparator/stepwise.StepwiseRollouts), which draws each time inside the loop:
+        rollouts = Rollouts(policy, backbone, noise, cond, generators, K)
         rollouts.sample(part, noise, cond) -> latents of the samples `part` (L model calls)
         rollouts.log_prob(policy, index) -> (len,) log pi of those schedules, with gradients
         rollouts.logp (N,): log pi of each schedule as drawn; rollouts.concentration and
         rollouts.stop_margin: the means that train.py logs
     Samples are context-major (N = contexts x K); generators: one seeded generator per context,
-    which draws its K schedules."""
+    which draws its K schedules. The policy's one forward pass keeps its graph (its own activations,
+    not the backbone's: the sampling runs without gradients) for REINFORCE's log pi."""
 
     def __init__(self, policy, backbone, noise, cond, generators, rollouts):
         self.backbone, self.inputs = backbone, backbone.policy_inputs(noise, cond)
-        alpha = policy(**self.inputs)  # (B, L+1) Dirichlet concentrations
-        tau = [sample_increments(alpha[c : c + 1], rollouts, g) for c, g in enumerate(generators)]
-        self.tau = torch.cat(tau)  # (B, K, L+1) increments, stored detached
+        self.alpha = policy(**self.inputs)  # (B, L+1) Dirichlet concentrations, with gradients
+        alpha = self.alpha.detach()
+        self.tau = sample_increments(alpha, rollouts, generators)  # (B, K, L+1), detached
         self.times = times_from_increments(self.tau).flatten(0, 1)  # (B K, L+1)
         self.logp = log_prob(alpha, self.tau).flatten()  # (B K,)
         self.concentration = alpha.sum(-1).mean()
@@ -155,10 +161,13 @@ class DirichletRollouts:
         return self.backbone.sample(noise, cond, self.times[part])
 
     def log_prob(self, policy, index=slice(None)):
-        """The Dirichlet log-density of the drawn increments `index`, the policy run again with
-        gradients: the rollout only needed its output, and keeping that graph alive through the L
-        model calls would hold memory for nothing."""
-        return log_prob(policy(**self.inputs), self.tau).flatten()[index]
+        """The Dirichlet log-density of the drawn increments `index`, with gradients: through the
+        rollout's own forward pass the first time (REINFORCE's one step), through the policy run
+        again after that (PPO's later steps, the policy having moved)."""
+        alpha, self.alpha = self.alpha, None
+        if alpha is None or not alpha.requires_grad:
+            alpha = policy(**self.inputs)
+        return log_prob(alpha, self.tau).flatten()[index]
 
 
 # -----------------------------------------------------------------------------
@@ -350,27 +359,26 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         return tokens.mean(1)
 
 
-class GlobalPolicy(nn.Module, PyTorchModelHubMixin, **HUB):
-    """One concentration vector for every context: the schedule ignores x_T and the prompt."""
+class GlobalPolicy(SchedulePolicy):
+    """One schedule for every context (the ablation): the instance-level network, at the same size
+    and start, read on constant inputs (a zero latent on the token grid, an empty prompt), so that
+    it learns with the same optimiser and learning rate as the instance policy and with nothing but
+    the context taken away. Its sizes are the network's only: it reads no backbone's inputs."""
 
-    def __init__(
-        self,
-        steps,
-        init="uniform",
-        init_times=None,
-        concentration=100.0,
-        stop_margin=5e-3,
-        backbone=None,
-        training_config=None,
-    ):
-        super().__init__()
-        self.backbone, self.training_config = backbone, training_config  # as SchedulePolicy's
-        self.config = dict(kind="global", steps=steps, init=init, init_times=json_times(init_times))
-        self.config.update(concentration=concentration, stop_margin=stop_margin)
-        self.steps = steps
-        logits = initial_logits(steps, init, init_times, concentration, stop_margin)
-        self.logits = nn.Parameter(logits.float())  # (L+1,): alpha = softplus(logits) + ALPHA_MIN
+    def __init__(self, steps, **arguments):
+        for name in ("kind", "latent_channels", "text_dim", "pooled_dim"):  # a config.json's
+            arguments.pop(name, None)
+        super().__init__(steps, latent_channels=1, text_dim=1, pooled_dim=None, **arguments)
+        self.config.update(kind="global")
+        for name in ("latent_channels", "text_dim", "pooled_dim"):
+            del self.config[name]
+        # the constant input: a latent the conv stages take down to the token grid exactly
+        self.side = self.grid * 2 ** len(self.config["widths"])
 
     def forward(self, latent, text=None, text_mask=None, pooled=None):
-        alpha = F.softplus(self.logits) + ALPHA_MIN  # (L+1,)
-        return alpha[None].repeat(len(latent), 1)  # (N, L+1)
+        """The same concentrations (N, L+1) for the N contexts of `latent`, whatever they are."""
+        device = self.head[-1].bias.device
+        constant = torch.zeros(1, 1, self.side, self.side, device=device)
+        empty = torch.zeros(1, 1, 1, device=device), torch.zeros(1, 1, dtype=torch.bool)
+        alpha = super().forward(constant, empty[0], empty[1].to(device))  # (1, L+1)
+        return alpha.expand(len(latent), -1)

@@ -26,11 +26,12 @@ PIPELINES = {
     "flux": "FluxPipeline",
     "sdxl": "StableDiffusionXLPipeline",
 }
+PIPELINE_FAMILIES = {pipeline: family for family, pipeline in PIPELINES.items()}
 
 
 def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
     """Wrap an already built diffusers pipeline (how the tests inject tiny random ones)."""
-    family = family or {cls: key for key, cls in PIPELINES.items()}.get(type(pipe).__name__)
+    family = family or PIPELINE_FAMILIES.get(type(pipe).__name__)
     if family not in FAMILIES:
         raise ValueError(
             f"cannot tell the family of {type(pipe).__name__}; pass family= one of "
@@ -72,7 +73,12 @@ BACKBONES = {
     ),
     # The embedded backbones (MixtureBackbone): (spread, std, shift) per sub-population of a digit
     # class. digits: one population per class; the best schedule is about the same for all contexts.
-    "digits": dict(EMBEDDED, populations=[[(1.0, 0.1, 0.0)]] * 10),
+    # Its teacher: 20 RK4 steps, large near t = 1, in float32 (mixture.MixtureBackbone.reference)
+    "digits": dict(
+        EMBEDDED,
+        populations=[[(1.0, 0.1, 0.0)]] * 10,
+        teacher=dict(steps=20, power=0.7, dtype="float32"),
+    ),
     # digits-prompt: sharp, spread-out digits 0-4 and blurred ones 5-9 want opposite schedules: the
     # prompt says which.
     "digits-prompt": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.0)]] * 5 + [[(1.0, 0.5, 0.0)]] * 5),
@@ -162,7 +168,9 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
     Real models load in bfloat16 on CUDA (float32 on CPU), frozen, in eval mode."""
     spec = BACKBONES[name]
     if spec["family"] == "mixture":
-        return MixtureBackbone(name, spec["populations"], device=device)
+        return MixtureBackbone(
+            name, spec["populations"], device=device, teacher=spec.get("teacher")
+        )
     location = locate_weights(name, path)
     import diffusers
 

@@ -16,7 +16,9 @@ from rollout import Backbone, check_times, run_schedule
 
 # the rewards that score named words of the prompt (the digit, the quoted text, the objects)
 PROMPT_REWARDS = ("digit", "preference", "ocr", "geneval")
-DECODE_CHUNK = 4  # images per VAE decode call (a 1024^2 decode is memory-hungry)
+# pixels per VAE decode call: four 1024^2 images (a 1024^2 decode is memory-hungry), a whole batch
+# of small ones (one call is 2.8x faster than chunks of 4 for 64 16x16 images)
+DECODE_PIXELS = 4 * 1024**2
 
 
 class PipelineBackbone(Backbone):
@@ -100,12 +102,19 @@ class PipelineBackbone(Backbone):
 
     @torch.no_grad()
     def decode(self, latents):
-        images = []
-        for chunk in latents.split(DECODE_CHUNK):  # a 1024^2 decode is memory-hungry
-            vae_input = self.vae_input(chunk).to(self.pipe.vae.dtype)
-            pixels = self.pipe.vae.decode(vae_input, return_dict=False)[0]
-            images.append((pixels.float() / 2 + 0.5).clamp(0, 1))  # VaeImageProcessor.denormalize
-        return torch.cat(images)
+        # VaeImageProcessor.denormalize
+        return (self.decode_raw(latents).float() / 2 + 0.5).clamp(0, 1)
+
+    @torch.no_grad()
+    def decode_raw(self, latents):
+        """The VAE's output in [-1, 1] (N, 3, H, W), as the pipeline decodes, in chunks of at most
+        DECODE_PIXELS pixels."""
+        chunk = max(1, DECODE_PIXELS // self.resolution**2)
+        pixels = []
+        for part in latents.split(chunk):
+            vae_input = self.vae_input(part).to(self.pipe.vae.dtype)
+            pixels.append(self.pipe.vae.decode(vae_input, return_dict=False)[0])
+        return torch.cat(pixels)
 
 
 def _token_grid(features):
@@ -174,23 +183,26 @@ class SD3Backbone(PipelineBackbone):
         )
 
     @torch.no_grad()
-    def encode_prompts(
-        self, prompts, prompt_2=None, prompt_3=None, clip_skip=None, max_sequence_length=None
-    ):
-        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
+    def encode_prompts(self, prompts, max_sequence_length=None, **options):
+        """The pipeline's encode_prompt; `options` as its __call__ takes them (generate():
+        prompt_2, prompt_3, negative_prompt*, clip_skip, precomputed prompt_embeds)."""
         pipe, length = self.pipe, max_sequence_length or self.text_length
+        prompt_3 = options.pop("prompt_3", None)  # T5's own prompt, whose tokens the mask counts
         embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
             prompt=prompts,
-            prompt_2=prompt_2,
+            prompt_2=options.pop("prompt_2", None),
             prompt_3=prompt_3,
             device=self.device,
-            clip_skip=clip_skip,
             do_classifier_free_guidance=self.cfg,
             max_sequence_length=length,
+            **options,
         )
-        clip_mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer_max_length)
-        t5_mask = _token_mask(pipe.tokenizer_3, prompt_3 or prompts, length)
-        mask = torch.cat([clip_mask, t5_mask], dim=1).to(self.device)  # (N, 77 + T5 length)
+        if prompts is None:  # precomputed embeddings: every token is read
+            mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=self.device)
+        else:
+            clip_mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer_max_length)
+            t5_mask = _token_mask(pipe.tokenizer_3, prompt_3 or prompts, length)
+            mask = torch.cat([clip_mask, t5_mask], dim=1).to(self.device)  # (N, 77 + T5 length)
         cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask)
         if self.cfg:
             cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
@@ -255,13 +267,17 @@ class FluxBackbone(PipelineBackbone):
         )
 
     @torch.no_grad()
-    def encode_prompts(self, prompts, prompt_2=None, max_sequence_length=None):
-        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
+    def encode_prompts(self, prompts, max_sequence_length=None, **options):
+        """The pipeline's encode_prompt; `options` as its __call__ takes them (generate():
+        prompt_2, precomputed prompt_embeds and pooled_prompt_embeds)."""
         length = max_sequence_length or self.text_length
         embeds, pooled, _ = self.pipe.encode_prompt(
-            prompt=prompts, prompt_2=prompt_2, device=self.device, max_sequence_length=length
+            prompt=prompts, device=self.device, max_sequence_length=length, **options
         )
-        mask = _token_mask(self.pipe.tokenizer_2, prompt_2 or prompts, length)  # the T5 tokens
+        if prompts is None:  # precomputed embeddings: every token is read
+            mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
+        else:  # the T5 tokens
+            mask = _token_mask(self.pipe.tokenizer_2, options.get("prompt_2") or prompts, length)
         return dict(
             prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask.to(self.device)
         )
@@ -371,23 +387,25 @@ class SDXLBackbone(PipelineBackbone):
         return torch.where(times > 0, sigma, torch.zeros_like(sigma)).float()
 
     @torch.no_grad()
-    def encode_prompts(self, prompts, prompt_2=None, clip_skip=None):
-        """The pipeline's encode_prompt; the options as its __call__ takes them (generate())."""
+    def encode_prompts(self, prompts, **options):
+        """The pipeline's encode_prompt; `options` as its __call__ takes them (generate():
+        prompt_2, negative_prompt*, clip_skip, precomputed prompt_embeds)."""
         pipe = self.pipe
         embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
-            prompt=prompts,
-            prompt_2=prompt_2,
-            device=self.device,
-            do_classifier_free_guidance=self.cfg,
-            clip_skip=clip_skip,
+            prompt=prompts, device=self.device, do_classifier_free_guidance=self.cfg, **options
         )
+        count = len(embeds)
         size = (self.resolution, self.resolution)
         projection = pipe.text_encoder_2.config.projection_dim
         time_ids = pipe._get_add_time_ids(
             size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
         )
-        time_ids = time_ids.to(self.device).repeat(len(prompts), 1)  # (N, 6)
-        mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length).to(self.device)
+        time_ids = time_ids.to(self.device).repeat(count, 1)  # (N, 6)
+        if prompts is None:  # precomputed embeddings: every token is read
+            mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=self.device)
+        else:
+            mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length)
+            mask = mask.to(self.device)
         cond = dict(
             prompt_embeds=embeds, pooled_prompt_embeds=pooled, time_ids=time_ids, text_mask=mask
         )

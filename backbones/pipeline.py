@@ -22,6 +22,7 @@ schedule is one list of times for every context: schedule_json() writes it, with
 other tools.
 """
 
+import importlib
 import inspect
 
 import torch
@@ -105,8 +106,8 @@ def pipeline_noise(backbone, count, generator=None):
     return backbone.pack(noise) if flux else noise
 
 
-# The pipeline's text arguments: given to the pipeline as they are, and to its encode_prompt for
-# the policy's input. A list holds one entry per prompt.
+# The pipeline's text arguments: encoded by the pipeline's own encode_prompt, for the model and
+# for the policy alike. A list holds one entry per prompt.
 TEXT = (
     "prompt_2",
     "prompt_3",
@@ -123,6 +124,12 @@ EMBEDS = (
     "negative_pooled_prompt_embeds",
 )
 REFUSED = ("timesteps", "sigmas")  # the schedule is the policy's
+# What each family's pipeline returns, as its __call__ does
+OUTPUTS = {
+    "sd3": ("stable_diffusion_3.pipeline_output", "StableDiffusion3PipelineOutput"),
+    "flux": ("flux.pipeline_output", "FluxPipelineOutput"),
+    "sdxl": ("stable_diffusion_xl.pipeline_output", "StableDiffusionXLPipelineOutput"),
+}
 
 
 def _module_state(pipe):
@@ -136,15 +143,6 @@ def _restore(state, pipe, progress):
         for parameter, flag in zip(module.parameters(), grads):
             parameter.requires_grad_(flag)
     pipe._progress_bar_config = progress
-
-
-def _pick(value, index):
-    """A per-prompt argument's entry for prompt `index`: list item, tensor row, else the value."""
-    if isinstance(value, (list, tuple)):
-        return value[index]
-    if torch.is_tensor(value):
-        return value[index : index + 1]
-    return value
 
 
 def trained_guidance(policy):
@@ -168,15 +166,17 @@ STEPWISE = (
 def generate(
     pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs
 ):
-    """What pipe(prompt, ...) returns, every image sampled with the schedule the policy proposes
-    for its noise and prompt (the Dirichlet mean). pipe_kwargs are the pipeline's own call
-    arguments: the text ones (prompt_2, negative_prompt, max_sequence_length, clip_skip,
-    precomputed prompt_embeds, ...) reach the pipeline as given and the policy through the
-    pipeline's encode_prompt; height, width, output_type, return_dict behave as in the pipeline;
-    guidance_scale defaults to the policy's own (trained_guidance). num_inference_steps is the
-    policy's L; timesteps and sigmas, a policy of an embedded backbone, an empty prompt and
-    num_images_per_prompt < 1 are refused (ValueError, one line). The pipeline is left as it was
-    found (its scheduler, modules' modes, grad flags, progress bar)."""
+    """What pipe(prompt, ...) returns (its output class, images as output_type asks), every image
+    sampled with the schedule the policy proposes for its noise and prompt (the Dirichlet mean).
+    The prompts are encoded once, by the pipeline's encode_prompt, and every image of the call is
+    sampled in one batch by the backbone's loop (rollout.run_schedule, per-image times), which
+    equals the pipeline with the learned scheduler installed (tests/test_pipeline.py). pipe_kwargs:
+    the text arguments (prompt_2, negative_prompt, max_sequence_length, clip_skip, precomputed
+    prompt_embeds, ...), height = width, output_type, return_dict; guidance_scale defaults to the
+    policy's own (trained_guidance). num_inference_steps is the policy's L. Refused in one line
+    (ValueError): timesteps and sigmas, any other pipeline argument, a policy of an embedded
+    backbone or of another family, an empty prompt, num_images_per_prompt < 1. The pipeline is
+    left as it was found (its modules' modes, grad flags, progress bar)."""
     if policy.config["kind"] == "stepwise":
         raise ValueError(STEPWISE)
     family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
@@ -202,21 +202,24 @@ def generate(
         raise ValueError(
             f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}"
         )
-    if "guidance_scale" not in pipe_kwargs:  # the guidance it was trained with, not the pipeline's
+    guidance = pipe_kwargs.pop("guidance_scale", None)
+    if guidance is None:  # the guidance it was trained with, not the pipeline's default
         guidance = trained_guidance(policy)
-        if guidance is not None:
-            pipe_kwargs["guidance_scale"] = guidance
     height = pipe_kwargs.pop("height", None) or pipe.default_sample_size * pipe.vae_scale_factor
     if pipe_kwargs.pop("width", height) != height:
         raise ValueError("the learned schedules are trained on square images: pass height == width")
     output_type = pipe_kwargs.pop("output_type", "pil")
     return_dict = pipe_kwargs.pop("return_dict", True)
-    state, progress = _module_state(pipe), dict(getattr(pipe, "_progress_bar_config", {}))
-    original, outputs = pipe.scheduler, []
-    try:
-        backbone = backbones.from_pipeline(
-            pipe, resolution=height, guidance=pipe_kwargs.get("guidance_scale")
+    others = sorted(set(pipe_kwargs) - set(TEXT + EMBEDS))
+    if others:
+        raise ValueError(
+            f"generate() samples every image in one batch with this repository's loop and takes "
+            f"no {', '.join(others)}; install learned_scheduler(backbone, times) as pipe.scheduler "
+            "and call the pipeline yourself"
         )
+    state, progress = _module_state(pipe), dict(getattr(pipe, "_progress_bar_config", {}))
+    try:
+        backbone = backbones.from_pipeline(pipe, resolution=height, guidance=guidance)
         if family and not isinstance(backbone, backbones.FAMILIES[family]):
             raise ValueError(
                 f"this policy was trained on {policy.backbone} ({family}), "
@@ -230,62 +233,32 @@ def generate(
                 f"this policy was built for {dims}, the pipeline has {wanted}: "
                 "train one for this model"
             )
-        text = {key: pipe_kwargs.pop(key) for key in TEXT + EMBEDS if key in pipe_kwargs}
-        # the pipeline's default, or a shorter T5 tokenizer's own length
-        if hasattr(backbone, "text_length"):
-            text.setdefault("max_sequence_length", backbone.text_length)
-        if "prompt_embeds" in text:
-            count = len(text["prompt_embeds"])
-            prompts = [None] * count
-            cond = dict(
-                prompt_embeds=text["prompt_embeds"],
-                pooled_prompt_embeds=text.get("pooled_prompt_embeds"),
-                text_mask=torch.ones(
-                    text["prompt_embeds"].shape[:2], dtype=torch.bool, device=backbone.device
-                ),
-            )
-        else:
-            prompts = list(prompts)
-            accepted = inspect.signature(backbone.encode_prompts).parameters
-            cond = backbone.encode_prompts(
-                prompts, **{k: v for k, v in text.items() if k in accepted}
-            )
-        # the prompt of each image
-        index = [i for i in range(len(prompts)) for _ in range(num_images_per_prompt)]
-        cond = {key: value[index] for key, value in cond.items() if value is not None}
+        accepted = inspect.signature(pipe.encode_prompt).parameters
+        refused = sorted(key for key in pipe_kwargs if key not in accepted)
+        if refused:  # e.g. a negative prompt for Flux, which runs no CFG
+            raise ValueError(f"{type(pipe).__name__} takes no {', '.join(refused)}")
+        cond = backbone.encode_prompts(
+            None if "prompt_embeds" in pipe_kwargs else list(prompts), **pipe_kwargs
+        )
+        count = len(cond["prompt_embeds"])
+        index = torch.arange(count).repeat_interleave(num_images_per_prompt)  # each image's prompt
+        cond = {key: value[index.to(value.device)] for key, value in cond.items()}
         noise = pipeline_noise(backbone, len(index), generator) if latents is None else latents
         alpha = policy(**backbone.policy_inputs(noise, cond))  # (N, L+1)
         times = times_from_increments(mean_increments(alpha))  # (N, L+1)
-        for image, source in enumerate(index):
-            pipe.scheduler = learned_scheduler(backbone, times[image].cpu())
-            arguments = {key: _pick(value, source) for key, value in text.items()}
-            if prompts[source] is not None:
-                arguments["prompt"] = prompts[source]
-            outputs.append(
-                pipe(
-                    **arguments,
-                    latents=noise[image : image + 1],
-                    num_inference_steps=steps,
-                    height=height,
-                    width=height,
-                    output_type=output_type,
-                    **pipe_kwargs,
-                )
+        sampled = backbone.sample(noise, cond, times)  # L model calls for the whole batch
+        images = sampled
+        if output_type != "latent":  # decoded and post-processed as the pipeline does
+            images = pipe.image_processor.postprocess(
+                backbone.decode_raw(sampled), output_type=output_type
             )
     finally:
-        pipe.scheduler = original
         _restore(state, pipe, progress)
-    images = [output.images for output in outputs]
-    if torch.is_tensor(images[0]):
-        merged = torch.cat(images)
-    elif hasattr(images[0], "shape"):  # output_type="np": one (N, H, W, C) array, as the pipeline's
-        import numpy as np
-
-        merged = np.concatenate(images)
-    else:
-        merged = [picture for batch in images for picture in batch]
-    outputs[0].images = merged
-    return outputs[0] if return_dict else (merged,)
+    if not return_dict:
+        return (images,)
+    module, name = OUTPUTS[backbones.PIPELINE_FAMILIES[type(pipe).__name__]]
+    output = getattr(importlib.import_module(f"diffusers.pipelines.{module}"), name)
+    return output(images=images)
 
 
 def schedule_json(policy, backbone):

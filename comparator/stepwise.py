@@ -207,15 +207,8 @@ class Stepper:
         if self.draws is None:
             deterministic = mode_increments if self.policy.inference == "mode" else mean_increments
             pair = deterministic(parameters)
-        elif isinstance(self.draws, torch.Generator):
+        else:  # one generator, or one per sample
             pair = sample_increments(parameters, 1, self.draws)[:, 0]
-        else:
-            pair = torch.cat(
-                [
-                    sample_increments(parameters[i : i + 1], 1, g)[:, 0]
-                    for i, g in enumerate(self.draws)
-                ]
-            )
         chosen = (t.float() * pair[:, 0]).to(t.dtype)  # t_{l+1} = r_l t_l
         for key, value in zip(self.steps, (*inputs.values(), t, parameters, pair, chosen)):
             self.steps[key].append(value)
@@ -284,7 +277,9 @@ class StepwiseRollouts:
     def __init__(self, policy, backbone, noise, cond, generators, rollouts):
         seeds = torch.cat([torch.randint(2**62, (rollouts,), generator=g) for g in generators])
         self.draws = [torch.Generator().manual_seed(seed) for seed in seeds.tolist()]
-        self.policy, self.backbone, self.records = policy, backbone, []
+        # the module itself (DDP wraps it for the update): sampling needs no gradients
+        self.policy = getattr(policy, "module", policy)
+        self.backbone, self.records = backbone, []
 
     def sample(self, part, noise, cond):
         draws = [self.draws[i] for i in part]

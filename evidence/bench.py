@@ -35,9 +35,12 @@ Names ending in -tiny are the randomly initialised pipelines of tests/tiny.py.
 import argparse
 import contextlib
 import io
+import json
 import math
 import os
+import statistics
 import sys
+import tempfile
 import time
 
 import torch
@@ -45,9 +48,12 @@ import torch
 import backbones
 from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from evidence.results import commit, record
+from prompts import context_noise, heldout_contexts, load_prompt_file
 from rewards import load_reward
-from runs.checkpoint import make_policy
-from runs.heldout import policy_schedule, run_method
+from runs.checkpoint import load_checkpoint, make_policy
+from runs.heldout import default_schedule, policy_schedule, run_method
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -55,7 +61,7 @@ parser = argparse.ArgumentParser(
 add = parser.add_argument
 add(
     "--only",
-    choices=["policy", "loop", "embedded", "threads", "ocr", "inference", "iteration"],
+    choices=["policy", "loop", "embedded", "floor", "threads", "ocr", "inference", "iteration"],
     default=None,
     help="one benchmark; default: all but threads and ocr",
 )
@@ -275,14 +281,14 @@ def bench_iteration(name, iterations=12):
     import sys
     import tempfile
 
-    from ablation import MINI_TRAININGS  # global, instance, stepwise (JS), stepwise + PPO
+    from evidence.ablation import MINI_TRAININGS  # global, instance, stepwise, stepwise + PPO
 
     seconds = {}
     for training, flags in MINI_TRAININGS.items():
         with tempfile.TemporaryDirectory() as folder:
             command = [sys.executable, "train.py", "--backbone", name, "--out-dir", folder]
             command += ["--iterations", str(iterations), "--eval-contexts", "1", *flags]
-            subprocess.run(command, check=True, capture_output=True, cwd=os.path.dirname(__file__))
+            subprocess.run(command, check=True, capture_output=True, cwd=REPOSITORY)
             with open(os.path.join(folder, "metrics.jsonl")) as file:
                 rows = [json.loads(line)["step_s"] for line in file][2:]
         seconds[training] = statistics.median(rows)
@@ -388,6 +394,158 @@ def bench_ocr(batch=4):
         )
 
 
+# -----------------------------------------------------------------------------
+# at the floor: each path against the model calls it cannot avoid, measured in this one process
+
+
+def quietly(function, *args):
+    """function(*args) with its printing (progress bars, tables) kept off the report."""
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return function(*args)
+
+
+def bench_training_floor(name, iterations=14):
+    """A training iteration against its floor: train.py's median step_s (its first two and its last,
+    which also checkpoints, left out), against the model calls of one iteration timed alone on the
+    same sizes: the backbone sampling the B x K rollouts (L calls each) and the reward scoring them,
+    with fresh contexts every time (the teacher solves each new context once, as in training)."""
+    import train
+
+    with tempfile.TemporaryDirectory() as folder:
+        config = quietly(train.parse_config, ["--backbone", name, "--out-dir", folder])
+        config.iterations, config.eval_contexts = iterations, 8
+        torch.set_num_threads(config.threads or torch.get_num_threads())
+        quietly(train.main, config)
+        with open(os.path.join(folder, "metrics.jsonl")) as file:
+            steps = [json.loads(line)["step_s"] for line in file][2:-1]
+    backbone = backbones.load_backbone(name)
+    reward = load_reward(config.reward, backbone)
+    prompts = backbone.prompts or load_prompt_file(config.prompts)
+    count, seeds = config.contexts * config.rollouts, iter(range(10**7, 10**8))
+    times = backbone.default_times(config.steps).expand(count, -1)
+
+    floor = []
+    for _ in range(len(steps)):
+        contexts = [next(seeds) for _ in range(config.contexts)]
+        noise = context_noise(backbone, contexts).repeat_interleave(config.rollouts, 0)
+        batch = [prompts[seed % len(prompts)] for seed in contexts for _ in range(config.rollouts)]
+        cond = backbone.encode_prompts(batch)  # training encodes its few prompts once
+        started = time.perf_counter()
+        with torch.no_grad():
+            reward(backbone.sample(noise, cond, times), batch, noise, cond)
+        floor.append(time.perf_counter() - started)
+    iteration, calls = statistics.median(steps), statistics.median(floor)
+    print(
+        f"{name} training iteration (B={config.contexts}, K={config.rollouts}, L={config.steps}, "
+        f"{config.reward}): {iteration:.3f} s against its model calls {calls:.3f} s: "
+        f"{iteration / calls:.2f}x"
+    )
+
+
+def bench_generate(name="mini-sd3", count=8, steps=3, repeats=5):
+    """backbones.pipeline.generate (the policy, then every image in one batch) against the stock
+    pipeline's own call on the same prompts at its default schedule, both decoded to PIL images."""
+    from backbones.pipeline import generate
+
+    backbone = backbones.load_backbone(name)
+    pipe = backbone.pipe
+    prompts = load_prompt_file(backbones.BACKBONES[name]["prompts"][1])[:count]
+    policy = make_policy("instance", backbone.policy_dims, steps, backbone=name)
+    side = backbone.resolution
+
+    def learned():
+        return generate(pipe, policy, prompts, generator=torch.Generator().manual_seed(0))
+
+    def stock():
+        return pipe(
+            prompts,
+            num_inference_steps=steps,
+            height=side,
+            width=side,
+            guidance_scale=backbone.guidance,
+            generator=torch.Generator().manual_seed(0),
+        )
+
+    (ours, theirs), _ = timed([learned, stock], repeats, torch.device("cpu"))
+    print(
+        f"{name} generate, {count} prompts, L={steps}: {ours:.1f} ms against the stock "
+        f"{type(pipe).__name__} {theirs:.1f} ms: {ours / theirs:.2f}x"
+    )
+
+
+def bench_evaluate(name="mini-sd3", count=256):
+    """evaluate.py on a run of `name` (its default and learned rows on `count` held-out contexts,
+    the run's reward, its table, scores and figure), in this process, against those rows' model
+    calls timed alone: the backbone sampling each batch and the reward scoring it."""
+    import evaluate
+    import train
+
+    with tempfile.TemporaryDirectory() as folder:
+        run = os.path.join(folder, "run")
+        config = quietly(train.parse_config, ["--backbone", name, "--out-dir", run])
+        config.iterations, config.eval_contexts = 1, 4
+        quietly(train.main, config)
+        ckpt = os.path.join(run, "ckpt.pt")
+        arguments = ["--ckpt", ckpt, "--count", str(count), "--out-dir", f"{folder}/eval"]
+        started = time.perf_counter()
+        quietly(evaluate.main, arguments)
+        total = time.perf_counter() - started
+        _, policy = load_checkpoint(ckpt)
+    backbone = backbones.load_backbone(name)
+    reward = load_reward(config.reward, backbone)
+    prompts, seeds = heldout_contexts(load_prompt_file(config.eval_prompts), count)
+    methods = [default_schedule(backbone, config.steps), policy_schedule(policy, backbone)]
+    batch, calls = evaluate.default_batch_size(backbone), 0.0
+    for start in range(0, count, batch):
+        noise = context_noise(backbone, seeds[start : start + batch])
+        cond = backbone.encode_prompts(prompts[start : start + batch])
+        times = [method(noise, cond) for method in methods]  # the policy's call is not a model's
+        started = time.perf_counter()
+        with torch.no_grad():
+            for used in times:
+                latents = backbone.sample(noise, cond, used)
+                reward.details(latents, prompts[start : start + batch])
+        calls += time.perf_counter() - started
+    print(
+        f"evaluate.py on a {name} run, {count} contexts x 2 rows: {total:.1f} s against their "
+        f"model calls {calls:.1f} s: {total / calls:.2f}x"
+    )
+
+
+def bench_main_job():
+    """`python train.py`, the main job, in a process of its own as a user runs it: its wall time,
+    and how it splits into start-up (to the end of the first iteration, less that iteration), the
+    iterations (metrics.jsonl's step_s) and the finish (held-out report, figure, policy)."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory() as folder:
+        metrics = os.path.join(folder, "metrics.jsonl")
+        started = time.perf_counter()
+        process = subprocess.Popen(
+            [sys.executable, "train.py", "--out-dir", folder],
+            cwd=REPOSITORY,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        first = None
+        while process.poll() is None:
+            if first is None and os.path.isfile(metrics) and os.path.getsize(metrics):
+                first = time.perf_counter() - started
+            time.sleep(0.02)
+        total = time.perf_counter() - started
+        if process.returncode:
+            raise RuntimeError(f"python train.py failed ({process.returncode})")
+        with open(metrics) as file:
+            steps = [json.loads(line)["step_s"] for line in file]
+    start_up = first - steps[0]
+    finish = total - start_up - sum(steps)
+    print(
+        f"main job, python train.py ({len(steps)} iterations): {total:.1f} s: start-up "
+        f"{start_up:.1f} s, iterations {sum(steps):.1f} s, finish {finish:.1f} s; start-up / "
+        f"iterations {start_up / sum(steps):.2f}"
+    )
+
+
 def run(args, device):
     print(f"torch {torch.__version__} on {device}, {torch.get_num_threads()} CPU threads")
     if args.only in (None, "policy"):
@@ -397,6 +555,12 @@ def run(args, device):
             bench_loop(name, args, device)
     if args.only in (None, "embedded"):
         bench_embedded(args, device)
+    if args.only in (None, "floor"):
+        for name in ("digits", "mini-sd3"):
+            bench_training_floor(name)
+        bench_generate()
+        bench_evaluate()
+        bench_main_job()
     if args.only == "threads":
         bench_threads()
     if args.only == "ocr":

@@ -133,9 +133,16 @@ class PreferenceReward(DigitReward):
     def details(self, latents, prompts):
         images = self.pixels(latents)
         digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)
-        scores = self.scorer(images).float().gather(1, digits[:, None]).squeeze(1)
         correct = (self.model(images).argmax(1) == digits).float()
-        return scores, correct
+        return self.scores(images, digits), correct
+
+    def scores(self, images, digits):
+        return self.scorer(images).float().gather(1, digits[:, None]).squeeze(1)
+
+    @torch.no_grad()
+    def __call__(self, latents, prompts, noise, cond):  # training needs no accuracy
+        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)
+        return self.scores(self.pixels(latents), digits)
 
 
 def load_digit(backbone, device=None, checkpoint=None):

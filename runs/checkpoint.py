@@ -53,6 +53,8 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
     start = dict(init="uniform")
     if init_times is not None:
         start = dict(init="default", init_times=json_times(init_times))
+    if kind == "global":  # the network on constant inputs: its sizes only
+        options = {**PRESETS[preset], **options}
     if kind in ("instance", "stepwise"):
         dims = dict(
             latent_channels=backbone_dims["latent_channels"],
@@ -247,6 +249,7 @@ CONTINUABLE = (
     "ckpt_interval",
     "log_interval",
     "snapshots",
+    "figure",
     "track",
     "iterations",
     "device",

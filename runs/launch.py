@@ -3,10 +3,10 @@ train.py's setup and finish, what it does around its loop that is not the method
 
 setup(config) checks the input, picks the ranks and devices, opens the frozen backbone and the
 reward, takes the run folder, builds the policy and its optimiser and continues a checkpoint: it
-returns a Run, everything the loop needs, with named fields. finish(config, run) writes the figure,
-the policy in the Hub format and the held-out report. Bad input fails here in one line (SystemExit
-"error: ..."), before anything heavy is loaded, and nothing a run folder already holds is changed
-by a refused start.
+returns a Run, everything the loop needs, with named fields. finish(config, run) writes the policy
+in the Hub format, the held-out report and, when asked, the figure. Bad input fails here in one
+line (SystemExit "error: ..."), before anything heavy is loaded, and nothing a run folder already
+holds is changed by a refused start.
 """
 
 import contextlib
@@ -73,6 +73,8 @@ POSITIVE = dict(
 # leaves room for 2^16 contexts per iteration and 2^20 iterations; held-out and evaluation seeds
 # (sample.py, evaluate.py) are plain noise seeds, any integer from 0 to 2^63 - 1.
 MAX_SEED = 2**27
+# a training prompt set whose encoding fits in this many bytes is encoded once, at setup
+ENCODED_BYTES = 64 * 2**20
 # the settings only the step-wise policy has, with the value that names them
 STEPWISE_ONLY = dict(init="tpdm", policy_inputs="hidden", inference="mode")
 
@@ -104,10 +106,20 @@ class Run:
     heldout_gain: Callable | None
     lock: object | None  # the open run.lock of the master rank: one writer per run folder
     tracker: object | None  # --track's TensorBoard or W&B mirror (the master rank's)
+    encoded: dict | None  # the training prompts encoded once, when they are few (ENCODED_BYTES)
 
     @property
     def master(self):
         return self.rank == 0
+
+    def encode(self, picks):
+        """The backbone's encoding (cond) of the training prompts numbered `picks`: rows of the
+        set encoded at setup when it is small, else encoded now. The text encoders work row by row,
+        so the rows are those of encoding the batch itself."""
+        if self.encoded is None:
+            return self.backbone.encode_prompts([self.prompts[i] for i in picks])
+        index = torch.tensor(picks)
+        return {key: value[index.to(value.device)] for key, value in self.encoded.items()}
 
     def __enter__(self):
         return self
@@ -378,9 +390,13 @@ def setup(config, make_optimizer):
         )
     eval_path = os.path.join(config.out_dir, "eval.json")
     tracker = open_tracker(config.track, config.out_dir, config) if master else None
+    few = prompts[:2]  # what a prompt's encoding costs in memory
+    size = sum(v.nelement() * v.element_size() for v in backbone.encode_prompts(few).values())
+    size /= len(few)
+    encoded = backbone.encode_prompts(prompts) if size * len(prompts) <= ENCODED_BYTES else None
     return Run(
         rank, world_size, device, distributed, backbone, reward, prompts, heldout, policy,
-        optimizer, start, rows, *paths, eval_path, gain, lock, tracker,
+        optimizer, start, rows, *paths, eval_path, gain, lock, tracker, encoded,
     )  # fmt: skip
 
 
@@ -411,19 +427,13 @@ def check_finite(config, run, iteration, rewards):
 
 
 def finish(config, run):
-    """The training figure, the policy in the Hub format and the held-out report (rank 0; its
-    eval.json last, as it marks the run finished); the other ranks wait for it."""
+    """The policy in the Hub format, the held-out report and (--figure) the training figure
+    (rank 0; eval.json last, as it marks the run finished); the other ranks wait for it."""
     if run.master:
         backbone, policy = run.backbone, run.policy
-        prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
-        noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-        used = policy_schedule(policy, backbone)(noise, cond)
-        learned = (used[0] if isinstance(used, tuple) else used).cpu()  # step-wise: with latents
-        default = backbone.default_times(policy.steps).cpu()
-        labels = context_labels(prompts, seeds)
         with written(config.out_dir):
-            curve = len(run.heldout[0][:GAIN_CONTEXTS])  # the contexts of heldout_gain
-            plot_training(config.out_dir, learned, default, labels, config.reward, curve)
+            if config.figure:
+                draw_training(config, run)
             save_policy(
                 os.path.join(config.out_dir, "policy"),
                 policy,
@@ -434,12 +444,27 @@ def finish(config, run):
                 config.out_dir, backbone, run.reward, policy, *run.heldout, config.reward,
                 config.seed,
             )  # fmt: skip
+        figure = ", the figure train.png" if config.figure else ""
         print(
-            f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}, the figure train.png and "
-            f"policy/ (Hub format) in {config.out_dir}"
+            f"wrote {run.ckpt_path}, {run.metrics_path}, {run.eval_path}{figure} and policy/ (Hub "
+            f"format) in {config.out_dir}"
         )
     if run.distributed:
         dist.barrier()
+
+
+def draw_training(config, run):
+    """train.png (--figure): the held-out gain at each checkpoint, and the learned schedules of a
+    few held-out contexts against the default."""
+    backbone, policy = run.backbone, run.policy
+    prompts, seeds = (part[:8] for part in run.heldout)  # a few held-out contexts
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    used = policy_schedule(policy, backbone)(noise, cond)
+    learned = (used[0] if isinstance(used, tuple) else used).cpu()  # step-wise: with latents
+    default = backbone.default_times(policy.steps).cpu()
+    curve = len(run.heldout[0][:GAIN_CONTEXTS])  # the contexts of heldout_gain
+    labels = context_labels(prompts, seeds)
+    plot_training(config.out_dir, learned, default, labels, config.reward, curve)
 
 
 def interrupted(config):

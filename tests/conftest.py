@@ -1,8 +1,10 @@
 """Shared runs of train.py itself: the checkpoints that evaluate.py and sample.py are tested on."""
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
 
 # Every test is offline: a missing hub file must fail in milliseconds, not after retries.
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -18,16 +20,94 @@ torch.set_num_threads(1)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def run_script(script, args, cwd, timeout=300):
-    """A script of the repository in a fresh process, as a user runs it."""
-    return subprocess.run(
-        [sys.executable, os.path.join(ROOT, script), *args],
-        cwd=cwd,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+# A process that has imported torch, the scripts and diffusers once, and forks a child for each
+# script run: the child is a fresh process as far as the script can tell (its own modules' state,
+# working folder, arguments, output, exit code), without paying the imports again (about 3 s for
+# torch, 6 s for diffusers, per run).
+SERVER = """
+import json, os, runpy, sys, traceback
+sys.path.insert(0, {root!r})
+import torch
+torch.set_num_threads(1)
+torch.set_num_interop_threads(1)
+import diffusers.pipelines.flux.pipeline_flux, diffusers.pipelines.stable_diffusion_3, \\
+    diffusers.pipelines.stable_diffusion_xl
+import evaluate, sample, train
+print("ready", flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    child = os.fork()
+    if child:
+        _, status = os.waitpid(child, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+        continue
+    os.chdir(request["cwd"])
+    for stream, path in ((1, request["stdout"]), (2, request["stderr"])):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), stream)
+    sys.stdout, sys.stderr = open(1, "w", closefd=False), open(2, "w", closefd=False)
+    script, *args = request["command"]
+    code = 0
+    try:
+        exec(request["fault"])
+        if script == "-c":  # an API call: its one-line ValueError is what a caller sees
+            try:
+                exec(args[0])
+            except ValueError as error:
+                sys.exit(f"ValueError: {{error}}")
+        elif script == "-m":  # python -m evidence.bench ...
+            sys.argv = args
+            runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [script, *args]
+            runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+        code = 1 if isinstance(stop.code, str) else stop.code or 0
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+"""
+
+
+class Scripts:
+    """run(command, cwd, fault) -> subprocess.CompletedProcess: `command` a script of the
+    repository and its arguments ("-c" and code, "-m" and a module), after `fault` (code run
+    first), in a child of the server process."""
+
+    process = None
+
+    def run(self, command, cwd, fault=""):
+        if self.process is None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", SERVER.format(root=ROOT)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=ENV,
+                text=True,
+            )
+            assert self.process.stdout.readline().strip() == "ready"
+        script, *args = command
+        script = script if script in ("-c", "-m") else os.path.join(ROOT, script)
+        with tempfile.TemporaryDirectory() as folder:
+            paths = dict(stdout=os.path.join(folder, "out"), stderr=os.path.join(folder, "err"))
+            request = dict(paths, command=[script, *args], cwd=str(cwd), fault=fault)
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            code = int(self.process.stdout.readline())
+            output = {name: open(path).read() for name, path in paths.items()}
+        return subprocess.CompletedProcess(command, code, output["stdout"], output["stderr"])
+
+
+SCRIPTS = Scripts()
+
+
+def run_script(script, args, cwd):
+    """A script of the repository as a user runs it, in a fresh process (a child of SCRIPTS)."""
+    return SCRIPTS.run([script, *args], cwd)
 
 
 def train_in_process(out_dir, *args):
@@ -40,6 +120,14 @@ def train_in_process(out_dir, *args):
         patch.setattr(mixture.MixtureBackbone, "reference_steps", 16)
         train.main(train.parse_config(["--out-dir", str(out_dir), *args]))
     return out_dir
+
+
+def small_policies(patch):
+    """The real backbones' policy (about 20M parameters) at the embedded size on the tests' tiny
+    pipelines: the same code, a 100k-parameter network, so that a PPO step takes milliseconds."""
+    from runs import checkpoint
+
+    patch.setitem(checkpoint.PRESETS, "real", checkpoint.PRESETS["embedded"])
 
 
 @pytest.fixture(scope="session")
@@ -55,6 +143,7 @@ def digits_run(tmp_path_factory):
         "128",
         "--log-interval",
         "20",
+        "--figure",
     )
 
 
@@ -89,6 +178,7 @@ def tiny_stepwise_runs(tiny_runs):
 
     folder, runs = tiny_runs[1], {}
     with pytest.MonkeyPatch.context() as patch:
+        small_policies(patch)
         patch.setattr(rollout.Backbone, "reference_steps", 4)
         for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
             runs[backbone] = train_in_process(
@@ -98,7 +188,7 @@ def tiny_stepwise_runs(tiny_runs):
                 *("--eval-prompts", str(folder / "prompts.txt"), "--reward", "teacher"),
                 *("--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4"),
                 *("--rollout-batch", "3", "--device", "cpu", "--policy", "stepwise"),
-                *("--optimizer", "ppo", "--ppo-minibatches", "2"),
+                *("--optimizer", "ppo", "--ppo-minibatches", "2", "--figure"),
             )
     return runs
 
@@ -119,6 +209,7 @@ def tiny_runs(tmp_path_factory):
     prompts.write_text("a red fox in snow\na blue car\na bowl of soup\n")
     runs = {}
     with pytest.MonkeyPatch.context() as patch:
+        small_policies(patch)
         patch.setattr(rollout.Backbone, "reference_steps", 4)
         for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
             runs[backbone] = train_in_process(

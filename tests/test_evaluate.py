@@ -234,7 +234,7 @@ def test_cli_writes_table_scores_plots_and_resumes(
     }
 
     counter = Counter(monkeypatch)
-    evaluate.main([*args, "--count", "10"])
+    evaluate.main([*args, "--count", "10", "--figure"])
     assert counter.sampled == 3 * 6 and counter.scored == 3 * 6
     for name in ("results.md", "scores.json", "results.png"):
         assert (out / name).stat().st_size > 0
@@ -269,7 +269,7 @@ def test_cli_writes_table_scores_plots_and_resumes(
 
     # a rerun does nothing new; a larger --count only the new contexts
     counter = Counter(monkeypatch)
-    evaluate.main([*args, "--count", "10"])
+    evaluate.main([*args, "--count", "10", "--figure"])
     assert (counter.sampled, counter.reward_calls) == (0, 0)
     counter = Counter(monkeypatch)
     evaluate.main([*args, "--count", "13", "--limit", "11"])

@@ -1,8 +1,8 @@
 """Bad input and faults as a new user meets them. Each case of CASES runs a script (or a few lines
-of Python) in a fresh process, after an optional fault: a damaged file, a full disk, read-only
-storage. It must end in one line that says what is wrong and what to do, and leave no folder
-empty. A new probe is one more line of CASES. Every case fails before a model loads, except the
-prompt-window one (it loads the 16x16 mini-sd3 to count tokens)."""
+of Python) in a fresh process (a child of conftest.SCRIPTS), after an optional fault: a damaged
+file, a full disk, read-only storage. It must end in one line that says what is wrong and what to
+do, and leave no folder empty. A new probe is one more line of CASES. Every case fails before a
+model loads, except the prompt-window one (it loads the 16x16 mini-sd3 to count tokens)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import ENV, ROOT, train_in_process
+from conftest import ENV, ROOT, SCRIPTS, train_in_process
 
 import sample
 import train
@@ -20,20 +20,6 @@ from runs import figures
 
 # a finished digits run, small enough to build in seconds
 RUN_ARGS = ["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "1"]
-PRELUDE = """
-import os, runpy, sys
-fault, script, *args = sys.argv[1:]
-sys.path.insert(0, {root!r})
-exec(fault)
-if script == "-c":  # an API call: its one-line ValueError is what a caller sees
-    try:
-        exec(args[0])
-    except ValueError as error:
-        sys.exit(f"ValueError: {{error}}")
-else:
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
-"""
 
 # -----------------------------------------------------------------------------
 # faults: code run in the subprocess before the script
@@ -595,16 +581,7 @@ CASES = [
 
 
 def run_case(tmp, command, fault):
-    script, *args = command
-    script = script if script == "-c" else os.path.join(ROOT, script)
-    return subprocess.run(
-        [sys.executable, "-c", PRELUDE.format(root=ROOT), fault, script, *args],
-        cwd=tmp,
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return SCRIPTS.run(command, tmp, fault)
 
 
 def empty_folders(tmp):

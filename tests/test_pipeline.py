@@ -1,6 +1,5 @@
 """A trained schedule in a stock diffusers pipeline (pipeline.py); the policy in the Hub format."""
 
-import inspect
 import json
 
 import numpy as np
@@ -28,8 +27,8 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     with torch.no_grad():
         if kind == "instance":
             policy.head[-1].weight.normal_(0.0, 0.3)
-        else:
-            policy.logits.add_(0.5 * torch.randn(steps + 1))
+        else:  # one schedule for every context, away from the default
+            policy.head[-1].bias.add_(0.5 * torch.randn(steps + 1))
     return policy.eval()
 
 
@@ -248,8 +247,8 @@ def test_generate_passes_the_pipelines_text_arguments_through(family):
         pipe, policy, "a cat", generator=torch.Generator().manual_seed(2), **options
     ).images
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(2))
-    accepted = inspect.signature(backbone.encode_prompts).parameters
-    cond = backbone.encode_prompts(["a cat"], **{k: v for k, v in options.items() if k in accepted})
+    text = {key: value for key, value in options.items() if key in pipeline.TEXT}
+    cond = backbone.encode_prompts(["a cat"], **text)
     with torch.no_grad():
         times = times_from_increments(
             mean_increments(policy(**backbone.policy_inputs(noise, cond)))
@@ -306,6 +305,7 @@ def test_generate_outputs_are_the_pipelines_and_the_pipeline_is_left_as_found(fa
         (dict(num_inference_steps=7), "trained for L=3 steps, not num_inference_steps=7"),
         (dict(sigmas=[1.0, 0.5, 0.0]), "drop sigmas="),
         (dict(timesteps=[999, 500]), "drop timesteps="),
+        (dict(callback_on_step_end=print), "takes no callback_on_step_end; install learned_sched"),
     ],
 )
 def test_generate_refuses_what_it_cannot_honour_in_one_line(arguments, message):
@@ -387,3 +387,33 @@ def test_a_generator_list_seeds_each_image_as_in_the_pipeline():
     ).images
     # a batch of two and two batches of one round differently in float32 (about 1e-5 here)
     torch.testing.assert_close(both, torch.cat([cat, dog]), rtol=1e-5, atol=1e-5)
+
+
+def test_generate_with_precomputed_embeddings_equals_the_pipeline_with_them():
+    """Embeddings given instead of a prompt reach the model as given (the policy reads every token
+    of them): generate equals the pipeline's own call on them with the learned times."""
+    pipe, backbone, policy = pipe_and_policy()
+    embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+        "a cat", None, None, do_classifier_free_guidance=True, max_sequence_length=77
+    )
+    given = dict(
+        prompt_embeds=embeds,
+        negative_prompt_embeds=negative,
+        pooled_prompt_embeds=pooled,
+        negative_pooled_prompt_embeds=negative_pooled,
+    )
+    options = dict(height=TINY_RESOLUTION, output_type="latent", guidance_scale=4.5)
+    latents = pipeline.generate(
+        pipe, policy, generator=torch.Generator().manual_seed(1), **given, **options
+    ).images
+    noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(1))
+    mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
+    inputs = backbone.policy_inputs(noise, dict(given, text_mask=mask))
+    with torch.no_grad():
+        times = times_from_increments(mean_increments(policy(**inputs)))
+    original = pipe.scheduler
+    pipe.scheduler = pipeline.learned_scheduler(backbone, times[0])
+    expected = pipe(latents=noise, num_inference_steps=3, width=TINY_RESOLUTION, **given, **options)
+    pipe.scheduler = original
+    scale = max(1.0, expected.images.abs().max().item())
+    assert (latents - expected.images).abs().max().item() < 1e-5 * scale

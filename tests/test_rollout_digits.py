@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from backbones import load_backbone
+from backbones import BACKBONES, load_backbone
 from rollout import run_schedule
 
 
@@ -116,18 +116,27 @@ def test_fidelity_error_goes_to_zero_as_steps_grow(digits):
 
 
 def test_reference_is_converged(digits):
-    noise, cond = contexts(digits, 16, seed=2)
-    reference = digits.reference(noise, cond)
-    digits.reference_steps = 128
-    try:
-        finer = digits.reference(noise, cond)
-    finally:
-        del digits.reference_steps
-    coarse_error = rms(
-        digits.sample(noise, cond, digits.default_times(4).expand(16, -1)), reference
+    """The default teacher (64 uniform RK4 steps in float64) against 128 steps; digits' own (20
+    steps on a grid large near t = 1, float32) within its stated bound of the default: 2e-4 RMS
+    (measured 2.0e-5 over 256 held-out contexts), so the teacher reward of a 4-step sample moves by
+    less than 2e-4 per context (measured at most 6.7e-5), against the main job's gain of 1e-2."""
+    from backbones.mixture import MixtureBackbone
+
+    noise, cond = contexts(digits, 64, seed=2)
+    populations = BACKBONES["digits"]["populations"]
+    default = MixtureBackbone("digits", populations)
+    finer = MixtureBackbone("digits", populations)
+    finer.reference_steps = 128
+    reference, solved = default.reference(noise, cond), digits.reference(noise, cond)
+    sampled = digits.sample(noise, cond, digits.default_times(4).expand(64, -1))
+    coarse_error = rms(sampled, reference)
+    converged = rms(reference, finer.reference(noise, cond))
+    assert converged < 1e-5 and converged < 1e-4 * coarse_error
+    assert rms(solved, reference) < 2e-4
+    moved = (sampled - reference).square().mean((1, 2, 3)) - (sampled - solved).square().mean(
+        (1, 2, 3)
     )
-    assert rms(reference, finer) < 1e-5
-    assert rms(reference, finer) < 1e-4 * coarse_error
+    assert moved.abs().max() < 2e-4
 
 
 def test_exactly_steps_calls_and_schedule_matters(digits):

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from conftest import ENV, ROOT, run_script
+from conftest import ENV, ROOT, SCRIPTS, run_script
 
 import rewards
 import train
@@ -563,9 +563,7 @@ def test_the_names_train_offers_are_the_registries():
 )
 def test_every_command_answers_help(command):
     """Each entry script and evidence command, as README and docs write it, answers --help."""
-    result = subprocess.run(
-        [sys.executable, *command, "--help"], cwd=ROOT, env=ENV, capture_output=True, text=True
-    )
+    result = SCRIPTS.run([*command, "--help"], ROOT)
     assert result.returncode == 0 and "usage:" in result.stdout, result.stderr
 
 
