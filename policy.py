@@ -12,7 +12,8 @@ Two policies share one forward signature, forward(latent, text, text_mask, poole
   the pooled prompt embedding modulates them (FiLM: tokens (1 + scale) + shift, products of noise
   and prompt features from the start); they cross-attend to the prompt's token embeddings (masked);
   an MLP maps the mean token to alpha = softplus(.) + ALPHA_MIN.
-- GlobalPolicy: one learnable concentration vector, the same for every context (the ablation).
+- GlobalPolicy: one schedule for every context (the ablation): the same network on constant
+  inputs.
 DirichletRollouts is what train.py's loop asks of either: K schedules drawn per context, then
 sampled, and the log-probability of what was drawn.
 
