@@ -13,11 +13,10 @@ import torch
 
 from backbones.families import FluxBackbone, SD3Backbone, SDXLBackbone
 from backbones.mixture import MixtureBackbone
-from hub import check_safetensors, hub_file, read_json
+from hub import REPOSITORY, check_safetensors, hub_file, read_json
 
 # +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # the diffusers families (families.py), and the pipeline class each loads
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}

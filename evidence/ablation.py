@@ -49,6 +49,7 @@ import torch
 
 import backbones
 from evidence.results import commit, heldout_mean, interval, record, run_training
+from hub import REPOSITORY
 from miniatures.data import prompt_lists
 from policy import increments_from_times, times_from_increments
 from prompts import HELDOUT_SEED, context_noise, heldout_contexts
@@ -399,6 +400,7 @@ def miniature_evidence(args):
     fit_prompts, fit_seeds = heldout_contexts(train_prompts, HELDOUT_CONTEXTS, FIT_SEED)
     measure = realism_measure()
     floor = measure.floor(HELDOUT_CONTEXTS)
+    fair = []  # per miniature and L: the global row against the instance policy's single schedule
     lines, figure_policies = (
         [
             f"{HELDOUT_CONTEXTS} held-out contexts (held-out paraphrases, fresh noise) per row; "
@@ -461,6 +463,7 @@ def miniature_evidence(args):
                 {f"learned {t}": [f"learned {t}, seed {s}" for s in args.seeds] for t in selected}
             )
             rows[AVERAGED] = [f"{AVERAGED}, seed {s}" for s in args.seeds]
+            paired = []  # learned global - instance averaged, per seed: is the global row fair?
             for row, members in rows.items():
                 per_seed = {
                     column: [scores[m][column].mean().item() for m in members]
@@ -488,6 +491,16 @@ def miniature_evidence(args):
                     f"{cell('teacher', 4, -1)} | {equivalent_steps(default_reward, reward)} | "
                     f"{equivalent_steps(minus_frechet, -frechet)} | {seconds} |"
                 )
+                if row in ("learned global", AVERAGED):
+                    paired.append((per_seed["preference"], per_seed["frechet"]))
+            if len(paired) == 2 and len(args.seeds) > 1:
+                (reward_g, frechet_g), (reward_a, frechet_a) = paired
+                fair.append(
+                    f"- {name}, L = {steps}: learned global - instance averaged into one schedule, "
+                    f"paired by seed: preference "
+                    f"{interval([g - a for g, a in zip(reward_g, reward_a)])}, Frechet "
+                    f"{interval([g - a for g, a in zip(frechet_g, frechet_a)])}"
+                )
         lines += ["", *default_flags(name, args)] if TRAINING_STEPS in args.mini_steps else []
         lines += [
             "",
@@ -497,8 +510,15 @@ def miniature_evidence(args):
             "default schedule by step count, Frechet distance: "
             + ", ".join(f"{n}: {-m:.3f}" for n, m in minus_frechet.items()),
         ]
+    if fair:
+        lines += [
+            "",
+            "Is the global row fair (at least the instance policy's single schedule)?",
+            "",
+        ]
+        lines += fair
     if {2, 3} <= set(args.mini_steps):
-        figure = os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "miniatures.png")
+        figure = os.path.join(REPOSITORY, "docs", "miniatures.png")
         plot_miniatures(figure, args.backbones, figure_policies, args.seeds[0])
     print("\n".join(lines))
     with open(os.path.join(args.out_dir, "results.md"), "w") as file:
@@ -691,7 +711,7 @@ def distilled_comparison(args):
                     + ", ".join(f"{t:.3f}" for t in backbone.default_times(steps).tolist())
                 )
     plot_distilled(
-        os.path.join(os.path.dirname(os.path.abspath(__file__)), "docs", "distilled.png"),
+        os.path.join(REPOSITORY, "docs", "distilled.png"),
         models,
         figure_policies,
         args.seeds[0],

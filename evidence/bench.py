@@ -48,12 +48,11 @@ import torch
 import backbones
 from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from evidence.results import commit, record
+from hub import REPOSITORY
 from prompts import context_noise, heldout_contexts, load_prompt_file
 from rewards import load_reward
 from runs.checkpoint import load_checkpoint, make_policy
 from runs.heldout import default_schedule, policy_schedule, run_method
-
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -307,7 +306,6 @@ def bench_threads(busy_iterations=20):
     import sys
     import tempfile
 
-    here = os.path.dirname(os.path.abspath(__file__))
     settings = (1, torch.get_num_threads())
 
     def train(threads, folder, *args):
@@ -317,7 +315,7 @@ def bench_threads(busy_iterations=20):
             check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
-            cwd=here,
+            cwd=REPOSITORY,
         )
         with open(os.path.join(folder, "metrics.jsonl")) as file:
             rows = [json.loads(line) for line in file]

@@ -21,9 +21,9 @@ import sys
 
 import torch
 
+from hub import REPOSITORY
 from runs.heldout import mean_ci
 
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPOSITORY, "docs", "RESULTS.md")
 HEADER = [
     "# Results",

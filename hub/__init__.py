@@ -6,6 +6,10 @@ before anything loads it.
 """
 
 import json
+import os
+
+# this checkout's root: the shipped miniatures, reward models and prompt sets are found from it
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def hub_file(repo, filename, missing, repo_type=None):

@@ -20,9 +20,8 @@ import os
 
 import torch
 
-from hub import hub_file
+from hub import REPOSITORY, hub_file
 
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # (train, held out) per reward: text rendering for OCR, GenEval's templates, else HPDv2's styles
 SHIPPED = {
     "ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),

@@ -11,9 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
+from hub import REPOSITORY
 from rewards.images import quantize
-
-REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def digit_of(prompt):

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from hub import REPOSITORY
 from rewards.clip import CLIP_DEFAULT
 from rewards.images import clip_preprocess, quantize
 
@@ -664,8 +665,7 @@ if __name__ == "__main__":
             + "  ".join(f"{tag} {sum(r['tag'] == tag for r in records)}" for tag in TAGS)
         )
         if args.write and name != "benchmark":
-            repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            path = os.path.join(repository, "prompts", f"geneval_{name}.jsonl")
+            path = os.path.join(REPOSITORY, "prompts", f"geneval_{name}.jsonl")
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(path, "w") as file:
                 file.writelines(json.dumps(record) + "\n" for record in records)
