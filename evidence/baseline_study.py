@@ -19,8 +19,11 @@ Protocol: the paper's where the paper states it, else this project's choice (sai
   start, the default schedule with concentration 100, whose K rollouts differ little, at the
   smallest L (the budget of one command).
 - Each run is `python train.py --backbone NAME --steps L --rollouts 2 --contexts B --baseline X
-  --seed S ...`, scored on its 256 held-out contexts (held-out paraphrases, fresh noise: eval.json,
-  the same for every run): the preference reward and the Frechet distance to real digits, mean and
+  --seed S ...`; the row "rloo at 2B" is RLOO with 2B contexts. At K = 2 no baseline can be worth
+  more than doubling RLOO's batch (docs/BOUND.md), so a cell where that gains nothing measurable
+  (its paired interval reaches 0) cannot tell baselines apart, and says so. Each run is scored on
+  its 256 held-out contexts (held-out paraphrases, fresh noise: eval.json, the same for every
+  run): the preference reward and the Frechet distance to real digits, mean and
   95% Student-t interval over the seeds; the paired difference between two baselines pairs their
   runs of one seed (same initial policy, same training contexts).
 - Learning curves: the held-out gain over the default on the first 32 held-out contexts, which
@@ -54,6 +57,7 @@ import torch
 import backbones
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from evidence.results import commit, heldout_mean, interval, record, run_training
+from hub import REPOSITORY
 from policy import log_prob, sample_increments, times_from_increments
 from prompts import context_noise, load_prompt_file
 from rewards import load_reward
@@ -62,6 +66,8 @@ from runs.heldout import mean_ci
 
 MINIATURES = {"mini-sd3": 32, "mini-flux": 16, "mini-sdxl": 32}  # name: B
 BASELINE_ROWS = ["xctx", "rloo", "js", "js-unbiased"]
+# RLOO with twice the contexts, paired by seed: what any baseline can at most be worth at K = 2
+DOUBLED = "rloo at 2B"
 STARTS = ("flat", "default")
 ROLLOUTS = 2
 ITERATIONS = 40
@@ -247,13 +253,15 @@ def budgets(args, start):
 
 
 def run_dir(args, name, start, steps, baseline, seed):
-    return os.path.join(args.out_dir, name, f"{start}-L{steps}-{baseline}-s{seed}")
+    row = baseline.replace(" ", "-")
+    return os.path.join(args.out_dir, name, f"{start}-L{steps}-{row}-s{seed}")
 
 
 def train(args, name, start, steps, baseline, seed):
     """One training run (read when finished): its eval.json and metrics rows."""
+    contexts = MINIATURES[name] * (2 if baseline == DOUBLED else 1)
     arguments = ["--backbone", name, "--steps", str(steps), "--rollouts", str(ROLLOUTS)]
-    arguments += ["--contexts", str(MINIATURES[name]), "--baseline", baseline]
+    arguments += ["--contexts", str(contexts), "--baseline", baseline.split()[0]]
     arguments += ["--seed", str(seed), "--iterations", str(ITERATIONS)]
     arguments += ["--ckpt-interval", str(CURVE_INTERVAL)]
     if start == "flat":
@@ -286,6 +294,16 @@ def paired(runs, first, second):
     return interval(differences, 3)
 
 
+def detects(runs):
+    """Whether a cell can tell baselines apart: a better baseline is worth at most twice RLOO's
+    batch at K = 2 (docs/BOUND.md), so where doubling RLOO's batch gains nothing measurable (its
+    paired 95% interval reaches 0), no baseline's gain could show."""
+    pairs = zip(runs[DOUBLED], runs["rloo"])
+    differences = torch.tensor([heldout_mean(a) - heldout_mean(b) for (a, _), (b, _) in pairs])
+    mean, half = mean_ci(differences)
+    return "yes: doubling B gains" if mean - half > 0 else "no: doubling B gains nothing"
+
+
 def shrinkage_summary(runs):
     """Median (quartiles) of the logged plug-in JS weight over every iteration of the runs, and
     over their first 5 iterations."""
@@ -310,10 +328,13 @@ def table(args, results, start):
     for baseline in first:
         row = [cell(results[(n, start, s)][baseline]) for n, s in columns]
         lines.append(f"| {baseline} | " + " | ".join(row) + " |")
-    for a, b in (("js", "rloo"), ("js", "xctx"), ("js-unbiased", "rloo")):
+    for a, b in (("js", "rloo"), (DOUBLED, "rloo"), ("js", "xctx"), ("js-unbiased", "rloo")):
         if a in first and b in first:
             row = [paired(results[(n, start, s)], a, b) for n, s in columns]
             lines.append(f"| {a} - {b} (reward, paired) | " + " | ".join(row) + " |")
+    if DOUBLED in first:  # JS can gain at most what doubling the batch gains (docs/BOUND.md)
+        row = [detects(results[(n, start, s)]) for n, s in columns]
+        lines.append("| could a baseline show here? | " + " | ".join(row) + " |")
     row = [shrinkage_summary(results[(n, start, s)]["js"]) for n, s in columns]
     lines.append(
         "| JS weight a, median (quartiles): first 5 iterations; all | " + " | ".join(row) + " |"
@@ -413,7 +434,7 @@ def main(args):
         for start in STARTS
         for name in args.miniatures
         for steps in budgets(args, start)
-        for baseline in BASELINE_ROWS
+        for baseline in [*BASELINE_ROWS, DOUBLED]
         for seed in args.seeds
     ]
     with ThreadPoolExecutor(args.jobs) as pool:
@@ -425,17 +446,11 @@ def main(args):
     def measured(name, start):
         path = os.path.join(args.out_dir, f"measure-{name}-{start}.json")
         if not os.path.isfile(path):
-            command = [
-                sys.executable,
-                __file__,
-                "--out-dir",
-                args.out_dir,
-                "--measure",
-                name,
-                start,
-            ]
+            command = [sys.executable, "-m", "evidence.baseline_study", "--out-dir", args.out_dir]
+            command += ["--measure", name, start]
             command += ["--steps", *map(str, args.steps), "--seeds", *map(str, args.seeds)]
-            subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+            subprocess.run(command, check=True, env=environment, cwd=REPOSITORY)
 
     with ThreadPoolExecutor(args.jobs) as pool:
         list(

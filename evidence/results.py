@@ -9,15 +9,18 @@ rerun replaces its own section only.
     table_lines = measure()
     record("guidance", "python -m evidence.miniatures --guidance-sweep", table_lines, at=started)
 
-The evidence scripts train with `run_training(out_dir, arguments)`: train.py in its own process,
-read back when finished, continued when killed; `heldout_mean(report)` reads a row of its eval.json
+The evidence scripts train with `run_training(out_dir, arguments)`: train.py in a worker process
+(which imports torch and the models once for all its runs), read back when finished, continued
+when killed; `heldout_mean(report)` reads a row of its eval.json
 and `interval(values, digits)` writes a mean over seeds with its 95% interval.
 """
 
+import contextlib
 import json
+import multiprocessing
 import os
 import subprocess
-import sys
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
@@ -76,24 +79,34 @@ def record(name, command, lines, at=None, path=RESULTS):
     os.replace(temporary, path)
 
 
+def train_here(out_dir, arguments):
+    """`python train.py --out-dir out_dir *arguments` in this process (a worker of run_training's
+    pool), its output in out_dir/train.log."""
+    import train
+
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "train.log"), "a") as log:
+        with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            try:
+                train.main(train.parse_config(["--out-dir", out_dir, *arguments]))
+            except SystemExit as stop:  # train.py's one-line refusal, as an error here
+                raise RuntimeError(f"train.py {' '.join(arguments)}: {stop}") from None
+
+
+WORKERS = None  # run_training's processes, started once: each imports torch and the models once
+
+
 def run_training(out_dir, arguments):
-    """`python train.py --out-dir out_dir *arguments` in its own process (one CPU thread; its output
-    in out_dir/train.log), continued from its checkpoint when killed, and not rerun when finished
-    (eval.json exists). Returns its eval.json and the rows of its metrics.jsonl."""
+    """`python train.py --out-dir out_dir *arguments` in a worker process of its own (one CPU
+    thread; its output in out_dir/train.log), continued from its checkpoint when killed, and not
+    rerun when finished (eval.json exists); callers run several at once from threads. Returns its
+    eval.json and the rows of its metrics.jsonl."""
+    global WORKERS
     if not os.path.isfile(os.path.join(out_dir, "eval.json")):
-        command = [sys.executable, "train.py", "--out-dir", out_dir, *arguments]
-        if os.path.isfile(os.path.join(out_dir, "ckpt.pt")):
-            command.append("--resume")
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, "train.log"), "w") as log:
-            subprocess.run(
-                command,
-                check=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-                stdout=log,
-                stderr=log,
-                cwd=REPOSITORY,
-            )
+        if WORKERS is None:  # spawned, not forked: nothing of this process's state is copied
+            context = multiprocessing.get_context("spawn")
+            WORKERS = ProcessPoolExecutor(os.cpu_count(), mp_context=context)
+        WORKERS.submit(train_here, out_dir, arguments).result()
     with open(os.path.join(out_dir, "eval.json")) as file:
         report = json.load(file)
     with open(os.path.join(out_dir, "metrics.jsonl")) as file:
