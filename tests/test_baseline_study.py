@@ -159,3 +159,19 @@ def test_concentration_and_snapshots(tmp_path):
     # a snapshot is read as a checkpoint is (baseline_study.measure loads it so)
     _, loaded = checkpoints.load_checkpoint(str(out / "snapshots" / "policy-2.pt"))
     assert all(torch.equal(v, states[2]["policy"][k]) for k, v in loaded.state_dict().items())
+
+
+def eval_report(mean):
+    return {"rows": [{"method": "learned (mean)", "mean": mean}]}, []
+
+
+def test_a_cell_detects_only_where_doubling_the_batch_gains_beyond_its_interval():
+    rloo = [eval_report(m) for m in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    # paired differences 0.9-1.1: mean 1.0, half-width 2.776 * 0.0707 = 0.196, clear of 0
+    gains = [
+        eval_report(m + d) for m, d in zip((1.0, 2.0, 3.0, 4.0, 5.0), (0.9, 1.1, 1.0, 1.0, 1.0))
+    ]
+    assert baseline_study.detects({"rloo": rloo, baseline_study.DOUBLED: gains}).startswith("yes")
+    # differences -1, 1, -1, 1, 0.5: mean 0.1, the interval reaches below 0
+    noisy = [eval_report(m + d) for m, d in zip((1.0, 2.0, 3.0, 4.0, 5.0), (-1, 1, -1, 1, 0.5))]
+    assert baseline_study.detects({"rloo": rloo, baseline_study.DOUBLED: noisy}).startswith("no")
