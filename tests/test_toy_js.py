@@ -36,6 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("toy_js")
+    with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
+        results_before = file.read()
     result = subprocess.run(
         [sys.executable, "toy_js.py", "--quick", "--threads", "1", "--out-dir", str(out_dir)],
         cwd=ROOT,
@@ -46,6 +48,8 @@ def quick_run(tmp_path_factory):
     assert result.returncode == 0, result.stderr
     with open(out_dir / "toy_js.json") as file:
         record = json.load(file)
+    with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
+        assert file.read() == results_before  # only --record writes the evidence
     return out_dir, result.stdout, record
 
 
