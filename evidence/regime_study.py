@@ -45,6 +45,7 @@ from policy import sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
 from rewards import digit_of, load_reward
 from runs.checkpoint import load_checkpoint, make_policy
+from runs.folder import write_lines_atomic
 from runs.heldout import evaluate, mean_ci, policy_schedule
 
 CELLS = {"mini-sd3": 2, "mini-sdxl": 2}  # miniature: the digit whose prompts make its contexts
@@ -65,18 +66,17 @@ add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU
 
 
 def prompt_files(args, name):
-    """The cell's training and held-out prompts: the paraphrases of its one digit."""
+    """The cell's training and held-out prompt files (the paraphrases of its one digit): their
+    paths, written once (main) before any training reads them."""
     folder = os.path.join(args.out_dir, name)
-    os.makedirs(folder, exist_ok=True)
-    paths = []
-    spec = backbones.BACKBONES[name]["prompts"]
-    for which, shipped in zip(("train", "heldout"), spec):
+    return [os.path.join(folder, f"prompts-{which}.txt") for which in ("train", "heldout")]
+
+
+def write_prompt_files(args, name):
+    os.makedirs(os.path.join(args.out_dir, name), exist_ok=True)
+    for path, shipped in zip(prompt_files(args, name), backbones.BACKBONES[name]["prompts"]):
         prompts = [p for p in load_prompt_file(shipped) if digit_of(p) == CELLS[name]]
-        path = os.path.join(folder, f"prompts-{which}.txt")
-        with open(path, "w") as file:
-            file.write("\n".join(prompts) + "\n")
-        paths.append(path)
-    return paths
+        write_lines_atomic(path, [prompt + "\n" for prompt in prompts])
 
 
 def train(args, name, row, seed, rate):
@@ -223,6 +223,8 @@ def cell_lines(name, rate, tuning, start, runs):
     lines += [
         "",
         f"- could a baseline show here? {power} (area {mean:+.3f} ± {half:.3f})",
+        f"- JS - cross-context (paired): endpoint {paired(runs['js'], runs['xctx'], 0)}, area "
+        f"{paired(runs['js'], runs['xctx'], 1)}",
         f"- JS weight a logged at iteration (median over seeds): {weight_trajectory(runs['js'])}",
     ]
     return lines
@@ -268,6 +270,7 @@ def main(args):
     lines, results = [summary], {}
     with ThreadPoolExecutor(args.jobs) as pool:
         for name in args.cells:
+            write_prompt_files(args, name)
             tuning, rate = tune(args, pool, name)
             runs = [(row, seed) for row in ROWS for seed in args.seeds]
             finished = list(pool.map(lambda run: train(args, name, *run, rate), runs))
