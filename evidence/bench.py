@@ -39,6 +39,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -274,11 +275,6 @@ def bench_inference(name, args, device, count=16):
 def bench_iteration(name, iterations=12):
     """Median seconds per training iteration (metrics.jsonl's step_s, the first two left out) of
     each training on one backbone, run one after the other in this process's machine state."""
-    import json
-    import statistics
-    import subprocess
-    import sys
-    import tempfile
 
     from evidence.ablation import MINI_TRAININGS  # global, instance, stepwise, stepwise + PPO
 
@@ -301,10 +297,6 @@ def bench_threads(busy_iterations=20):
     """The main job at 1 thread and at torch's default, on this machine as it is, then the first
     `busy_iterations` of it with another process keeping every core busy (a machine shared with
     other jobs): seconds per iteration from metrics.jsonl."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
 
     settings = (1, torch.get_num_threads())
 
@@ -514,8 +506,6 @@ def bench_main_job():
     """`python train.py`, the main job, in a process of its own as a user runs it: its wall time,
     and how it splits into start-up (to the end of the first iteration, less that iteration), the
     iterations (metrics.jsonl's step_s) and the finish (held-out report, figure, policy)."""
-    import subprocess
-
     with tempfile.TemporaryDirectory() as folder:
         metrics = os.path.join(folder, "metrics.jsonl")
         started = time.perf_counter()

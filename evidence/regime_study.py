@@ -79,6 +79,10 @@ def write_prompt_files(args, name):
         write_lines_atomic(path, [prompt + "\n" for prompt in prompts])
 
 
+def run_folder(args, name, row, seed, rate):
+    return os.path.join(args.out_dir, name, f"{row.replace(' ', '-')}-lr{rate:g}-s{seed}")
+
+
 def train(args, name, row, seed, rate):
     """One training run (read when finished): its eval.json and metrics rows."""
     train_file, heldout_file = prompt_files(args, name)
@@ -89,21 +93,23 @@ def train(args, name, row, seed, rate):
     arguments += ["--ckpt-interval", str(CURVE), "--init", "uniform"]
     arguments += ["--concentration", str(STEPS + 1), "--prompts", train_file]
     arguments += ["--eval-prompts", heldout_file]
-    folder = os.path.join(args.out_dir, name, f"{row.replace(' ', '-')}-lr{rate:g}-s{seed}")
-    return run_training(folder, arguments)
+    return run_training(run_folder(args, name, row, seed, rate), arguments)
 
 
 @torch.no_grad()
-def tuning_score(args, name, row, seed, rate):
-    """The mean preference reward of a tuning run's schedule on the tuning contexts."""
-    folder = os.path.join(args.out_dir, name, f"{row.replace(' ', '-')}-lr{rate:g}-s{seed}")
-    _, policy = load_checkpoint(os.path.join(folder, "ckpt.pt"))
+def tuning_scores(args, name, runs):
+    """The mean preference reward of each tuning run's schedule on the tuning contexts (the
+    backbone, reward and contexts loaded once): {(row, seed, rate): score}."""
     backbone = backbones.load_backbone(name)
+    reward = load_reward("preference", backbone)
     prompts = load_prompt_file(prompt_files(args, name)[0])
     contexts = heldout_contexts(prompts, TUNING_CONTEXTS, TUNING_SEED)
-    method = {"learned": policy_schedule(policy, backbone)}
-    scores = evaluate(backbone, load_reward("preference", backbone), *contexts, method)
-    return scores["learned"].mean().item()
+    scores = {}
+    for run in runs:
+        _, policy = load_checkpoint(os.path.join(run_folder(args, name, *run), "ckpt.pt"))
+        method = {"learned": policy_schedule(policy, backbone)}
+        scores[run] = evaluate(backbone, reward, *contexts, method)["learned"].mean().item()
+    return scores
 
 
 def tune(args, pool, name):
@@ -118,13 +124,13 @@ def tune(args, pool, name):
         (row, seed, rate) for rate in RATES for row in ("rloo", DOUBLED) for seed in TUNING_SEEDS
     ]
     list(pool.map(lambda run: train(args, name, *run), runs))
-    gains = {}
-    for rate in RATES:
-        score = {
-            row: [tuning_score(args, name, row, s, rate) for s in TUNING_SEEDS]
-            for row in ("rloo", DOUBLED)
-        }
-        gains[rate] = statistics.mean(d - r for d, r in zip(score[DOUBLED], score["rloo"]))
+    score = tuning_scores(args, name, runs)
+    gains = {
+        rate: statistics.mean(
+            score[(DOUBLED, seed, rate)] - score[("rloo", seed, rate)] for seed in TUNING_SEEDS
+        )
+        for rate in RATES
+    }
     with open(path, "w") as file:
         json.dump({f"{rate:g}": gain for rate, gain in gains.items()}, file)
     return gains, max(gains, key=gains.get)
