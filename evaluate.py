@@ -32,7 +32,6 @@ import torch
 
 import backbones
 import rewards as reward_lib
-from hub import read_json
 from prompts import (
     HELDOUT_SEED,
     heldout_contexts,
@@ -41,10 +40,10 @@ from prompts import (
     noise_seed,
     prompt_groups,
 )
-from runs.checkpoint import MAIN_RUN, check_fits, load_checkpoint
-from runs.figures import plot_results
-from runs.folder import check_writable, write_json_atomic, write_lines_atomic
-from runs.heldout import default_schedule, format_table, policy_schedule, score_batches, summarize
+from scoring.figures import plot_results
+from scoring.paired import default_schedule, format_table, policy_schedule, score_batches, summarize
+from store.checkpoint import MAIN_RUN, check_fits, load_checkpoint
+from store.files import check_writable, read_json, write_json_atomic, write_lines_atomic
 
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
 parser.error = lambda message: parser.exit(2, f"evaluate.py: error: {message}\n")  # no usage

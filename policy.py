@@ -138,7 +138,7 @@ def log_prob(alpha, tau):
 class DirichletRollouts:
     """K schedules per context drawn from a single-pass policy (instance or global) before the
     sampling loop runs, and their log-probability. train.py's loop asks the same of the step-wise
-    policy's (comparator/stepwise.StepwiseRollouts), which draws each time inside the loop:
+    policy's (comparator/tpdm.StepwiseRollouts), which draws each time inside the loop:
         rollouts = Rollouts(policy, backbone, noise, cond, generators, K)
         rollouts.sample(part, noise, cond) -> latents of the samples `part` (L model calls)
         rollouts.log_prob(policy, index) -> (len,) log pi of those schedules, with gradients

@@ -42,10 +42,10 @@ import torch
 import backbones
 from prompts import context_noise, load_prompt_file, noise_seed
 from rewards import check_reward, load_reward
-from runs.checkpoint import MAIN_RUN, check_fits, load_checkpoint
-from runs.figures import context_labels, draw_schedules
-from runs.folder import check_writable, write_failed
-from runs.heldout import default_schedule, policy_schedule, run_method
+from scoring.figures import context_labels, draw_schedules
+from scoring.paired import default_schedule, policy_schedule, run_method
+from store.checkpoint import MAIN_RUN, check_fits, load_checkpoint
+from store.files import check_writable, write_failed
 
 # -----------------------------------------------------------------------------
 # configuration

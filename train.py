@@ -18,7 +18,7 @@ backbone (L model calls) and scored; then one REINFORCE step with a baseline b:
 The comparator TPDM (Ye et al., CVPR 2025; comparator/) trains in the same loop: `--policy
 stepwise` picks each next time inside the sampling loop from the sampler's state, `--optimizer ppo`
 takes clipped PPO steps instead of the one REINFORCE step, with the settings of TPDM's own code
-(comparator/ppo.py). A run folder is never overwritten: running the same command again continues a
+(comparator/tpdm.py). A run folder is never overwritten: running the same command again continues a
 killed run from its last checkpoint, or reports a finished one.
 """
 
@@ -41,14 +41,14 @@ from tqdm import tqdm
 
 from backbones import BACKBONES
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
-from comparator import ppo
-from comparator.stepwise import StepwiseRollouts
+from comparator import tpdm
+from comparator.tpdm import StepwiseRollouts
 from policy import DirichletRollouts
 from prompts import DEFAULT, SHIPPED, context_seed
 from rewards import REWARDS
 from runs import launch
-from runs.checkpoint import POLICIES, save_checkpoint
-from runs.track import TRACKERS
+from store.checkpoint import POLICIES, save_checkpoint
+from store.track import TRACKERS
 
 # -----------------------------------------------------------------------------
 # configuration: one field per line; None = resolved by resolve() below
@@ -154,7 +154,7 @@ TRAINING = {
     "mini-flux-schnell": dict(MINIATURE_TRAINING, steps=4),
 }
 # The update's defaults with --optimizer reinforce, this project's choices (the paper states no
-# optimiser); --optimizer ppo takes TPDM's instead (comparator/ppo.py, ppo.TPDM).
+# optimiser); --optimizer ppo takes TPDM's instead (comparator/tpdm.py, tpdm.TPDM).
 REINFORCE = dict(
     baseline="js",
     init="default",
@@ -183,18 +183,18 @@ CHOICES = dict(
 
 def resolve(config):
     """Every default the command line left open, in one place: the backbone's row of TRAINING
-    (its learning rate times ppo.LR_FACTOR under PPO), the update's
+    (its learning rate times tpdm.LR_FACTOR under PPO), the update's
     defaults (REINFORCE, or TPDM's for the step-wise policy under PPO), the shipped prompt files,
     the CPU threads, the run folder. The configuration it returns is printed once (rank 0)."""
     for key, default in TRAINING[config.backbone].items():
         if getattr(config, key) is None:
             setattr(config, key, default)
             if key == "lr" and config.optimizer == "ppo":
-                config.lr *= ppo.LR_FACTOR
-    update = ppo.TPDM if config.optimizer == "ppo" else REINFORCE
+                config.lr *= tpdm.LR_FACTOR
+    update = tpdm.TPDM if config.optimizer == "ppo" else REINFORCE
     for key, default in update.items():
         if getattr(config, key) is None:  # TPDM's start, inputs, inference: the step-wise policy's
-            plain = config.policy != "stepwise" and key in ppo.STEPWISE_ONLY
+            plain = config.policy != "stepwise" and key in tpdm.STEPWISE_ONLY
             setattr(config, key, REINFORCE[key] if plain else default)
     spec = BACKBONES[config.backbone]
     if spec["family"] != "mixture":  # the miniatures' paraphrases, else the reward's shipped set
@@ -350,7 +350,7 @@ def train(config, run):
         if config.optimizer == "ppo":  # TPDM's: several epochs of clipped steps on this batch
             shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
             log_probs = functools.partial(rollouts.log_prob, policy)
-            loss, grad_norm, clip_fraction = ppo.ppo_update(
+            loss, grad_norm, clip_fraction = tpdm.ppo_update(
                 config, log_probs, rollouts.logp, advantages, step, shuffle
             )
         else:  # REINFORCE: one step on -mean((r - b) log pi)

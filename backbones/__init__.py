@@ -13,7 +13,7 @@ import torch
 
 from backbones.families import FluxBackbone, SD3Backbone, SDXLBackbone
 from backbones.mixture import MixtureBackbone
-from hub import REPOSITORY, check_safetensors, hub_file, read_json
+from store.files import REPOSITORY, check_safetensors, hub_file, read_json
 
 # +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)

@@ -3,7 +3,7 @@ A trained schedule inside a stock diffusers pipeline.
 
     model = "stabilityai/stable-diffusion-3.5-medium"
     pipe = StableDiffusion3Pipeline.from_pretrained(model, torch_dtype=torch.bfloat16).to("cuda")
-    policy = load_policy("out/sd35m-L10-instance-s0/policy").to("cuda")  # runs.checkpoint; a hub id
+    policy = load_policy("out/sd35m-L10-instance-s0/policy").to("cuda")  # or a hub id
     generator = torch.Generator("cuda").manual_seed(0)
     images = generate(pipe, policy, "a red fox in fresh snow", generator=generator).images
 

@@ -49,21 +49,20 @@ import torch
 
 import backbones
 from evidence.results import commit, heldout_mean, interval, record, run_training
-from hub import REPOSITORY
 from miniatures.data import prompt_lists
 from policy import increments_from_times, times_from_increments
 from prompts import HELDOUT_SEED, context_noise, heldout_contexts
 from rewards import load_reward
-from runs.checkpoint import load_checkpoint
-from runs.folder import write_json_atomic
-from runs.heldout import (
+from scoring.paired import (
     default_schedule,
     fixed_schedule,
     policy_schedule,
     realism_table,
     score_table,
 )
-from runs.realism import realism_measure
+from scoring.realism import realism_measure
+from store.checkpoint import load_checkpoint
+from store.files import REPOSITORY, write_json_atomic
 
 DEFAULT_BACKBONES = ["digits", "digits-prompt", "digits-noise"]
 parser = argparse.ArgumentParser(

@@ -57,12 +57,12 @@ import torch
 import backbones
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from evidence.results import commit, heldout_mean, interval, record, run_training
-from hub import REPOSITORY
 from policy import log_prob, sample_increments, times_from_increments
 from prompts import context_noise, load_prompt_file
 from rewards import load_reward
-from runs.checkpoint import load_checkpoint
-from runs.heldout import mean_ci
+from scoring.paired import mean_ci
+from store.checkpoint import load_checkpoint
+from store.files import REPOSITORY
 
 MINIATURES = {"mini-sd3": 32, "mini-flux": 16, "mini-sdxl": 32}  # name: B
 BASELINE_ROWS = ["xctx", "rloo", "js", "js-unbiased"]

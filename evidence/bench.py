@@ -47,13 +47,13 @@ import time
 import torch
 
 import backbones
-from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from evidence.results import commit, record
-from hub import REPOSITORY
+from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from prompts import context_noise, heldout_contexts, load_prompt_file
 from rewards import load_reward
-from runs.checkpoint import load_checkpoint, make_policy
-from runs.heldout import default_schedule, policy_schedule, run_method
+from scoring.paired import default_schedule, policy_schedule, run_method
+from store.checkpoint import load_checkpoint, make_policy
+from store.files import REPOSITORY
 
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

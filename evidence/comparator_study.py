@@ -37,11 +37,11 @@ import backbones
 from evidence.results import commit, heldout_mean, interval, record, run_training
 from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
 from rewards import load_reward
-from runs.checkpoint import load_checkpoint
-from runs.heldout import evaluate, policy_schedule
+from scoring.paired import evaluate, policy_schedule
+from store.checkpoint import load_checkpoint
 
 STUDIED = ["digits-prompt", "mini-sd3", "mini-flux", "mini-sdxl"]
-RATES = [3e-5, 1e-4, 3e-4]  # around the default, REINFORCE's 3e-3 x ppo.LR_FACTOR = 1e-4
+RATES = [3e-5, 1e-4, 3e-4]  # around the default, REINFORCE's 3e-3 x tpdm.LR_FACTOR = 1e-4
 RATE_STEP = 10**0.5  # between neighbours of the grid, and to an added rate
 EXTEND = 2
 WINDOW = 20  # iterations averaged for the training reward at the start and at the end

@@ -18,8 +18,8 @@ from miniatures.data import digit_splits, prompt_lists, split
 from prompts import TUNING_SEED, heldout_contexts
 from rewards import load_reward
 from rewards.digits import digit_of, load_classifier, load_scorer
-from runs.heldout import default_schedule, sample_images
-from runs.realism import realism_measure
+from scoring.paired import default_schedule, sample_images
+from scoring.realism import realism_measure
 
 # -----------------------------------------------------------------------------
 # the miniatures' default guidance, chosen as a real model's is

@@ -40,13 +40,12 @@ import backbones
 import toy_js
 from baselines import shrinkage
 from evidence.results import commit, interval, record, run_training
-from hub import REPOSITORY
 from policy import sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
 from rewards import digit_of, load_reward
-from runs.checkpoint import load_checkpoint, make_policy
-from runs.folder import write_lines_atomic
-from runs.heldout import evaluate, mean_ci, policy_schedule
+from scoring.paired import evaluate, mean_ci, policy_schedule
+from store.checkpoint import load_checkpoint, make_policy
+from store.files import REPOSITORY, write_lines_atomic
 
 CELLS = {"mini-sd3": 2, "mini-sdxl": 2}  # miniature: the digit whose prompts make its contexts
 STEPS, CONTEXTS, ROLLOUTS, ITERATIONS, CURVE = 2, 4, 2, 30, 2

@@ -24,8 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from hub import REPOSITORY
-from runs.heldout import mean_ci
+from scoring.paired import mean_ci
+from store.files import REPOSITORY
 
 RESULTS = os.path.join(REPOSITORY, "docs", "RESULTS.md")
 HEADER = [

@@ -62,8 +62,8 @@ import torch
 import torch.nn.functional as F
 
 import backbones
-from backbones.layouts import autoencoder, family_pipeline
 from miniatures.data import SIDE, digit_splits, prompt_lists, split
+from miniatures.layouts import autoencoder, family_pipeline
 from policy import increments_from_times, times_from_increments
 from prompts import context_noise, heldout_contexts
 from rewards.digits import DigitClassifier, PreferenceScorer, digit_of

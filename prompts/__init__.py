@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from hub import REPOSITORY, hub_file
+from store.files import REPOSITORY, hub_file
 
 # (train, held out) per reward: text rendering for OCR, GenEval's templates, else HPDv2's styles
 SHIPPED = {

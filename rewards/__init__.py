@@ -49,11 +49,11 @@ import os
 
 import torch
 
-from hub import check_safetensors, hub_file, read_json
 from rewards.clip import CLIP_DEFAULT, load_clip
 from rewards.digits import digit_of, load_digit, load_preference, model_folder
 from rewards.hps import _import_hps, hps_checkpoint, load_hpsv2
 from rewards.teacher import load_teacher
+from store.files import check_safetensors, hub_file, read_json
 
 
 def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):

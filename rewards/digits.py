@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
-from hub import REPOSITORY
 from rewards.images import quantize
+from store.files import REPOSITORY
 
 
 def digit_of(prompt):

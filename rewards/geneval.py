@@ -50,9 +50,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hub import REPOSITORY
 from rewards.clip import CLIP_DEFAULT
 from rewards.images import clip_preprocess, quantize
+from store.files import REPOSITORY
 
 CLASSES = [
     "person",
@@ -611,7 +611,7 @@ class GenEvalReward:
 def check_weights(model, what, also=None):
     """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when
     online); `also`: a second (model, what), reported in the same message."""
-    from hub import hub_file
+    from store.files import hub_file
 
     missing = []
     for name, kind in [(model, what)] + ([also] if also else []):

@@ -9,8 +9,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from hub import hub_file
 from rewards.images import import_optional, normalize, quantize
+from store.files import hub_file
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}

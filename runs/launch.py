@@ -22,27 +22,33 @@ import torch.distributed as dist
 import backbones
 import rewards as reward_lib
 from baselines import MIN_CONTEXTS
-from hub import read_json
 from prompts import context_noise, heldout_contexts, load_prompt_file
 from rollout import Backbone
-from runs.checkpoint import (
+from scoring.figures import context_labels, plot_training
+from scoring.paired import (
+    GAIN_CONTEXTS,
+    format_table,
+    heldout_gain,
+    heldout_report,
+    policy_schedule,
+)
+from store.checkpoint import (
     existing_run,
     make_policy,
     restore,
     save_checkpoint,
     save_policy,
 )
-from runs.figures import context_labels, plot_training
-from runs.folder import (
+from store.files import (
     WriteFailed,
     check_writable,
     claim_run,
     foreign_files,
     metric_rows,
+    read_json,
     write_failed,
 )
-from runs.heldout import GAIN_CONTEXTS, format_table, heldout_gain, heldout_report, policy_schedule
-from runs.track import check_tracker, open_tracker
+from store.track import check_tracker, open_tracker
 
 # the least value of each setting (contexts: the baseline's own, baselines.MIN_CONTEXTS)
 LEAST = dict(
@@ -142,7 +148,7 @@ def fail(message):
 @contextlib.contextmanager
 def written(path=None):
     """Writes to the run folder: one that fails (disk full, read-only storage) ends in one line
-    naming the folder (runs.folder.write_failed); the last good checkpoint stays as it was."""
+    naming the folder (store.files.write_failed); the last good checkpoint stays as it was."""
     try:
         yield
     except WriteFailed as error:
@@ -281,9 +287,9 @@ def report_finished(config, checkpoint):
 
 
 def new_policy(config, backbone):
-    """The policy the configuration names at its start (runs.checkpoint.make_policy): the
+    """The policy the configuration names at its start (store.checkpoint.make_policy): the
     backbone's default schedule, equal increments or TPDM's rates, at --concentration, at the size
-    its backbone gets (runs.checkpoint.PRESETS)."""
+    its backbone gets (store.checkpoint.PRESETS)."""
     init_times = backbone.default_times(config.steps) if config.init == "default" else None
     options = dict(init="tpdm") if config.init == "tpdm" else {}
     if config.concentration is not None:
@@ -307,7 +313,7 @@ def new_policy(config, backbone):
 def snapshot(config, policy, done):
     """With --snapshots, the policy after `done` iterations in snapshots/policy-<done>.pt (what
     evidence/baseline_study.py measures the gradient's variance at); kept, unlike ckpt.pt, and read
-    as it is (runs.checkpoint.load_checkpoint), without the optimizer and RNG state a resume
+    as it is (store.checkpoint.load_checkpoint), without the optimizer and RNG state a resume
     needs."""
     if config.snapshots:
         path = os.path.join(config.out_dir, "snapshots", f"policy-{done}.pt")

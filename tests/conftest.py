@@ -125,7 +125,7 @@ def train_in_process(out_dir, *args):
 def small_policies(patch):
     """The real backbones' policy (about 20M parameters) at the embedded size on the tests' tiny
     pipelines: the same code, a 100k-parameter network, so that a PPO step takes milliseconds."""
-    from runs import checkpoint
+    from store import checkpoint
 
     patch.setitem(checkpoint.PRESETS, "real", checkpoint.PRESETS["embedded"])
 
@@ -200,7 +200,7 @@ def tiny_runs(tmp_path_factory):
     of 50, which keeps the test fast and the code path the same. Returns backbone -> out dir, and
     the folders of the saved pipelines (flux-schnell too, for evaluate.py --schnell)."""
     import rollout
-    from backbones.layouts import TINY_RESOLUTION, tiny_pipeline
+    from miniatures.layouts import TINY_RESOLUTION, tiny_pipeline
 
     folder = tmp_path_factory.mktemp("tiny")
     for family in ("sd3", "sdxl", "flux-dev", "flux-schnell"):

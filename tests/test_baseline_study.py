@@ -11,7 +11,7 @@ from conftest import train_in_process
 from backbones import load_backbone
 from baselines import BASELINES
 from evidence import baseline_study
-from runs import checkpoint as checkpoints
+from store import checkpoint as checkpoints
 
 
 def random_effects_pool(sets, contexts, rollouts, between, within, generator):

@@ -13,8 +13,8 @@ import rewards
 import rollout
 from backbones import mixture, trained_backbone
 from prompts import HPDV2_STYLES, context_noise, heldout_contexts, load_hpdv2
-from runs import heldout
-from runs.checkpoint import load_checkpoint
+from scoring import paired as heldout
+from store.checkpoint import load_checkpoint
 
 STEPS = 4
 

@@ -16,7 +16,7 @@ from conftest import ENV, ROOT, SCRIPTS, train_in_process
 
 import sample
 import train
-from runs import figures
+from scoring import figures
 
 # a finished digits run, small enough to build in seconds
 RUN_ARGS = ["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "1"]
@@ -170,11 +170,11 @@ def garbled_metrics(out):
 
 MINI = ["train.py", "--backbone", "mini-sd3", "--out-dir", "{tmp}/out"]
 GENERATE = (
-    "import torch; from backbones import pipeline; from runs.checkpoint import load_policy; "
+    "import torch; from backbones import pipeline; from store.checkpoint import load_policy; "
     "policy = load_policy('{run}/policy'); "
 )
 MINI_POLICY = (
-    "import torch; from backbones import pipeline; from runs.checkpoint import make_policy; "
+    "import torch; from backbones import pipeline; from store.checkpoint import make_policy; "
     "policy = make_policy('instance', dict(latent_channels=16, text_dim=32, "
     "pooled_dim=64), 3, backbone='mini-sd3'); "
 )
@@ -733,7 +733,7 @@ def test_a_prompt_past_the_window_is_refused_where_the_reward_reads_it_else_note
 # a KeyboardInterrupt as Ctrl-C raises it: after train.py's first checkpoint, in the middle of
 # evaluate.py's scoring (after `batches` batches) or of sample.py's sampling
 CTRL_C_AFTER_CHECKPOINT = """
-import runs.checkpoint as _checkpoint
+import store.checkpoint as _checkpoint
 _save = _checkpoint.save_checkpoint
 def _save_then_ctrl_c(path, state):
     _save(path, state)
@@ -745,7 +745,7 @@ _checkpoint.save_checkpoint = _save_then_ctrl_c
 
 def ctrl_c_while_scoring(batches):
     return f"""
-import runs.heldout as _heldout
+import scoring.paired as _heldout
 _score_batches = _heldout.score_batches
 def _stopped(*args, **kwargs):
     for index, batch in enumerate(_score_batches(*args, **kwargs)):
@@ -757,7 +757,7 @@ _heldout.score_batches = _stopped
 
 
 CTRL_C_WHILE_SAMPLING = """
-import runs.heldout as _heldout
+import scoring.paired as _heldout
 def _ctrl_c(*args, **kwargs):
     raise KeyboardInterrupt
 _heldout.run_method = _ctrl_c
@@ -830,7 +830,7 @@ def test_the_main_job_closes_every_file_it_opens(tmp_path):
 
 def test_generate_samples_at_the_guidance_the_policy_was_trained_with():
     from backbones.pipeline import trained_guidance
-    from runs.checkpoint import make_policy
+    from store.checkpoint import make_policy
 
     dims = dict(latent_channels=16, text_dim=32, pooled_dim=64)
     policy = make_policy("instance", dims, 3, backbone="mini-sd3")

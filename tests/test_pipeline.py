@@ -8,9 +8,9 @@ import torch
 
 import backbones
 from backbones import families, pipeline
-from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from policy import mean_increments, times_from_increments
-from runs.checkpoint import load_checkpoint, load_policy, make_policy, save_policy
+from store.checkpoint import load_checkpoint, load_policy, make_policy, save_policy
 
 
 def learned_policy(backbone, steps, seed=0, kind="instance"):

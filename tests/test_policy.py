@@ -18,7 +18,7 @@ from policy import (
     sample_increments,
     times_from_increments,
 )
-from runs.checkpoint import build_policy, make_policy
+from store.checkpoint import build_policy, make_policy
 
 DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 

@@ -8,7 +8,7 @@ import torch
 
 from miniatures import build as miniature
 from miniatures.data import digit_splits
-from runs.realism import (
+from scoring.realism import (
     FeatureSpace,
     frechet_distance,
     knn_radii,

@@ -9,8 +9,8 @@ import torch
 from diffusers import EulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
 
 from backbones import from_pipeline, load_backbone
-from backbones.layouts import TINY_GUIDANCE, tiny_pipeline
-from backbones.layouts import TINY_RESOLUTION as RESOLUTION
+from miniatures.layouts import TINY_GUIDANCE, tiny_pipeline
+from miniatures.layouts import TINY_RESOLUTION as RESOLUTION
 
 PROMPTS = ["a cat", "a red house on a hill"]
 

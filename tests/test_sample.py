@@ -13,8 +13,9 @@ from PIL import Image
 import backbones
 import sample
 from prompts import context_noise
-from runs import figures, heldout
-from runs.checkpoint import load_checkpoint
+from scoring import figures
+from scoring import paired as heldout
+from store.checkpoint import load_checkpoint
 
 STEPS = 4
 

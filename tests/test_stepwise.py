@@ -8,17 +8,18 @@ import pytest
 import torch
 
 from backbones import from_pipeline, load_backbone
-from backbones.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from baselines import BASELINES
-from comparator import stepwise
-from comparator.ppo import ppo_objective, ppo_update
-from comparator.stepwise import (
+from comparator import tpdm
+from comparator.tpdm import (
     Stepper,
     join_records,
+    ppo_objective,
+    ppo_update,
     start_times,
     trajectory_log_prob,
 )
-from runs.checkpoint import build_policy, load_policy, make_policy, save_policy
+from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from store.checkpoint import build_policy, load_policy, make_policy, save_policy
 
 STEPS = 4
 
@@ -266,7 +267,7 @@ def test_tpdms_start_has_mean_rate_0_78_at_every_step(digits):
     torch.manual_seed(0)
     policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm")
     noise, cond = contexts(backbone, 16, seed=5)
-    times, _ = stepwise.sample(policy, backbone, noise, cond)  # the Beta mean (inference)
+    times, _ = tpdm.sample(policy, backbone, noise, cond)  # the Beta mean (inference)
     alpha, beta = 1 + math.exp(2.5), 1 + math.exp(1.0)  # TPDM's head bias (2.5, 1.0)
     mean = alpha / (alpha + beta)
     assert mean == pytest.approx(0.78, abs=0.001)
@@ -300,7 +301,7 @@ def record_mode(backbone, noise, cond):
     """The mean rate of TPDM's start at inference (the Beta mode)."""
     torch.manual_seed(0)
     policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm", inference="mode")
-    times, _ = stepwise.sample(policy, backbone, noise, cond)
+    times, _ = tpdm.sample(policy, backbone, noise, cond)
     return (times[:, 1:] / times[:, :-1]).mean().item()
 
 
@@ -349,7 +350,7 @@ def test_an_older_stepwise_checkpoint_loads_as_it_was_and_one_that_cannot_is_ref
     """A checkpoint from before the hidden-state inputs (no inputs, inference keys) rebuilds the
     policy it was: the sampler's inputs, the Beta mean. One whose weights do not fit this version
     ends in one line."""
-    from runs.checkpoint import load_checkpoint
+    from store.checkpoint import load_checkpoint
 
     saved = torch.load(digits_stepwise_run / "ckpt.pt", weights_only=False)
     for key in ("inputs", "inference", "feature_channels", "time_dim"):

@@ -15,7 +15,7 @@ import types
 import pytest
 from conftest import train_in_process
 
-from runs.track import check_tracker
+from store.track import check_tracker
 
 SHORT = ["--iterations", "4", "--ckpt-interval", "2", "--eval-contexts", "4", "--contexts", "8"]
 REQUIRED = os.environ.get("TRACK_TESTS_REQUIRED") == "1"

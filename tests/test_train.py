@@ -15,9 +15,10 @@ from conftest import ENV, ROOT, SCRIPTS, run_script
 
 import rewards
 import train
-from comparator import ppo as ppo_settings
-from runs import checkpoint as checkpoints
-from runs import folder, launch
+from comparator import tpdm as ppo_settings
+from runs import launch
+from store import checkpoint as checkpoints
+from store import files as folder
 
 
 def read_metrics(out_dir):
@@ -307,7 +308,7 @@ def test_a_second_writer_is_refused_naming_the_first_and_a_dead_one_blocks_nothi
         [
             sys.executable,
             "-c",
-            f"import sys, time; sys.path.insert(0, {ROOT!r}); from runs import folder; "
+            f"import sys, time; sys.path.insert(0, {ROOT!r}); from store import files as folder; "
             f"lock = folder.lock_run({str(out)!r}); "
             "print('locked', flush=True); time.sleep(60)",
         ],
@@ -523,7 +524,7 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
     real = "sd35m,sd35l,sdxl,flux-dev,flux-schnell"
     small = "digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl"
     assert "{" + real + "," + small + ",mini-flux-schnell}" in text
-    # the defaults that follow --optimizer (train.REINFORCE, comparator/ppo.TPDM) are in the help
+    # the defaults that follow --optimizer (train.REINFORCE, comparator/tpdm.TPDM) are in the help
     assert "AdamW weight decay; None: 1e-4, ppo 0 (default: None)" in text
 
 

@@ -1,7 +1,7 @@
 """
 A policy built for a backbone, saved with what trained it, and loaded back.
 
-make_policy builds each kind (policy.py's instance and global policies, comparator/stepwise.py's
+make_policy builds each kind (policy.py's instance and global policies, comparator/tpdm.py's
 step-wise one) at the size its backbone gets (PRESETS). train.py saves into its --out-dir ckpt.pt
 (everything to resume: policy, optimizer, iteration, configuration, RNG state, the metrics rows;
 atomic) and policy/: the trained policy in the Hugging Face Hub format (config.json +
@@ -20,10 +20,16 @@ import os
 import torch
 
 from backbones import BACKBONES
-from comparator.stepwise import StepwisePolicy
-from hub import check_safetensors, hub_file, read_json
+from comparator.tpdm import StepwisePolicy
 from policy import GlobalPolicy, SchedulePolicy, json_times
-from runs.folder import metric_rows, write_bytes_atomic, write_lines_atomic
+from store.files import (
+    check_safetensors,
+    hub_file,
+    metric_rows,
+    read_json,
+    write_bytes_atomic,
+    write_lines_atomic,
+)
 
 # where the main job, `python train.py`, writes its checkpoint: what evaluate.py and sample.py read
 # when not told (tests/test_train.py checks it against train.py's default --out-dir)

@@ -18,12 +18,12 @@ from tqdm import tqdm
 
 import rewards as reward_lib
 from backbones import BACKBONES
-from comparator import stepwise
+from comparator import tpdm
 from policy import mean_increments, sample_increments, times_from_increments
 from prompts import context_noise
 from rewards.images import quantize
-from runs.folder import write_json_atomic
-from runs.realism import realism_measure
+from scoring.realism import realism_measure
+from store.files import write_json_atomic
 
 GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (heldout_gain)
 
@@ -37,7 +37,7 @@ def policy_schedule(policy, backbone, mode="mean", generator=None):
 
     if policy.config["kind"] == "stepwise":  # it picks its times while sampling
         draws = generator if mode != "mean" else None
-        return lambda noise, cond: stepwise.sample(policy, backbone, noise, cond, draws)
+        return lambda noise, cond: tpdm.sample(policy, backbone, noise, cond, draws)
 
     @torch.no_grad()
     def times_fn(noise, cond):

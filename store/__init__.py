@@ -1,0 +1,1 @@
+"""Where a run's records go: files on disk and on the Hub, checkpoints, policy folders."""
