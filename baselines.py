@@ -35,12 +35,9 @@ spread of the context means around b_xctx". Each sentence has two readings:
                   textbook one (1.14x at B = 8, K = 2) and d2 leans large
         (textbook) the same around the grand mean rbar, unbiased for delta^2 before the clamp
 
-We use the unbiased s2 (the literal one is not an estimate of sigma^2) and d2 as written. Mean
-weight a over 200,000 simulated batches at B = 8, K = 2, sigma^2 = 1 (true a: 0.909, 0.667, 0.500
-at delta^2 = 0.1, 0.5, 1): as used 0.785, 0.628, 0.498; literal s2 0.930, 0.832, 0.720; textbook
-d2 0.819, 0.670, 0.539. The MSE of the resulting estimate of mu_c differs by at most 4% between
-"as used" and "textbook d2" and both are far below RLOO's (0.21-0.57 against 1.0); the literal s2
-over-shrinks once contexts differ (0.65 against 0.57 at delta^2 = 1).
+We use the unbiased s2 (the literal one is not an estimate of sigma^2) and d2 as written. The mean
+weight a and the MSE of the reading used here, against the true a and RLOO's, are measured by
+`python toy_js.py` (Part A; docs/RESULTS.md, section "toy_js"); the other readings are not.
 
 Arithmetic runs in float64: rewards such as HPSv2 x100 sit near 30 with differences of 0.1, and
 the variance estimates subtract nearly equal numbers. Results come back in the rewards' dtype.

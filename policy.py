@@ -19,10 +19,11 @@ sampled, and the log-probability of what was drawn.
 
 Initialisation (the paper trains from scratch): the head's last layer starts near zero (N(0, 1e-4)
 weights: at zero the layers below get no gradient until it grows), its bias so that alpha =
-concentration * (initial increments) for every input (mean times within 3e-3), the increments being
+concentration * (initial increments) for every input (tests/test_policy.py checks the mean times
+against the initial ones), the increments being
 - init="default": those of a backbone's default schedule `init_times` (e.g. what
-  Backbone.default_times(L) returns; backbones.make_policy passes it), so the policy starts at the
-  baseline schedule and REINFORCE only has to improve on it;
+  Backbone.default_times(L) returns; store.checkpoint.make_policy passes it), so the policy starts
+  at the baseline schedule and REINFORCE only has to improve on it;
 - init="uniform": equal, the neutral start closest to "from scratch".
 concentration = sum(alpha) = 100 by default: every time t_l then has standard deviation
 sqrt(t_l (1 - t_l) / 101) <= 0.05 whatever L is, enough to explore and small enough that the
@@ -53,8 +54,9 @@ A sampling-schedule policy: for an initial noise and a prompt it proposes when a
 text-to-image sampler takes its L steps. Trained with
 REINFORCE and a James-Stein baseline, after Yu et al., "Designing Instance-Level Sampling Schedules
 via REINFORCE with James-Stein Shrinkage" (CVPR 2026, {{ paper_url }}). config.json names the
-backbone, L and the training configuration. Load it with `checkpoints.load_policy(folder or repo
-id)` and sample with `pipeline.generate(pipe, policy, prompt)`, from the repository that trained it.
+backbone, L and the training configuration. Load it with `store.checkpoint.load_policy(folder or
+repo id)` and sample with `backbones.pipeline.generate(pipe, policy, prompt)`, from the repository
+that trained it.
 """
 HUB = dict(model_card_template=MODEL_CARD, paper_url="https://arxiv.org/abs/2511.22177")
 
@@ -286,7 +288,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
     ):
         super().__init__()
         # what it was trained for: the backbone's name and train.py's configuration (None when
-        # unknown); the Hub format records them with the weights (checkpoints.load_policy)
+        # unknown); the Hub format records them with the weights (store.checkpoint.load_policy)
         self.backbone, self.training_config = backbone, training_config
         self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels)
         self.config.update(text_dim=text_dim, pooled_dim=pooled_dim, widths=list(widths), dim=dim)
@@ -328,8 +330,36 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
     def forward(self, latent, text, text_mask, pooled=None):
         return F.softplus(self.head(self.encode(latent, text, text_mask, pooled))) + ALPHA_MIN
 
+    @classmethod
+    def for_backbone(cls, steps, backbone_dims, **options):
+        """Built for what a backbone gives (Backbone.policy_dims): its latent and text widths."""
+        keys = ("latent_channels", "text_dim", "pooled_dim")
+        return cls(steps, **{key: backbone_dims.get(key) for key in keys}, **options)
+
+    # What train.py, scoring/ and sample.py ask of every policy (the step-wise one answers too)
+    described = ("learned (Dirichlet mean)", "learned (one Dirichlet draw)")  # mean, drawn
+    pipeline_refusal = None  # a stock pipeline runs its times (backbones/pipeline.py)
+
+    def rollouts(self, policy, backbone, noise, cond, generators, rollouts):
+        """K = rollouts schedules per context and their log-probability (DirichletRollouts);
+        `policy` is this module or its DDP wrapper, whose forward the gradients go through."""
+        return DirichletRollouts(policy, backbone, noise, cond, generators, rollouts)
+
+    def times(self, backbone, noise, cond, generator=None):
+        """(N, L+1) the schedules of these contexts: the Dirichlet mean, or one draw each from
+        `generator`."""
+        alpha = self(**backbone.policy_inputs(noise, cond))  # (N, L+1)
+        if generator is None:
+            return times_from_increments(mean_increments(alpha))
+        return times_from_increments(sample_increments(alpha, 1, generator)[:, 0])
+
+    def schedule(self, backbone, noise, cond, generator=None):
+        """(times (N, L+1), final latents) of these contexts sampled with their schedules."""
+        times = self.times(backbone, noise, cond, generator)
+        return times, backbone.sample(noise, cond, times)
+
     def encode(self, latent, text, text_mask, pooled=None):
-        """The mean token (N, dim) that the head reads (stepwise.py's policy shares it)."""
+        """The mean token (N, dim) that the head reads (comparator/tpdm.py's policy shares it)."""
         if (pooled is None) != (self.pooled_proj is None):
             given, built = pooled is not None, self.pooled_proj is not None
             message = f"pooled embedding given: {given}, policy built with pooled_dim: {built}"
@@ -375,6 +405,11 @@ class GlobalPolicy(SchedulePolicy):
             del self.config[name]
         # the constant input: a latent the conv stages take down to the token grid exactly
         self.side = self.grid * 2 ** len(self.config["widths"])
+
+    @classmethod
+    def for_backbone(cls, steps, backbone_dims, **options):
+        """Its sizes only: it reads no backbone's inputs."""
+        return cls(steps, **options)
 
     def forward(self, latent, text=None, text_mask=None, pooled=None):
         """The same concentrations (N, L+1) for the N contexts of `latent`, whatever they are."""

@@ -1,7 +1,7 @@
 """
 The frozen backbone's interface and the one sampling loop that executes a schedule exactly; the
-backbones themselves are the diffusers families (families.py) and the embedded mixtures
-(mixture.py).
+backbones themselves are the diffusers families (backbones/families.py) and the embedded mixtures
+(backbones/mixture.py).
 
 A schedule for L steps is a tensor `times` of shape (N, L+1), 1 >= t_0 > t_1 > ... > t_L >= 0, in
 the backbone's own noise level: the flow-matching sigma for SD3.5, Flux and the embedded backbones;
@@ -29,7 +29,7 @@ class Backbone:
 
     Attributes: name, device, dtype (of the frozen model), resolution (image side), guidance,
     prompts (the built-in prompt list, or None: real models take any prompt), latent_shape, and
-    policy_dims (latent_channels, text_dim, pooled_dim: what backbones.make_policy needs).
+    policy_dims (latent_channels, text_dim, pooled_dim: what store.checkpoint.make_policy needs).
     Methods:
       check_prompts(prompts): a one-line ValueError for a prompt it cannot take, before any work
       encode_prompts(prompts) -> cond: a dict of batch-first tensors (prompt_embeds (N, S, D),
@@ -79,11 +79,11 @@ def run_schedule(derivative, state, times, level=None, decide=None):
 
     derivative(state, t) -> d state / d level at per-sample times t (N,); times (N, L+1);
     level(times) -> the integration variable s (sigma for SD-XL; None = the times themselves).
-    decide(step, t, state, estimate) -> t_{l+1} (N,): a step-wise policy (stepwise.py) choosing
-    each next time after the model call at t_l; only times[:, 0] is then read. It sees the state
-    at unit scale, x / sqrt(s^2 + 1) (SD-XL's model input; a factor in [0.71, 1] for the flows),
-    and the model's prediction of the clean sample, x - s * derivative (flows: x = (1 - t) x_0 +
-    t n with velocity n - x_0; SD-XL: x = x_0 + sigma n with the predicted noise).
+    decide(step, t, state, estimate) -> t_{l+1} (N,): a step-wise policy (comparator/tpdm.py)
+    choosing each next time after the model call at t_l; only times[:, 0] is then read. It sees
+    the state at unit scale, x / sqrt(s^2 + 1) (SD-XL's model input; a factor in [0.71, 1] for the
+    flows), and the model's prediction of the clean sample, x - s * derivative (flows: x =
+    (1 - t) x_0 + t n with velocity n - x_0; SD-XL: x = x_0 + sigma n with the predicted noise).
     """
     level = level or (lambda t: t)
     times = times.to(state.device)

@@ -24,8 +24,8 @@ titled with its mean squared distance to the teacher), schedules.png (time per s
 colour per context, against the default) and schedules.json (the times used, per context). Each
 context is compared by the run's own reward (the preference reward on the miniatures; the distance
 to the teacher where that is the reward), with the distance to the teacher beside it. With
---pipeline the images come from the diffusers pipeline itself (pipeline.generate for the learned
-schedule, the pipeline's own call for the default, from the same seeds): *_default.png and
+--pipeline the images come from the diffusers pipeline itself (backbones.pipeline.generate for the
+learned schedule, the pipeline's own call for the default, from the same seeds): *_default.png and
 *_learned.png.
 """
 
@@ -102,9 +102,9 @@ def sample_contexts(
 ):
     """For contexts (prompts[i], seeds[i]), from the same noise: the default and the learned
     schedule's images, times, mean squared distance (in latent space) to the teacher and score, and
-    the teacher's images. The score is `reward`'s (rewards.py's signature), or minus the distance
-    (the teacher reward) when None. Returns dict method -> (images (N, 3, H, W) on CPU, times
-    (N, L+1) or None, errors (N,), scores (N,))."""
+    the teacher's images. The score is `reward`'s (the signature in rewards/__init__.py), or minus
+    the distance (the teacher reward) when None. Returns dict method -> (images (N, 3, H, W) on CPU,
+    times (N, L+1) or None, errors (N,), scores (N,))."""
     generator = torch.Generator().manual_seed(draw_seed)
     mode = "sample" if stochastic else "mean"
     methods = {
@@ -142,7 +142,7 @@ def sample_contexts(
 @torch.no_grad()
 def pipeline_contexts(backbone, policy, prompts, seeds):
     """The diffusers pipeline's own images for contexts (prompts[i], seeds[i]): its default
-    schedule, and the learned one through pipeline.generate, both from the noise of
+    schedule, and the learned one through backbones.pipeline.generate, both from the noise of
     torch.Generator(seed)."""
     from backbones.pipeline import generate  # diffusers' schedulers load only on this path
 
@@ -268,10 +268,8 @@ def main(argv=None):
             raise ValueError(
                 f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE"
             )
-        if args.pipeline and policy.config["kind"] == "stepwise":
-            from backbones.pipeline import STEPWISE
-
-            raise ValueError(STEPWISE)
+        if args.pipeline and policy.pipeline_refusal:
+            raise ValueError(policy.pipeline_refusal)
         if args.pipeline and spec["family"] == "mixture":
             raise ValueError(f"--pipeline needs a diffusers backbone, not {config['backbone']!r}")
         default_out = os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
@@ -301,10 +299,7 @@ def main(argv=None):
 
         write_outputs(os.path.dirname(os.path.abspath(args.export)), write_schedule)
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
-    label = "learned (one Dirichlet draw)" if args.stochastic else "learned (Dirichlet mean)"
-    if policy.config["kind"] == "stepwise":
-        deterministic = f"step-wise (Beta {policy.inference}s)"  # TPDM's: the mode
-        label = "step-wise (one Beta draw per step)" if args.stochastic else deterministic
+    label = policy.described[args.stochastic]
     print(f"backbone {config['backbone']}, L={policy.steps}, {len(contexts)} contexts, {label}")
     prompts, seeds = [prompt for prompt, _ in contexts], [seed for _, seed in contexts]
     policy = policy.to(backbone.device)

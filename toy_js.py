@@ -219,24 +219,25 @@ def gradient_errors(bandit, offset_spread, batches, generator):
 # ---- part C: the variance of the advantage r - b, closed forms (docs/BOUND.md) and simulation
 # Every form is in units of sigma^2, a function of ratio = rho = delta^2 / sigma^2, rollouts K and
 # contexts B (floats; B = math.inf gives the limit). N = B*K. Each baseline below but the plug-in JS
-# leaves r[c, i] out, so Var(r - b) = sigma^2 + E(b - mu_c)^2 (BOUND.md, eq. 0): part A's MSE + 1.
+# leaves r[c, i] out, so Var(r - b) = sigma^2 + E(b - mu_c)^2 (docs/BOUND.md, eq. 0): part A's
+# MSE + 1.
 BOUND_FORMS = ("rloo", "xctx", "js a*", "oracle")  # printed; "ideal" (b = mu_c, 1) is checked too
 
 
 def rloo_variance(rollouts):
-    """Var(r - b_rloo) / sigma^2 = K / (K-1), whatever B and rho (BOUND.md, eq. 1)."""
+    """Var(r - b_rloo) / sigma^2 = K / (K-1), whatever B and rho (docs/BOUND.md, eq. 1)."""
     return rollouts / (rollouts - 1)
 
 
 def cross_context_variance(ratio, rollouts, contexts=math.inf):
     """Var(r - b_xctx) / sigma^2 = N/(N-1) + rho K^2 B(B-1) / (N-1)^2, -> 1 + rho as B -> inf
-    (BOUND.md, eq. 2); written with 1/N and 1/B so that B = math.inf gives the limit."""
+    (docs/BOUND.md, eq. 2); written with 1/N and 1/B so that B = math.inf gives the limit."""
     inverse = 1 / (contexts * rollouts)  # 1/N
     return 1 / (1 - inverse) + ratio * (1 - 1 / contexts) / (1 - inverse) ** 2
 
 
 def mix_variance(weight, ratio, rollouts, contexts=math.inf):
-    """Var(r - b) / sigma^2 for b = (1 - a) b_rloo + a b_xctx with a fixed weight a (BOUND.md,
+    """Var(r - b) / sigma^2 for b = (1 - a) b_rloo + a b_xctx with a fixed weight a (docs/BOUND.md,
     eq. 3): 1 + (1-a)^2 / (K-1) + a^2 M_x + 2 a (1-a) / (N-1), M_x = eq. 2 - 1 the MSE of b_xctx;
     1/(N-1) is the covariance of the two baselines' errors (they share context c's K-1 others)."""
     inverse = 1 / (contexts * rollouts)
@@ -249,19 +250,20 @@ def mix_variance(weight, ratio, rollouts, contexts=math.inf):
 
 def oracle_weight(ratio, rollouts):
     """a* = (1/(K-1)) / (1/(K-1) + rho): JS's weight with sigma^2 and delta^2 known, the posterior
-    weight on mu_0 were mu_0 known (BOUND.md, eq. 4)."""
+    weight on mu_0 were mu_0 known (docs/BOUND.md, eq. 4)."""
     return (1 / (rollouts - 1)) / (1 / (rollouts - 1) + ratio)
 
 
 def variance_optimal_weight(ratio, rollouts, contexts=math.inf):
-    """a_var = (1/(K-1)) / (1/(K-1) + rho N/(N-1)), the fixed weight that minimises eq. 3 (BOUND.md,
-    eq. 5); a_var < a* at finite B, equal as B -> inf. Its mix is oracle_baseline exactly."""
+    """a_var = (1/(K-1)) / (1/(K-1) + rho N/(N-1)), the fixed weight that minimises eq. 3
+    (docs/BOUND.md, eq. 5); a_var < a* at finite B, equal as B -> inf. Its mix is oracle_baseline
+    exactly."""
     return (1 / (rollouts - 1)) / (1 / (rollouts - 1) + ratio / (1 - 1 / (contexts * rollouts)))
 
 
 def effective_batch(ratio, rollouts, contexts=math.inf, weight=None):
     """How many times its batch RLOO, or the better of RLOO and XCTX, needs for the advantage
-    variance of b = (1 - a) b_rloo + a b_xctx, a = a* unless given (BOUND.md, eq. 8):
+    variance of b = (1 - a) b_rloo + a b_xctx, a = a* unless given (docs/BOUND.md, eq. 8):
     {"rloo": V_rloo / V, "best": min(V_rloo, V_xctx) / V}."""
     weight = oracle_weight(ratio, rollouts) if weight is None else weight
     variance = mix_variance(weight, ratio, rollouts, contexts)
@@ -273,15 +275,15 @@ def largest_factor_over_best(rollouts, contexts=math.inf):
     """(rho, factor): the largest factor over the better of RLOO and XCTX that any baseline built
     from the other rewards reaches (oracle_baseline, eq. 5's mix), at the rho where the two tie,
     rho = (1 - 1/N) / (K-1); there a_var = 1/2 and the factor is 2K / (2K - 1 + (K-1)/(N-1))
-    (BOUND.md, eq. 9), 2K/(2K-1) as B -> inf."""
+    (docs/BOUND.md, eq. 9), 2K/(2K-1) as B -> inf."""
     inverse = 1 / (contexts * rollouts)
     ratio = (1 - inverse) / (rollouts - 1)
     return ratio, 2 * rollouts / (2 * rollouts - 1 + (rollouts - 1) * inverse / (1 - inverse))
 
 
 def factor_table(ratios=BOUND_RATIOS, rollouts=(2, 4), contexts=(16, math.inf)):
-    """The lines of BOUND.md's table: JS's effective-batch factors (weight a*) over RLOO and over
-    the better of RLOO and XCTX, per rho, K and B, from the closed forms alone."""
+    """The lines of docs/BOUND.md's table: JS's effective-batch factors (weight a*) over RLOO and
+    over the better of RLOO and XCTX, per rho, K and B, from the closed forms alone."""
     columns = list(itertools.product(rollouts, contexts))
     head = " | ".join(f"K={k} B={b:<4g}  " for k, b in columns)
     lines = [f"d2/s2 | {head}".rstrip(), "      | " + " | ".join("/rloo  /best" for _ in columns)]
@@ -297,7 +299,7 @@ def advantage_squares(ratio, contexts, rollouts, batches, generator):
     unbiased estimate of Var(r - b) (E(r - b) = 0 for every baseline here); "kept" is 1 - beta,
     beta = mean of (b_js - mu_c) eps over the batch, which estimates Cov(b_js[c, i], eps[c, i]) /
     sigma^2 = E[d b_js[c, i] / d r[c, i]] (Stein's lemma): how far the plug-in JS moves with the
-    reward it is the baseline of, which scales the gradient's signal by 1 - beta (BOUND.md)."""
+    reward it is the baseline of, which scales the gradient's signal by 1 - beta (docs/BOUND.md)."""
     chunk = 2**20 // (contexts * rollouts)  # batches simulated at once
     fixed = {
         "js a*": oracle_weight(ratio, rollouts),

@@ -1,5 +1,6 @@
 """
-Train an instance-level sampling schedule with REINFORCE and a James-Stein baseline.
+Train an instance-level sampling schedule with REINFORCE and a James-Stein baseline (Yu et al.,
+CVPR 2026, arXiv 2511.22177; the method in README.md, the choices behind it in docs/DESIGN.md).
 
 CPU, the embedded digits backbone (no download; about a minute):
     python train.py
@@ -10,19 +11,17 @@ One GPU, a frozen Stable Diffusion 3.5 Medium with the HPSv2 reward, on the ship
 Several GPUs (the global batch is the same; each rank takes its share of contexts):
     torchrun --standalone --nproc_per_node=8 train.py --backbone flux-dev --steps 5
 
-The loop is the paper's Algorithm 1. Each iteration draws B contexts c = (prompt, initial noise
-x_T); the policy maps each to the concentration alpha of a Dirichlet over the L+1 increments of a
-schedule; K schedules tau ~ Dir(alpha) are drawn per context and each is sampled with the frozen
-backbone (L model calls) and scored; then one REINFORCE step with a baseline b:
+Each iteration draws B contexts c = (prompt, initial noise x_T); the policy maps each to the
+concentration alpha of a Dirichlet over the L+1 increments of a schedule; K schedules tau ~
+Dir(alpha) are drawn per context, each sampled with the frozen backbone (L model calls) and scored;
+then one REINFORCE step with a baseline b:
     loss = -mean_{c,i} (r[c,i] - b[c,i]) * log pi(tau[c,i] | x_T, c)
-The comparator TPDM (Ye et al., CVPR 2025; comparator/) trains in the same loop: `--policy
-stepwise` picks each next time inside the sampling loop from the sampler's state, `--optimizer ppo`
-takes clipped PPO steps instead of the one REINFORCE step, with the settings of TPDM's own code
-(comparator/tpdm.py). A run folder is never overwritten: running the same command again continues a
-killed run from its last checkpoint, or reports a finished one.
+A run folder is never overwritten: the same command again continues a killed run from its last
+checkpoint, or reports a finished one.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -31,7 +30,6 @@ import os
 import sys
 import textwrap
 import time
-import types
 from dataclasses import dataclass, field
 
 import torch
@@ -39,19 +37,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from backbones import BACKBONES
+import backbones
+import rewards as reward_lib
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from comparator import tpdm
-from comparator.tpdm import StepwiseRollouts
-from policy import DirichletRollouts
-from prompts import DEFAULT, SHIPPED, context_seed
-from rewards import REWARDS
-from runs import launch
-from store.checkpoint import POLICIES, save_checkpoint
-from store.track import TRACKERS
+from prompts import SHIPPED, context_noise, context_seed, heldout_contexts, load_prompt_file
+from scoring import paired
+from scoring.figures import context_labels, plot_training
+from store import checkpoint, files, track
 
 # -----------------------------------------------------------------------------
-# configuration: one field per line; None = resolved by resolve() below
+# configuration: the defaults are the digits backbone's; --backbone X takes PRESETS[X]; a flag
+# given on the command line overrides either
 
 
 def arg(default, help):
@@ -61,182 +58,300 @@ def arg(default, help):
 @dataclass
 class Config:
     # I/O
-    out_dir: str | None = arg(None, "run folder; None: out/<backbone>-L<steps>-<policy>-s<seed>")
+    out_dir: str | None = arg(None, "run folder; default: out/<backbone>-L<steps>-<policy>-s<seed>")
     resume: bool = arg(False, "insist on continuing out_dir/ckpt.pt (a run is never overwritten)")
     ckpt_interval: int = arg(50, "iterations between checkpoints (a kill loses at most this many)")
     log_interval: int = arg(10, "iterations between log lines")
     snapshots: bool = arg(False, "keep the policy at the start and each checkpoint (snapshots/)")
     figure: bool = arg(False, "also draw train.png: the held-out gain, the learned schedules")
-    track: str | None = arg(None, "mirror each log row to tensorboard | wandb (optional packages)")
+    track: str | None = arg(None, "mirror each log row to tensorboard | wandb; default: neither")
     # backbone
-    backbone: str = arg("digits", "a name in TRAINING (mini-*: the trained miniatures)")
+    backbone: str = arg("digits", "a name in PRESETS (mini-*: the trained miniatures)")
     model_path: str | None = arg(None, "local diffusers folder replacing the hub id")
-    resolution: int | None = arg(None, "image side in pixels")
-    guidance: float | None = arg(None, "CFG scale (the distilled guidance for flux-dev)")
+    resolution: int | None = arg(None, "image side in pixels; default: the backbone's own")
+    guidance: float | None = arg(None, "CFG scale (flux-dev: distilled); default: the backbone's")
     prompts: str | None = arg(None, "training prompts: a file (.txt, .json, .jsonl) or hpdv2")
+    eval_prompts: str | None = arg(None, "held-out prompt file")
     # policy
-    policy: str = arg("instance", "instance (noise and prompt) | global | stepwise (TPDM)")
-    steps: int | None = arg(None, "L, model calls per sample; one policy per L")
-    init: str | None = arg(None, "default (the backbone's) | uniform | tpdm; None: ppo tpdm")
-    concentration: float | None = arg(None, "initial sum(alpha); None: 100 (uniform, L+1: flat)")
-    policy_inputs: str | None = arg(None, "stepwise: sampler | hidden (hooks); None: ppo hidden")
-    inference: str | None = arg(None, "stepwise: the Beta's mean | mode at evaluation; ppo mode")
+    policy: str = arg("instance", "instance | global | stepwise (the comparator TPDM)")
+    steps: int = arg(4, "L, model calls per sample; one policy per L")
+    init: str = arg("default", "default (the backbone's schedule) | uniform | tpdm (stepwise)")
+    concentration: float = arg(100.0, "initial sum(alpha) (with --init uniform, L+1 is flat)")
     # reward
-    reward: str | None = arg(None, "a name in rewards.REWARDS")
+    reward: str = arg("teacher", "a name in rewards.REWARDS")
     reward_checkpoint: str | None = arg(None, "local reward-model weights (offline machines)")
     # baseline
-    baseline: str | None = arg(None, "js | js-unbiased | rloo | xctx (baselines.py); ppo rloo")
-    contexts: int | None = arg(None, "B, contexts (prompt + noise) per update, over all ranks")
-    rollouts: int | None = arg(None, "K, schedules drawn per context")
-    rollout_batch: int | None = arg(None, "samples per backbone call (memory); None = all at once")
+    baseline: str = arg("js", "js | js-unbiased | rloo | xctx (baselines.py)")
+    contexts: int = arg(32, "B, contexts (prompt + noise) per update, over all ranks")
+    rollouts: int = arg(2, "K, schedules drawn per context")
+    rollout_batch: int | None = arg(None, "samples per backbone call (memory); default: all")
     # optim
-    iterations: int | None = arg(None, "policy updates")
-    lr: float | None = arg(None, "AdamW peak learning rate")
-    lr_decay: str | None = arg(None, "cosine (to 0 at the end) | constant; None: ppo constant")
-    optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's, comparator/)")
-    ppo_epochs: int = arg(4, "ppo: passes over each batch of rollouts")
-    ppo_minibatches: int = arg(1, "ppo: gradient steps per pass")
-    ppo_clip: float = arg(0.2, "ppo: the ratio's clip range epsilon")
-    weight_decay: float | None = arg(None, "AdamW weight decay; None: 1e-4, ppo 0")
-    adam_beta2: float | None = arg(None, "AdamW's beta2 (beta1 is 0.9); None: 0.999, ppo 0.99")
-    adam_eps: float | None = arg(None, "AdamW's epsilon; None: 1e-8, ppo 1e-5")
+    optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's update)")
+    iterations: int = arg(300, "policy updates")
+    lr: float = arg(3e-3, "AdamW peak learning rate")
+    lr_decay: str = arg("cosine", "cosine (to 0 at the end) | constant")
+    weight_decay: float = arg(1e-4, "AdamW weight decay")
+    adam_beta2: float = arg(0.999, "AdamW's beta2 (beta1 is 0.9)")
+    adam_eps: float = arg(1e-8, "AdamW's epsilon")
     grad_clip: float = arg(1.0, "gradient-norm clip")
     # evaluation
     eval_contexts: int = arg(256, "held-out contexts for the final table")
-    eval_prompts: str | None = arg(None, "held-out prompt file; None = the shipped ones")
     # system
     seed: int = arg(0, "seeds contexts, rollouts and the policy initialisation")
-    device: str | None = arg(None, "cpu | cuda; None = cuda if available")
-    dtype: str | None = arg(None, "backbone dtype; None = bfloat16 on CUDA, float32 on CPU")
-    threads: int | None = arg(None, "CPU threads; None = 1 for the small backbones, else torch's")
+    device: str | None = arg(None, "cpu | cuda; default: cuda if available")
+    dtype: str | None = arg(None, "backbone dtype; default: bfloat16 on CUDA, float32 on CPU")
+    threads: int | None = arg(1, "CPU threads (1 suits the small backbones); none: torch's")
 
 
-# The training defaults of each backbone (model facts such as the hub id, resolution and guidance
-# live with the backbones in backbones/__init__.py). The paper states K = 2 and a "batch size" of
-# 32 (SD-XL, SD3.5-M) or 16 (SD3.5-L, Flux-Dev), not whether it counts contexts or samples; B = 32
-# / 16 contexts is this project's reading, and the rest are this project's choices. steps: L;
-# contexts: B; rollouts: K; rollout_batch: samples per backbone call, for GPU memory.
-REAL_TRAINING = dict(steps=4, rollouts=2, iterations=1000, lr=1e-4, reward="hpsv2")
-EMBEDDED_TRAINING = dict(
+# Each backbone's training configuration, every value written out (the rest is Config's). The paper
+# states K = 2 and a "batch size" of 32 (SD-XL, SD3.5-M) or 16 (SD3.5-L, Flux-Dev), not whether it
+# counts contexts or samples; B = 32 / 16 contexts is this project's reading, and the rest are this
+# project's choices. rollout_batch: samples per backbone call, for GPU memory; threads: None is
+# torch's own count (a real model's large tensors use every core).
+REAL = dict(
     steps=4,
-    contexts=32,
-    iterations=300,
-    lr=3e-3,
-    reward="teacher",
-    rollout_batch=None,
-    policy_inputs="sampler",  # an exact mixture, not a network: it has no hidden states
+    rollouts=2,
+    iterations=1000,
+    lr=1e-4,
+    reward="hpsv2",
+    prompts="prompts/train.jsonl",
+    eval_prompts="prompts/heldout.jsonl",
+    threads=None,
 )
-MINIATURE_TRAINING = dict(
+# the embedded exact mixtures draw their own prompts ("a handwritten 0" .. "9")
+EMBEDDED = dict(steps=4, contexts=32, iterations=300, lr=3e-3, reward="teacher", threads=1)
+MINIATURE = dict(
     steps=3,
     contexts=16,
     rollouts=4,
     iterations=200,
     lr=3e-3,
     reward="preference",
-    rollout_batch=None,
+    prompts="prompts/digit_train.txt",
+    eval_prompts="prompts/digit_heldout.txt",
+    threads=1,
 )
-TRAINING = {
-    "sd35m": dict(REAL_TRAINING, contexts=32, rollout_batch=16),
-    "sd35l": dict(REAL_TRAINING, contexts=16, rollout_batch=8),
-    "sdxl": dict(REAL_TRAINING, contexts=32, rollout_batch=16),
-    "flux-dev": dict(REAL_TRAINING, contexts=16, rollout_batch=8),
-    "flux-schnell": dict(REAL_TRAINING, contexts=16, rollout_batch=8),
-    "digits": dict(EMBEDDED_TRAINING, rollouts=2),
-    "digits-prompt": dict(EMBEDDED_TRAINING, rollouts=8),
+PRESETS = {
+    "sd35m": dict(REAL, contexts=32, rollout_batch=16),
+    "sd35l": dict(REAL, contexts=16, rollout_batch=8),
+    "sdxl": dict(REAL, contexts=32, rollout_batch=16),
+    "flux-dev": dict(REAL, contexts=16, rollout_batch=8),
+    "flux-schnell": dict(REAL, contexts=16, rollout_batch=8),
+    "digits": dict(EMBEDDED, rollouts=2),
+    "digits-prompt": dict(EMBEDDED, rollouts=8),
     # the noise's signal is weaker than the prompt's; digits-xor's interaction: docs/DESIGN.md
-    "digits-noise": dict(EMBEDDED_TRAINING, rollouts=8, iterations=600),
-    "digits-xor": dict(EMBEDDED_TRAINING, rollouts=8, iterations=2000),
-    "mini-sd3": MINIATURE_TRAINING,
-    "mini-flux": MINIATURE_TRAINING,
-    "mini-sdxl": MINIATURE_TRAINING,
+    "digits-noise": dict(EMBEDDED, rollouts=8, iterations=600),
+    "digits-xor": dict(EMBEDDED, rollouts=8, iterations=2000),
+    "mini-sd3": MINIATURE,
+    "mini-flux": MINIATURE,
+    "mini-sdxl": MINIATURE,
     # the distilled miniature's own step count, as flux-schnell's: a schedule for a few-step model
     # is asked at the budget it was distilled for
-    "mini-flux-schnell": dict(MINIATURE_TRAINING, steps=4),
+    "mini-flux-schnell": dict(MINIATURE, steps=4),
 }
-# The update's defaults with --optimizer reinforce, this project's choices (the paper states no
-# optimiser); --optimizer ppo takes TPDM's instead (comparator/tpdm.py, tpdm.TPDM).
-REINFORCE = dict(
-    baseline="js",
-    init="default",
-    policy_inputs="sampler",
-    inference="mean",
-    weight_decay=1e-4,
-    lr_decay="cosine",
-    adam_beta2=0.999,
-    adam_eps=1e-8,
-)
 CHOICES = dict(
-    backbone=list(TRAINING),
-    policy=list(POLICIES),
+    track=list(track.TRACKERS),
+    backbone=list(PRESETS),
+    policy=list(checkpoint.POLICIES),
     init=["default", "uniform", "tpdm"],
-    policy_inputs=["sampler", "hidden"],
-    inference=["mean", "mode"],
-    reward=list(REWARDS),
+    reward=list(reward_lib.REWARDS),
     baseline=list(BASELINES),
-    lr_decay=["cosine", "constant"],
     optimizer=["reinforce", "ppo"],
-    dtype=["bfloat16", "float16", "float32"],
+    lr_decay=["cosine", "constant"],
     device=["cpu", "cuda"],
-    track=list(TRACKERS),
+    dtype=["bfloat16", "float16", "float32"],
 )
 
 
-def resolve(config):
-    """Every default the command line left open, in one place: the backbone's row of TRAINING
-    (its learning rate times tpdm.LR_FACTOR under PPO), the update's
-    defaults (REINFORCE, or TPDM's for the step-wise policy under PPO), the shipped prompt files,
-    the CPU threads, the run folder. The configuration it returns is printed once (rank 0)."""
-    for key, default in TRAINING[config.backbone].items():
-        if getattr(config, key) is None:
-            setattr(config, key, default)
-            if key == "lr" and config.optimizer == "ppo":
-                config.lr *= tpdm.LR_FACTOR
-    update = tpdm.TPDM if config.optimizer == "ppo" else REINFORCE
-    for key, default in update.items():
-        if getattr(config, key) is None:  # TPDM's start, inputs, inference: the step-wise policy's
-            plain = config.policy != "stepwise" and key in tpdm.STEPWISE_ONLY
-            setattr(config, key, REINFORCE[key] if plain else default)
-    spec = BACKBONES[config.backbone]
-    if spec["family"] != "mixture":  # the miniatures' paraphrases, else the reward's shipped set
-        shipped = spec.get("prompts") or SHIPPED.get(config.reward, DEFAULT)
-        config.prompts, config.eval_prompts = (
-            config.prompts or shipped[0],
-            config.eval_prompts or shipped[1],
-        )
-    if config.threads is None:
-        config.threads = spec["threads"]
-    if config.threads and config.threads > (os.cpu_count() or 1):
-        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores")
-        config.threads = os.cpu_count()
+def add_fields(parser, fields):
+    """One --flag per dataclass field, its help ending in its default."""
+    for item in fields:
+        flag, default = "--" + item.name.replace("_", "-"), item.default
+        shown = "" if default is None or item.type is bool else f" (default: {default})"
+        if item.type is bool:
+            parser.add_argument(flag, action="store_true", help=item.metadata["help"])
+            continue
+        kind = next(t for t in getattr(item.type, "__args__", [item.type]) if t is not type(None))
+        choices = CHOICES.get(item.name) or item.metadata.get("choices")
+        parser.add_argument(flag, type=kind, choices=choices, help=item.metadata["help"] + shown)
+
+
+def parse_config(argv=None):
+    """The command line over the backbone's preset (PRESETS) over Config's defaults; the
+    comparator's own settings are config.tpdm. Printed once (rank 0)."""
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        argument_default=argparse.SUPPRESS,  # what the command line gave, and nothing else
+    )
+    parser.error = lambda message: parser.exit(2, f"train.py: error: {message}\n")  # one line
+    add_fields(parser, dataclasses.fields(Config))
+    add_fields(parser.add_argument_group(tpdm.FLAGS), dataclasses.fields(tpdm.Settings))
+    given = vars(parser.parse_args(argv))
+    preset = dict(PRESETS[given.get("backbone", Config.backbone)])
+    if given.get("reward") in SHIPPED and "prompts" not in given:  # its own prompt set
+        preset["prompts"], preset["eval_prompts"] = SHIPPED[given["reward"]]
+    if given.get("optimizer") == "ppo":  # TPDM's settings
+        family = backbones.BACKBONES[given.get("backbone", Config.backbone)]["family"]
+        preset.update(tpdm.ppo_preset(preset, given.get("policy", Config.policy), family))
+    values = {**preset, **given}
+    comparator = [item.name for item in dataclasses.fields(tpdm.Settings)]
+    config = Config(**{key: value for key, value in values.items() if key not in comparator})
+    config.tpdm = tpdm.Settings(**{key: values[key] for key in comparator if key in values})
     if config.out_dir is None:  # one folder per run: the same command finds its own run again
-        ppo_suffix = "-ppo" if config.optimizer == "ppo" else ""
-        name = f"{config.backbone}-L{config.steps}-{config.policy}{ppo_suffix}-s{config.seed}"
+        kind = config.policy + ("-ppo" if config.optimizer == "ppo" else "")
+        name = f"{config.backbone}-L{config.steps}-{kind}-s{config.seed}"
         config.out_dir = os.path.join("out", name)
     if int(os.environ.get("RANK", "0")) == 0:
-        settings = " ".join(f"{key}={value}" for key, value in dataclasses.asdict(config).items())
+        settings = " ".join(f"{key}={value}" for key, value in saved(config).items())
         print("configuration: " + textwrap.fill(settings, 100, subsequent_indent="  "))
     return config
 
 
-def parse_config(argv=None):
-    """argparse from the dataclass (--field-name value, booleans as flags), then resolve()."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.error = lambda message: parser.exit(2, f"train.py: error: {message}\n")  # one line
-    for item in dataclasses.fields(Config):
-        flag = "--" + item.name.replace("_", "-")
-        help = f"{item.metadata['help']} (default: {item.default})"
-        if item.type is bool:
-            parser.add_argument(flag, action="store_true", help=help)
-            continue
-        kind = item.type
-        if isinstance(kind, types.UnionType):  # "int | None" -> int
-            kind = next(arg for arg in kind.__args__ if arg is not type(None))
-        parser.add_argument(
-            flag, type=kind, default=item.default, choices=CHOICES.get(item.name), help=help
+def saved(config):
+    """The run's configuration as the checkpoint records it: one flat dict."""
+    return {**dataclasses.asdict(config), **dataclasses.asdict(config.tpdm)}
+
+
+# -----------------------------------------------------------------------------
+# the door: every input checked in one line, before anything heavy loads
+
+# the least value of each setting (contexts: the baseline's own, baselines.MIN_CONTEXTS)
+LEAST = dict(
+    steps=1,
+    rollouts=2,
+    iterations=1,
+    ckpt_interval=1,
+    log_interval=1,
+    eval_contexts=1,
+    rollout_batch=1,
+    resolution=8,
+    threads=1,
+)
+# settings that must be finite and > 0 (True) or >= 0 (False)
+POSITIVE = dict(
+    lr=True, grad_clip=True, adam_eps=True, concentration=True, weight_decay=False, guidance=False
+)
+# A training context's noise seed is prompts.context_seed(seed, iteration, context), which must stay
+# below 2^63 (torch's manual_seed) for every iteration and context of a run: a seed below 2^27
+# leaves room for 2^16 contexts per iteration and 2^20 iterations.
+MAX_SEED = 2**27
+
+
+def fail(message):
+    raise SystemExit(f"error: {message}")
+
+
+def check(config, world_size):
+    """What argparse cannot say fails here in one line (SystemExit), before anything heavy loads,
+    and nothing a run folder holds is changed. Returns the training and held-out prompts (None: the
+    backbone's own) and the checkpoint out_dir already holds (or None)."""
+    least = dict(LEAST, contexts=MIN_CONTEXTS[config.baseline])
+    for key, minimum in least.items():
+        value = getattr(config, key)
+        if value is not None and value < minimum:
+            why = {"rollouts": " for a leave-one-out baseline"}.get(key, "")
+            why = f" for --baseline {config.baseline}" if key == "contexts" else why
+            fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
+    for key, positive in POSITIVE.items():
+        value = getattr(config, key)
+        if value is not None and not (
+            math.isfinite(value) and (value > 0 if positive else value >= 0)
+        ):
+            bound = "> 0" if positive else ">= 0"
+            fail(f"--{key.replace('_', '-')} must be a finite number {bound} (got {value})")
+    if not 0 <= config.adam_beta2 < 1:
+        fail(f"--adam-beta2 must be in [0, 1) (got {config.adam_beta2})")
+    if not 0 <= config.seed < MAX_SEED:
+        fail(
+            f"--seed must be an integer from 0 to {MAX_SEED - 1:,} (got {config.seed}): a training "
+            "context's noise seed is built from it and must stay below 2^63"
         )
-    return resolve(Config(**vars(parser.parse_args(argv))))
+    if config.device == "cuda" and not torch.cuda.is_available():
+        fail(
+            f"--device cuda, but this machine has no CUDA device (torch {torch.__version__}); drop "
+            "--device to run on the CPU"
+        )
+    spec = backbones.BACKBONES[config.backbone]
+    if config.guidance is not None and spec["guidance"] is None:
+        fail(
+            f"--guidance {config.guidance}: {config.backbone} has no guidance input and runs no "
+            "CFG (as FLUX.1-schnell, or an exact mixture); drop --guidance"
+        )
+    if config.contexts % world_size:
+        fail(
+            f"--contexts {config.contexts} is not divisible by the {world_size} ranks; choose a "
+            "multiple of the number of processes"
+        )
+    if spec["hub_id"] is not None and config.device is None and not torch.cuda.is_available():
+        fail(
+            f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
+            "--device cpu to insist (or try --backbone digits)"
+        )
+    if config.threads and config.threads > (os.cpu_count() or 1):
+        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores")
+        config.threads = os.cpu_count()
+    if spec["family"] == "mixture" and config.reward in reward_lib.IMAGE_CONTENT:
+        fail(
+            f"the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} "
+            "images do not have; use a real backbone, or --reward teacher"
+        )
+    try:
+        tpdm.check(config, config.tpdm, spec)
+        reward_lib.check_digits(config.reward, config.backbone, spec)
+        track.check_tracker(config.track)
+        if not config.out_dir:  # else existing_run would take the working folder for the run's
+            files.check_writable(config.out_dir)
+        prompts = load_prompt_file(config.prompts) if config.prompts else None
+        heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
+        reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
+        found = checkpoint.existing_run(saved(config))
+        if not finished(config, found):  # a finished run is reported, even if read-only
+            files.check_writable(config.out_dir)
+        foreign = [] if found else files.foreign_files(config.out_dir)
+        if foreign:  # a user's files where this run would write its own: never overwritten
+            fail(
+                f"--out-dir {config.out_dir} holds {', '.join(foreign)}, which no run of train.py "
+                "wrote (there is no run.lock); pass another --out-dir, or move them away"
+            )
+        missing = []  # every missing model in one message, before either loads
+        for check_files in (
+            lambda: reward_lib.check_reward(config.reward, config.reward_checkpoint),
+            lambda: backbones.check_files(config.backbone, config.model_path),
+        ):
+            try:
+                check_files()
+            except ValueError as error:
+                missing.append(str(error))
+        if missing:
+            fail("; ".join(missing))
+        return prompts, heldout, found
+    except ValueError as error:
+        fail(error)
+
+
+def finished(config, found):
+    """Whether out_dir holds this run, finished: its last checkpoint and its held-out report."""
+    done = found is not None and found["iteration"] >= config.iterations
+    return done and os.path.isfile(os.path.join(config.out_dir, "eval.json"))
+
+
+def report_finished(config, found):
+    """The same command again on a finished run: say what is there, neither failing nor
+    overwriting."""
+    eval_path = os.path.join(config.out_dir, "eval.json")
+    again = "delete it and run the same command again to write the held-out report afresh"
+    try:
+        report = files.read_json(eval_path, again)
+    except ValueError as error:
+        fail(error)
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        fail(f"{eval_path} is not the held-out report of train.py; {again}")
+    print(
+        f"{config.out_dir} holds this run, finished at iteration {found['iteration']}; its "
+        f"held-out table:\n{paired.format_table(report['rows'])}\nto train again, pass another "
+        f"--out-dir (or --iterations N > {found['iteration']} to continue)"
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -252,10 +367,8 @@ def get_lr(config, iteration):
 
 
 def make_optimizer(config, parameters):
-    """AdamW with beta1 0.9 and the configuration's beta2, epsilon and weight decay (with
-    --optimizer ppo: TPDM's Adam(0.9, 0.99), eps 1e-5, no weight decay). foreach: one kernel per
-    operation for all the policy's tensors, as on CUDA by default (on a CPU the same numbers as the
-    per-tensor loop, faster)."""
+    """AdamW with beta1 0.9 and the configuration's beta2, epsilon and weight decay. foreach: one
+    kernel per operation for all the policy's tensors (on a CPU the same numbers, faster)."""
     return torch.optim.AdamW(
         parameters,
         lr=config.lr,
@@ -266,10 +379,8 @@ def make_optimizer(config, parameters):
     )
 
 
-def descend(config, policy, optimizer, loss, lr):
-    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm.
-    (TPDM's trainer also skips a step whose loss or gradient is not finite; here a NaN reward
-    stops the run, launch.check_finite.)"""
+def optimizer_step(config, policy, optimizer, lr, loss):
+    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm."""
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
@@ -279,132 +390,311 @@ def descend(config, policy, optimizer, loss, lr):
     return grad_norm
 
 
+def reinforce_update(iteration, rollouts, policy, advantages, step):
+    """REINFORCE: one step on -mean((r - b) log pi); log pi is recomputed with gradients through
+    `policy`, which under DDP averages them over the ranks. Returns (loss, grad norm, None)."""
+    loss = -(advantages * rollouts.log_prob(policy)).mean()
+    return loss, step(loss), None
+
+
 # -----------------------------------------------------------------------------
-# the training loop
+# the run
 
 
 def main(config):
-    # ---------------- setup: ranks, inputs, backbone, reward, policy, optimiser, resume ----------
-    run = launch.setup(config, functools.partial(make_optimizer, config))
-    if run is None:  # out_dir holds this run, finished: reported
-        return
-    with run:  # the run folder (one writer), the trackers, the process group: until the run ends
-        train(config, run)
-        # ---------------- held-out evaluation, figure, policy in the Hub format ----------------
-        launch.finish(config, run)
-
-
-def train(config, run):
-    """The loop: config.iterations - run.start policy updates, each logged, checkpointed on time."""
-    raw_policy, backbone, reward = run.policy, run.backbone, run.reward
-    policy = DistributedDataParallel(raw_policy) if run.distributed else raw_policy
-    # the one place the policy's kind matters: single pass (policy.py) or step-wise (comparator/)
-    Rollouts = StepwiseRollouts if config.policy == "stepwise" else DirichletRollouts
-    contexts_per_rank = config.contexts // run.world_size
-    first = run.rank * contexts_per_rank  # this rank's contexts in the global batch
-    K = config.rollouts
-    iterations = range(run.start, config.iterations)
-    progress = tqdm(iterations, initial=run.start, total=config.iterations, disable=not run.master)
-    for iteration in progress:
-        t0 = time.time()
-        # ---------------- contexts: a prompt and an initial noise x_T each, seeded ----------------
-        generators = [
-            torch.Generator().manual_seed(context_seed(config.seed, iteration, first + c))
-            for c in range(contexts_per_rank)
-        ]
-        picks = [torch.randint(len(run.prompts), (1,), generator=g).item() for g in generators]
-        batch_prompts = [run.prompts[i] for i in picks]
-        # ---------------- rollout: K schedules per context, sampled without gradients -------------
-        noise = torch.cat([backbone.sample_noise(1, g) for g in generators])
-        cond = run.encode(picks)  # the prompts' token embeddings, mask, pooled embedding
-        # the single-pass policy's forward, with gradients (the step-wise one's: inside the loop)
-        rollouts = Rollouts(policy, backbone, noise, cond, generators, K)
-        with torch.no_grad():
-            noise_k = noise.repeat_interleave(K, 0)  # context-major, as the rollouts
-            cond_k = {key: v.repeat_interleave(K, 0) for key, v in cond.items()}
-            prompts_k = [prompt for prompt in batch_prompts for _ in range(K)]
-            rewards = []
-            for part in torch.arange(len(prompts_k)).split(config.rollout_batch or len(prompts_k)):
-                cond_part = {key: value[part] for key, value in cond_k.items()}
-                latents = rollouts.sample(part, noise_k[part], cond_part)  # L model calls
-                part_prompts = [prompts_k[i] for i in part]
-                rewards.append(reward(latents, part_prompts, noise_k[part], cond_part))
-            rewards = torch.cat(rewards).float().view(contexts_per_rank, -1)  # (B/world, K)
-        t_rollout = time.time() - t0
-
-        # ---------------- baselines: pooled over the global batch ----------------
-        all_rewards = rewards  # (B, K): every rank's, in rank order
-        if run.distributed:
-            gathered = [torch.empty_like(rewards) for _ in range(run.world_size)]
-            dist.all_gather(gathered, rewards)
-            all_rewards = torch.cat(gathered)
-        launch.check_finite(config, run, iteration, all_rewards)
-        advantages = all_rewards - BASELINES[config.baseline](all_rewards)  # (B, K), r - b
-        advantages = advantages[first : first + contexts_per_rank].flatten().to(run.device)
-
-        # ---------------- policy gradient ----------------
-        # log pi is recomputed with gradients through `policy`, which under DDP averages them over
-        # the ranks
-        lr = get_lr(config, iteration)
-        step = functools.partial(descend, config, raw_policy, run.optimizer, lr=lr)  # AdamW step
-        if config.optimizer == "ppo":  # TPDM's: several epochs of clipped steps on this batch
-            shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
-            log_probs = functools.partial(rollouts.log_prob, policy)
-            loss, grad_norm, clip_fraction = tpdm.ppo_update(
-                config, log_probs, rollouts.logp, advantages, step, shuffle
-            )
-        else:  # REINFORCE: one step on -mean((r - b) log pi)
-            loss = -(advantages * rollouts.log_prob(policy)).mean()
-            grad_norm, clip_fraction = step(loss), math.nan
-
-        # ---------------- log and checkpoint (rank 0) ----------------
-        done = iteration + 1
-        checkpoint_now = done % config.ckpt_interval == 0 or done == config.iterations
-        if not run.master:
-            continue
-        # shrinkage: the plug-in James-Stein weight of this batch, whichever baseline trains
-        enough = config.contexts >= MIN_CONTEXTS["js"]
-        row = dict(
-            iteration=done,
-            reward=all_rewards.mean().item(),
-            reward_std=all_rewards.std().item(),
-            shrinkage=shrinkage(all_rewards).item() if enough else math.nan,
-            loss=loss.item(),
-            grad_norm=grad_norm.item(),
-            clip_fraction=clip_fraction,
-            concentration=rollouts.concentration.item(),  # the Dirichlet's, or each step's Beta
-            stop_margin=rollouts.stop_margin.item(),  # the mean t_L
-            rollout_s=t_rollout,
-            step_s=time.time() - t0,
+    # ---------------- ranks and device ----------------
+    distributed = "RANK" in os.environ
+    if distributed:  # torchrun: nccl on GPUs, gloo on CPUs
+        use_cuda = torch.cuda.is_available() and config.device != "cpu"
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+        device = torch.device(f"cuda:{os.environ['LOCAL_RANK']}" if use_cuda else "cpu")
+        if use_cuda:
+            torch.cuda.set_device(device)
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    else:
+        device, rank, world_size = backbones.check_device(config.device), 0, 1
+    master = rank == 0
+    if master:  # what one update costs, before anything is checked or loaded
+        cost = backbones.update_cost(
+            config.backbone, config.contexts, config.rollouts, config.steps, config.guidance
         )
-        if checkpoint_now:  # the mean schedule's gain over the default on held-out contexts
-            row["heldout_gain"] = run.heldout_gain(raw_policy)
-        run.rows.append(row)
-        with launch.written(run.metrics_path), open(run.metrics_path, "a") as file:
-            file.write(json.dumps(row) + "\n")
-        if run.tracker:
-            run.tracker.log(row)
-        if done % config.log_interval == 0 or done == config.iterations:
-            clipped = f" | clipped {clip_fraction:.2f}" if config.optimizer == "ppo" else ""
-            progress.write(
-                f"iter {done:5d} | reward {row['reward']:+.5f} | shrinkage a "
-                f"{row['shrinkage']:.3f} | loss {row['loss']:+.4f} | grad {row['grad_norm']:.3f} "
-                f"| concentration {row['concentration']:.1f} | stop margin "
-                f"{row['stop_margin']:.4f}{clipped}"
-            )
-        if checkpoint_now:  # what a resume needs to continue exactly; every draw has its own seed
-            state = dict(
-                policy=raw_policy.state_dict(),
-                policy_config=raw_policy.config,
-                optimizer=run.optimizer.state_dict(),
+        teacher = f" (the teacher solves {config.contexts} contexts)"
+        print(cost + (teacher if config.reward == "teacher" else ""))
+    train_prompts, eval_prompts, found = check(config, world_size)
+    if finished(config, found):
+        if master:
+            report_finished(config, found)
+        return
+    if config.threads:
+        torch.set_num_threads(config.threads)
+
+    # ---------------- backbone, prompts, reward ----------------
+    torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
+    try:  # the frozen backbone; a prompt it cannot take fails here, not at an iteration
+        backbone = backbones.trained_backbone(saved(config), device)
+        prompts = train_prompts or backbone.prompts
+        heldout = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
+        backbone.check_prompts(prompts + heldout[0], config.reward)
+    except ValueError as error:
+        fail(error)
+    lock, tracker, heldout_gain = None, None, None
+    if master:  # taken once the inputs passed: a refused start leaves no folder behind
+        try:
+            with write_or_exit(config.out_dir):
+                lock = files.claim_run(config.out_dir, fresh=not found)
+        except ValueError as error:
+            fail(error)
+    try:
+        reward = reward_lib.load_reward(
+            config.reward, backbone, device=device, checkpoint=config.reward_checkpoint
+        )
+        few = prompts[:2]  # what a prompt's encoding costs in memory
+        size = sum(v.nelement() * v.element_size() for v in backbone.encode_prompts(few).values())
+        small = size / len(few) * len(prompts) <= ENCODED_BYTES
+        encoded = backbone.encode_prompts(prompts) if small else None
+
+        def encode(picks):  # the prompts' token embeddings, mask, pooled embedding
+            if encoded is None:
+                return backbone.encode_prompts([prompts[i] for i in picks])
+            return {
+                key: value[torch.tensor(picks).to(value.device)] for key, value in encoded.items()
+            }
+
+        # ---------------- policy, optimiser and update: the method's, or the comparator's --------
+        update = reinforce_update
+        if config.optimizer == "ppo":  # TPDM's (comparator/tpdm.py): clipped steps on each batch
+            update = functools.partial(tpdm.ppo_update, config.tpdm, config.seed)
+        init_times = backbone.default_times(config.steps) if config.init == "default" else None
+        try:  # a concentration too small for the start's smallest increment
+            raw_policy = checkpoint.make_policy(
+                config.policy,
+                backbone.policy_dims,
+                config.steps,
+                init_times=init_times,
+                preset=backbones.BACKBONES[config.backbone]["policy"],
+                backbone=config.backbone,
+                concentration=config.concentration,
+                **tpdm.policy_options(config, config.tpdm),
+            ).to(device)
+        except ValueError as error:
+            fail(f"--concentration {config.concentration}: {error}")
+        policy = DistributedDataParallel(raw_policy) if distributed else raw_policy
+        optimizer = make_optimizer(config, raw_policy.parameters())
+        if master:
+            size = sum(p.numel() for p in raw_policy.parameters())
+            print(f"policy: {config.policy}, {size:,} parameters | {world_size} rank(s), "
+                  f"{config.contexts // world_size} contexts each")  # fmt: skip
+            heldout_gain = paired.heldout_gain(backbone, reward, heldout, config.steps)
+            tracker = track.open_tracker(config.track, config.out_dir, saved(config))
+
+        # ---------------- resume ----------------
+        ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
+        metrics_path = os.path.join(config.out_dir, "metrics.jsonl")
+        start, rows = 0, []
+        if found:  # weights, optimizer and RNG state; metrics.jsonl cut back to its iteration
+            with write_or_exit():
+                start = checkpoint.restore(found, raw_policy, optimizer, master and metrics_path)
+            if master:
+                rows = files.metric_rows(metrics_path)[0]
+                print(f"continuing {ckpt_path} from iteration {start}")
+        elif master:
+            snapshot(config, raw_policy, 0)
+
+        # ---------------- the loop ----------------
+        contexts_per_rank = config.contexts // world_size
+        first = rank * contexts_per_rank  # this rank's contexts in the global batch
+        K = config.rollouts
+        progress = tqdm(range(start, config.iterations), initial=start, total=config.iterations,
+                        disable=not master)  # fmt: skip
+        for iteration in progress:
+            t0 = time.time()
+            # ---------------- contexts: a prompt and an initial noise x_T each, seeded ----------
+            generators = [
+                torch.Generator().manual_seed(context_seed(config.seed, iteration, first + c))
+                for c in range(contexts_per_rank)
+            ]
+            picks = [torch.randint(len(prompts), (1,), generator=g).item() for g in generators]
+            batch_prompts = [prompts[i] for i in picks]
+            # ---------------- rollout: K schedules per context, sampled without gradients -------
+            noise = torch.cat([backbone.sample_noise(1, g) for g in generators])
+            cond = encode(picks)
+            rollouts = raw_policy.rollouts(policy, backbone, noise, cond, generators, K)
+            with torch.no_grad():
+                noise_k = noise.repeat_interleave(K, 0)  # context-major, as the rollouts
+                cond_k = {key: v.repeat_interleave(K, 0) for key, v in cond.items()}
+                prompts_k = [prompt for prompt in batch_prompts for _ in range(K)]
+                rewards = []
+                for part in torch.arange(len(prompts_k)).split(
+                    config.rollout_batch or len(prompts_k)
+                ):
+                    cond_part = {key: value[part] for key, value in cond_k.items()}
+                    latents = rollouts.sample(part, noise_k[part], cond_part)  # L model calls
+                    part_prompts = [prompts_k[i] for i in part]
+                    rewards.append(reward(latents, part_prompts, noise_k[part], cond_part))
+                rewards = torch.cat(rewards).float().view(contexts_per_rank, -1)  # (B/world, K)
+            t_rollout = time.time() - t0
+
+            # ---------------- baselines: pooled over the global batch ----------------
+            all_rewards = rewards  # (B, K): every rank's, in rank order
+            if distributed:
+                gathered = [torch.empty_like(rewards) for _ in range(world_size)]
+                dist.all_gather(gathered, rewards)
+                all_rewards = torch.cat(gathered)
+            check_finite(config, iteration, all_rewards, ckpt_path)
+            advantages = all_rewards - BASELINES[config.baseline](all_rewards)  # (B, K), r - b
+            advantages = advantages[first : first + contexts_per_rank].flatten().to(device)
+
+            # ---------------- policy gradient ----------------
+            lr = get_lr(config, iteration)
+            step = functools.partial(optimizer_step, config, raw_policy, optimizer, lr)
+            loss, grad_norm, clip_fraction = update(iteration, rollouts, policy, advantages, step)
+
+            # ---------------- log and checkpoint (rank 0) ----------------
+            done = iteration + 1
+            checkpoint_now = done % config.ckpt_interval == 0 or done == config.iterations
+            if not master:
+                continue
+            # shrinkage: the plug-in James-Stein weight of this batch, whichever baseline trains
+            enough = config.contexts >= MIN_CONTEXTS["js"]
+            row = dict(
                 iteration=done,
-                config=dataclasses.asdict(config),
-                rng={"torch": torch.get_rng_state()},
-                metrics=run.rows,  # a resume writes back a row that a torn line lost
+                reward=all_rewards.mean().item(),
+                reward_std=all_rewards.std().item(),
+                shrinkage=shrinkage(all_rewards).item() if enough else None,
+                loss=loss.item(),
+                grad_norm=grad_norm.item(),
+                clip_fraction=clip_fraction,
+                concentration=rollouts.concentration.item(),  # the Dirichlet's, or each Beta's
+                stop_margin=rollouts.stop_margin.item(),  # the mean t_L
+                rollout_s=t_rollout,
+                step_s=time.time() - t0,
             )
-            with launch.written(run.ckpt_path):
-                save_checkpoint(run.ckpt_path, state)
-            launch.snapshot(config, raw_policy, done)
+            if checkpoint_now:  # the mean schedule's gain over the default on held-out contexts
+                row["heldout_gain"] = heldout_gain(raw_policy)
+            rows.append(row)
+            with write_or_exit(metrics_path), open(metrics_path, "a") as file:
+                file.write(json.dumps(row) + "\n")
+            if tracker:
+                tracker.log(row)
+            if done % config.log_interval == 0 or done == config.iterations:
+                progress.write(log_line(row))
+            if checkpoint_now:  # what a resume needs to continue exactly; every draw is seeded
+                state = dict(
+                    policy=raw_policy.state_dict(),
+                    policy_config=raw_policy.config,
+                    optimizer=optimizer.state_dict(),
+                    iteration=done,
+                    config=saved(config),
+                    rng={"torch": torch.get_rng_state()},
+                    metrics=rows,  # a resume writes back a row that a torn line lost
+                )
+                with write_or_exit(ckpt_path):
+                    checkpoint.save_checkpoint(ckpt_path, state)
+                snapshot(config, raw_policy, done)
+
+        # ---------------- the policy in the Hub format, the held-out report (eval.json last) ----
+        if master:
+            with write_or_exit(config.out_dir):
+                if config.figure:
+                    draw_training(config, backbone, raw_policy, heldout)
+                policy_dir = os.path.join(config.out_dir, "policy")
+                checkpoint.save_policy(policy_dir, raw_policy, saved(config), config.iterations)
+                paired.heldout_report(config.out_dir, backbone, reward, raw_policy, *heldout,
+                                      config.reward, config.seed)  # fmt: skip
+            figure = ", the figure train.png" if config.figure else ""
+            print(f"wrote {ckpt_path}, {metrics_path}, eval.json{figure} and policy/ (Hub format) "
+                  f"in {config.out_dir}")  # fmt: skip
+        if distributed:
+            dist.barrier()
+    finally:  # however the run ends: the tracker flushed, the process group left, the folder freed
+        if tracker is not None:
+            tracker.close()
+        if distributed:
+            dist.destroy_process_group()
+        if lock is not None:
+            lock.close()
+
+
+# a training prompt set whose encoding fits in this many bytes is encoded once, at setup
+ENCODED_BYTES = 64 * 2**20
+
+
+def log_line(row):
+    clipped = "" if row["clip_fraction"] is None else f" | clipped {row['clip_fraction']:.2f}"
+    shrunk = "-" if row["shrinkage"] is None else f"{row['shrinkage']:.3f}"
+    return (
+        f"iter {row['iteration']:5d} | reward {row['reward']:+.5f} | shrinkage a {shrunk} | loss "
+        f"{row['loss']:+.4f} | grad {row['grad_norm']:.3f} | concentration "
+        f"{row['concentration']:.1f} | stop margin {row['stop_margin']:.4f}{clipped}"
+    )
+
+
+@contextlib.contextmanager
+def write_or_exit(path=None):
+    """Writes to the run folder: one that fails (disk full, read-only storage) ends in one line
+    naming the folder (store.files.write_failed); the last good checkpoint stays as it was."""
+    try:
+        yield
+    except files.WriteFailed as error:
+        fail(error)
+    except OSError as error:
+        fail(files.write_failed(error.filename or path, error))
+
+
+def check_finite(config, iteration, rewards, ckpt_path):
+    """Every baseline pools rewards: one NaN would reach every gradient. Stops in one line saying
+    what can cause it and where the last good state is."""
+    if torch.isfinite(rewards).all():
+        return
+    last = "no checkpoint was written yet"
+    if os.path.isfile(ckpt_path):
+        last = f"{ckpt_path} holds the last good state"
+    bad = int((~torch.isfinite(rewards)).sum())
+    fail(
+        f"iteration {iteration + 1}: {bad} rewards are NaN or inf: the policy diverged (learning "
+        f"rate too high? --lr {config.lr:g}) or the backbone ({config.dtype or 'default'} dtype) "
+        f"or the reward model overflowed; {last}"
+    )
+
+
+def snapshot(config, policy, done):
+    """With --snapshots, the policy after `done` iterations in snapshots/policy-<done>.pt (what
+    evidence/baseline_study.py measures the gradient's variance at), read as it is
+    (store.checkpoint.load_checkpoint), without the optimizer and RNG state a resume needs."""
+    if config.snapshots:
+        path = os.path.join(config.out_dir, "snapshots", f"policy-{done}.pt")
+        state = dict(policy=policy.state_dict(), policy_config=policy.config, iteration=done)
+        with write_or_exit(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            checkpoint.save_checkpoint(path, dict(state, config=saved(config)))
+
+
+def draw_training(config, backbone, policy, heldout):
+    """train.png (--figure): the held-out gain at each checkpoint, and the learned schedules of a
+    few held-out contexts against the default."""
+    prompts, seeds = (part[:8] for part in heldout)  # a few held-out contexts
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    with torch.no_grad():
+        learned = policy.schedule(backbone, noise, cond)[0].cpu()
+    default = backbone.default_times(policy.steps).cpu()
+    curve = len(heldout[0][: paired.GAIN_CONTEXTS])  # the contexts of heldout_gain
+    labels = context_labels(prompts, seeds)
+    plot_training(config.out_dir, learned, default, labels, config.reward, curve)
+
+
+def interrupted(config):
+    """The one line a Ctrl-C ends train.py with: what the run folder keeps, and how to go on."""
+    path = os.path.join(config.out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        return (
+            f"interrupted before the first checkpoint: nothing of this run is kept in "
+            f"{config.out_dir}; the same command starts it afresh"
+        )
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return (
+        f"interrupted: {path} holds iteration {state['iteration']} of {config.iterations}; the "
+        "same command continues from there"
+    )
 
 
 if __name__ == "__main__":
@@ -412,5 +702,5 @@ if __name__ == "__main__":
     try:
         main(CONFIG)
     except KeyboardInterrupt:  # Ctrl-C: one line, what the run folder keeps; 130, as a shell exits
-        print(launch.interrupted(CONFIG), file=sys.stderr)
+        print(interrupted(CONFIG), file=sys.stderr)
         sys.exit(130)

@@ -4,7 +4,7 @@ local folder, or a miniature shipped in this repository), and load_backbone(name
 the frozen backbone: a diffusers pipeline of families.py or an embedded mixture of mixture.py.
 Missing, gated or incomplete weights end in one line that says how to get them, before anything
 loads (check_files); from_pipeline wraps an already built diffusers pipeline (the tests' tiny
-random ones, layouts.py).
+random ones, miniatures/layouts.py).
 """
 
 import os
@@ -39,9 +39,9 @@ def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
     return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)
 
 
-# Model facts per backbone (train.py's TRAINING holds the training defaults). family: the class that
-# runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG scale
-# (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input): the
+# Model facts per backbone (train.py's PRESETS hold the training configurations). family: the class
+# that runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG
+# scale (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input): the
 # values recommended by the SD3.5 model cards (Medium 4.5, Large 3.5) and the SD-XL and Flux-Dev
 # pipelines' defaults (5.0, 3.5). policy: the size in PRESETS. threads: CPU threads (None: torch's
 # default; the small backbones' tensors are tiny, so a second thread only adds contention).
@@ -93,11 +93,11 @@ BACKBONES = {
         populations=[[(1.5, 0.02, TOP), (1.0, 0.5, -TOP)], [(1.0, 0.5, TOP), (1.5, 0.02, -TOP)]]
         * 5,
     ),
-    # The trained miniatures (miniature.py): the real families' classes with shipped 16x16 digit
-    # weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in this
-    # repository; prompts: (training, held-out) paraphrase files; the reward reads their pixels.
-    # guidance: as a real model's default is chosen, the most realistic 50-step samples of which at
-    # least 95% show the prompted digit (`python -m evidence.miniatures --guidance-sweep`,
+    # The trained miniatures (miniatures/build.py): the real families' classes with shipped 16x16
+    # digit weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in
+    # this repository; prompts: (training, held-out) paraphrase files; the reward reads their
+    # pixels. guidance: as a real model's default is chosen, the most realistic 50-step samples of
+    # which at least 95% show the prompted digit (`python -m evidence.miniatures --guidance-sweep`,
     # docs/RESULTS.md).
     "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=1.25),
     "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=1.5),

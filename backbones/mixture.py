@@ -2,8 +2,9 @@
 The embedded backbones: exact flow-matching samplers for class-conditional Gaussian mixtures over
 scikit-learn's 8x8 digits (no download), with the same interface (rollout.Backbone) as the
 diffusers backbones of families.py. Their velocity is known in closed form and their teacher is an
-accurate RK4 solve, so the best schedule of a set of contexts can be computed (ablation.py's
-oracles). backbones.py names them: digits, digits-prompt, digits-noise, digits-xor.
+accurate RK4 solve, so the best schedule of a set of contexts can be computed
+(evidence/ablation.py's oracles). backbones/__init__.py names them: digits, digits-prompt,
+digits-noise, digits-xor.
 """
 
 import torch
@@ -133,7 +134,8 @@ class MixtureBackbone(Backbone):
         return velocity.reshape(state.shape)
 
     def sample(self, noise, cond, times, decide=None):
-        """Differentiable in the times when they require grad (ablation.py's oracle schedules)."""
+        """Differentiable in the times when they require grad (evidence/ablation.py's oracle
+        schedules)."""
         check_times(times, noise.shape[0])
         mixture = self.mixture(cond["label"])
 

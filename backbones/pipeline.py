@@ -156,12 +156,6 @@ def trained_guidance(policy):
     return guidance
 
 
-STEPWISE = (
-    "a step-wise policy (TPDM) picks each time from the sampler's state inside the loop, which a "
-    "stock pipeline's scheduler does not hand out: sample it with sample.py without --pipeline"
-)
-
-
 @torch.no_grad()
 def generate(
     pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs
@@ -177,8 +171,8 @@ def generate(
     (ValueError): timesteps and sigmas, any other pipeline argument, a policy of an embedded
     backbone or of another family, an empty prompt, num_images_per_prompt < 1. The pipeline is
     left as it was found (its modules' modes, grad flags, progress bar)."""
-    if policy.config["kind"] == "stepwise":
-        raise ValueError(STEPWISE)
+    if policy.pipeline_refusal:
+        raise ValueError(policy.pipeline_refusal)
     family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
     if family not in (None, *backbones.FAMILIES):
         raise ValueError(
@@ -244,8 +238,7 @@ def generate(
         index = torch.arange(count).repeat_interleave(num_images_per_prompt)  # each image's prompt
         cond = {key: value[index.to(value.device)] for key, value in cond.items()}
         noise = pipeline_noise(backbone, len(index), generator) if latents is None else latents
-        alpha = policy(**backbone.policy_inputs(noise, cond))  # (N, L+1)
-        times = times_from_increments(mean_increments(alpha))  # (N, L+1)
+        times = policy.times(backbone, noise, cond)  # (N, L+1), the Dirichlet mean
         sampled = backbone.sample(noise, cond, times)  # L model calls for the whole batch
         images = sampled
         if output_type != "latent":  # decoded and post-processed as the pipeline does
@@ -264,8 +257,8 @@ def generate(
 def schedule_json(policy, backbone):
     """A global policy's schedule for other tools: its times (L+1,), the sigmas they stand for, and
     the timesteps the model sees (its Dirichlet mean)."""
-    if policy.config["kind"] == "stepwise":
-        raise ValueError(STEPWISE)
+    if policy.pipeline_refusal:
+        raise ValueError(policy.pipeline_refusal)
     if policy.config["kind"] != "global":
         raise ValueError(
             "an instance-level policy has a schedule per noise and prompt: use generate(); "

@@ -1,1 +1,1 @@
-"""The comparator TPDM: its step-wise policy (stepwise.py) and its PPO update (ppo.py)."""
+"""The comparator TPDM (Ye et al., CVPR 2025): its step-wise policy and PPO update (tpdm.py)."""

@@ -19,9 +19,10 @@ What it reads (rollout.run_schedule's `decide`), through the same network as the
 policy (policy.SchedulePolicy.encode; the time t_l and the step index join the pooled prompt
 embedding that modulates the feature tokens, and the tokens cross-attend to the prompt), one of:
 - inputs="hidden", TPDM's (its src/models/stable_diffusion_3/modeling_sd3_pnt.py): the denoiser's
-  own hidden states, read by forward hooks (families.PipelineBackbone.hidden_states): the image
-  features entering its first block and leaving its last normalisation, as a (2 D, h, w) map, and
-  its timestep embedding, which joins the pooled embedding; CFG-combined as the prediction is.
+  own hidden states, read by forward hooks (backbones.families.PipelineBackbone.hidden_states):
+  the image features entering its first block and leaving its last normalisation, as a (2 D, h, w)
+  map, and its timestep embedding, which joins the pooled embedding; CFG-combined as the
+  prediction is.
 - inputs="sampler": the state at unit scale and the model's prediction of the clean sample
   (2 C channels), what every backbone exposes alike (the embedded mixtures have no hidden states).
 
@@ -36,6 +37,7 @@ inference="mode", TPDM's (modeling_sd3_pnt.py, `predict`), or its mean for infer
 """
 
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -52,6 +54,7 @@ from policy import (
 )
 
 FREQUENCIES = 8  # sin and cos of 2^k pi t, k < 8: the time's features
+INPUTS, INFERENCE = ["sampler", "hidden"], ["mean", "mode"]
 TPDM_LOGITS = (2.5, 1.0)  # TPDM's head bias (a, b): alpha = 1 + e^2.5, beta = 1 + e^1
 
 
@@ -124,8 +127,7 @@ class StepwisePolicy(SchedulePolicy):
         self.head[-1] = nn.Linear(self.head[-1].in_features, 2)
         with torch.no_grad():
             # near the initial rates for all inputs: these logits act on log(alpha - 1), so a tenth
-            # of the Dirichlet head's 0.01 (mean times within 5e-3 of its initial ones: at most
-            # 4.4e-3 measured at L = 4, 20, 80 over 5 seeds)
+            # of the Dirichlet head's 0.01 (tests/test_stepwise.py checks the initial mean times)
             self.head[-1].weight.normal_(0.0, 0.001)
             self.head[-1].bias.zero_()
         self.rate_logits = nn.Parameter(torch.empty(steps, 2))  # (L, 2): a_l, b_l at the start
@@ -134,8 +136,42 @@ class StepwisePolicy(SchedulePolicy):
         else:
             names = ("init", "init_times", "concentration", "stop_margin")
             rates = initial_rates(steps, *(start[name] for name in names))
-        with torch.no_grad():  # copied: on any default device (bench.py builds it on "meta")
+        with (
+            torch.no_grad()
+        ):  # copied: on any default device (evidence/bench.py builds it on "meta")
             self.rate_logits.copy_(rates)
+
+    @classmethod
+    def for_backbone(cls, steps, backbone_dims, inputs="sampler", **options):
+        """Built for what a backbone gives (Backbone.policy_dims): its latent and text widths, and
+        for inputs="hidden" its denoiser's hidden-state channels and timestep-embedding width."""
+        keys = ["latent_channels", "text_dim", "pooled_dim"]
+        if inputs == "hidden":  # the denoiser's hidden states (backbones/families.py)
+            if "feature_channels" not in backbone_dims:
+                raise ValueError("this backbone has no hidden states a policy could read")
+            keys += ["feature_channels", "time_dim"]
+        dims = {key: backbone_dims.get(key) for key in keys}
+        return cls(steps, inputs=inputs, **dims, **options)
+
+    pipeline_refusal = (
+        "a step-wise policy (TPDM) picks each time from the sampler's state inside the loop, "
+        "which a stock pipeline's scheduler does not hand out: sample it with sample.py without "
+        "--pipeline"
+    )
+
+    @property
+    def described(self):  # deterministic, drawn
+        return f"step-wise (Beta {self.inference}s)", "step-wise (one Beta draw per step)"
+
+    def rollouts(self, policy, backbone, noise, cond, generators, rollouts):
+        return StepwiseRollouts(policy, backbone, noise, cond, generators, rollouts)
+
+    def times(self, backbone, noise, cond, generator=None):
+        raise ValueError(self.pipeline_refusal)
+
+    def schedule(self, backbone, noise, cond, generator=None):
+        """(times (N, L+1), latents): each time picked while sampling (`sample`)."""
+        return sample(self, backbone, noise, cond, generator)
 
     def forward(self, latent, text, text_mask, pooled, time, step, embedding=None):
         # latent (N, 2C, H, W) or the hidden states (N, 2D, h, w); time (N,) t_l; step: an int or
@@ -318,28 +354,84 @@ class StepwiseRollouts:
 # TRL 0.11's RLOO trainer), the update of `train.py --optimizer ppo`, and the settings of TPDM's own
 # code, which that flag makes the defaults (TPDM below; README names each file).
 
-# The defaults that --optimizer ppo sets (train.resolve): RLOO advantages over the K rollouts, not
-# normalised (src/train/rloo_trainer.py); Adam(0.9, 0.99), eps 1e-5, no weight decay, a constant
-# rate (scripts/launch_sd3_train.sh; AdamW with weight decay 0 is Adam); head bias (2.5, 1.0), the
-# hidden states as inputs and the Beta's mode at inference
-# (src/models/stable_diffusion_3/modeling_sd3_pnt.py). init, policy_inputs and inference are the
-# step-wise policy's: another policy keeps the REINFORCE defaults for them.
-TPDM = dict(
-    baseline="rloo",
-    init="tpdm",
-    policy_inputs="hidden",
-    inference="mode",
-    weight_decay=0.0,
-    lr_decay="constant",
-    adam_beta2=0.99,
-    adam_eps=1e-5,
-)
-STEPWISE_ONLY = ("init", "policy_inputs", "inference")
+FLAGS = "the comparator TPDM (comparator/tpdm.py): with --policy stepwise and --optimizer ppo"
+
+
+@dataclass
+class Settings:
+    """The comparator's own flags (train.py adds them to its command line)."""
+
+    policy_inputs: str = field(
+        default="sampler",
+        metadata=dict(help="stepwise: sampler | hidden (the denoiser's, hooks)", choices=INPUTS),
+    )
+    inference: str = field(
+        default="mean",
+        metadata=dict(help="stepwise: the Beta's mean | mode at evaluation", choices=INFERENCE),
+    )
+    ppo_epochs: int = field(default=4, metadata=dict(help="ppo: passes over each batch"))
+    ppo_minibatches: int = field(default=1, metadata=dict(help="ppo: gradient steps per pass"))
+    ppo_clip: float = field(default=0.2, metadata=dict(help="ppo: the ratio's clip range epsilon"))
+
+
+# What --optimizer ppo makes the defaults, TPDM's own settings: RLOO advantages over the K rollouts,
+# not normalised (src/train/rloo_trainer.py); Adam(0.9, 0.99), eps 1e-5, no weight decay, a
+# constant rate (scripts/launch_sd3_train.sh; AdamW with weight decay 0 is Adam).
+TPDM = dict(baseline="rloo", weight_decay=0.0, lr_decay="constant", adam_beta2=0.99, adam_eps=1e-5)
+# ... and for the step-wise policy its head bias (2.5, 1.0), the hidden states as inputs and the
+# Beta's mode at inference (src/models/stable_diffusion_3/modeling_sd3_pnt.py); another policy keeps
+# its own defaults for them
+TPDM_STEPWISE = dict(init="tpdm", policy_inputs="hidden", inference="mode")
 # PPO takes ppo_epochs x ppo_minibatches Adam steps per batch. TPDM's lr (1e-6 for SD3's 2-conv
 # head) does not transfer to this network and budget; the backbone's REINFORCE rate times this
 # factor is the default, not tuned for TPDM's settings: evidence/comparator_study.py tunes --lr on
 # training contexts (docs/COMPARATOR.md)
 LR_FACTOR = 1 / 30
+
+
+def ppo_preset(preset, policy, family):
+    """The values --optimizer ppo puts over a backbone's preset (train.PRESETS): TPDM's settings
+    and learning rate; the hidden states only where the backbone has a denoiser (an exact mixture
+    has none, so its step-wise policy reads the sampler's state)."""
+    values = dict(TPDM, lr=preset["lr"] * LR_FACTOR)
+    if policy == "stepwise":
+        values.update(TPDM_STEPWISE)
+        if family == "mixture":
+            values["policy_inputs"] = "sampler"
+    return values
+
+
+def check(config, settings, spec):
+    """ValueError in one line for a step-wise setting given to another policy, or hidden states
+    asked of a backbone with none (an exact mixture)."""
+    chosen = dict(init=config.init, policy_inputs=settings.policy_inputs)
+    chosen.update(inference=settings.inference)
+    for key, value in TPDM_STEPWISE.items():
+        if config.policy != "stepwise" and chosen[key] == value:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(
+                f"{flag} {value} is the step-wise policy's, not the {config.policy} policy's"
+            )
+    if settings.policy_inputs == "hidden" and spec["family"] == "mixture":
+        raise ValueError(
+            f"--policy-inputs hidden reads a denoiser's hidden states; {config.backbone} is an "
+            "exact mixture with none: use --policy-inputs sampler"
+        )
+    for key in ("ppo_epochs", "ppo_minibatches"):
+        if getattr(settings, key) < 1:
+            flag = "--" + key.replace("_", "-")
+            raise ValueError(f"{flag} must be at least 1 (got {getattr(settings, key)})")
+    if not (math.isfinite(settings.ppo_clip) and settings.ppo_clip > 0):
+        raise ValueError(f"--ppo-clip must be a finite number > 0 (got {settings.ppo_clip})")
+
+
+def policy_options(config, settings):
+    """The step-wise policy's constructor options of a run (store.checkpoint.make_policy); none
+    for another policy."""
+    if config.policy != "stepwise":
+        return {}
+    options = dict(inputs=settings.policy_inputs, inference=settings.inference)
+    return dict(options, init="tpdm") if config.init == "tpdm" else options
 
 
 def ppo_objective(logp, logp_old, advantages, clip):
@@ -354,19 +446,21 @@ def ppo_objective(logp, logp_old, advantages, clip):
     return loss, (clipped != ratio).float().mean().detach()
 
 
-def ppo_update(config, log_probs, logp_old, advantages, step, shuffle):
-    """PPO's update on one batch of rollouts, as TPDM's trainer takes it: config.ppo_epochs passes,
-    each over a fresh shuffle (generator `shuffle`) cut into config.ppo_minibatches, one step each
-    on the clipped objective. log_probs(index) -> log pi of those samples with gradients; logp_old,
-    advantages (N,): log pi as drawn and r - b; step(loss) takes one optimiser step and returns the
-    gradient norm. Returns the last loss and gradient norm, and the fraction of ratios clipped over
-    the last pass."""
-    for _ in range(config.ppo_epochs):
+def ppo_update(settings, seed, iteration, rollouts, policy, advantages, step):
+    """PPO's update on one batch of rollouts, as TPDM's trainer takes it (train.py's `update`):
+    settings.ppo_epochs passes, each over a fresh shuffle (seeded by the run's seed and the
+    iteration) cut into settings.ppo_minibatches, one step each on the clipped objective against
+    log pi as drawn (rollouts.logp). advantages (N,): r - b; step(loss) takes one optimiser step
+    and returns the gradient norm. Returns the last loss and gradient norm, and the fraction of
+    ratios clipped over the last pass."""
+    shuffle = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
+    for _ in range(settings.ppo_epochs):
         order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
         clipped = []
-        for index in order.chunk(config.ppo_minibatches):
+        for index in order.chunk(settings.ppo_minibatches):
+            logp = rollouts.log_prob(policy, index)
             loss, fraction = ppo_objective(
-                log_probs(index), logp_old[index], advantages[index], config.ppo_clip
+                logp, rollouts.logp[index], advantages[index], settings.ppo_clip
             )
             grad_norm = step(loss)
             clipped.append(fraction * len(index))

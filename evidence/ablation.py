@@ -16,13 +16,13 @@ schedule and learned instance-level schedules with each baseline, over several t
     python -m evidence.ablation --miniatures --backbones mini-sd3 --mini-steps 3 \
         --mini-trainings global instance stepwise "stepwise, ppo" --jobs 2
 
-The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniature.py) have no exact
-oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out paraphrases,
-fresh noise), the default schedule, the best time shift (picked on other contexts), the learned
-global and instance-level schedules (JS, each miniature's defaults, three seeds), scored by the
-preference reward, the classifier's accuracy, the realism measures (realism.py) and the teacher
-error, with the number of default steps that matches each row's reward and its realism; it goes to
-docs/RESULTS.md, and the figure to docs/miniatures.png.
+The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniatures/build.py) have no
+exact oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out
+paraphrases, fresh noise), the default schedule, the best time shift (picked on other contexts), the
+learned global and instance-level schedules (JS, each miniature's defaults, three seeds), scored by
+the preference reward, the classifier's accuracy, the realism measures (scoring/realism.py) and the
+teacher error, with the number of default steps that matches each row's reward and its realism; it
+goes to docs/RESULTS.md, and the figure to docs/miniatures.png.
 
 Each training is `python train.py --backbone B --seed S [--baseline ...] [--policy global]` with
 that backbone's defaults; runs already finished (their eval.json exists) and oracles already
@@ -101,7 +101,7 @@ TRAININGS = {  # name -> train.py arguments
     "instance, js-unbiased": ["--baseline", "js-unbiased"],
     "instance, rloo": ["--baseline", "rloo"],
     "instance, xctx": ["--baseline", "xctx"],
-    # TPDM (stepwise.py): the step-wise policy, under this project's REINFORCE and under PPO
+    # TPDM (comparator/tpdm.py): the step-wise policy, under this project's REINFORCE and under PPO
     "stepwise, js": ["--policy", "stepwise"],
     "stepwise, ppo": ["--policy", "stepwise", "--optimizer", "ppo"],  # TPDM's settings
 }
@@ -369,8 +369,8 @@ def miniature_evidence(args):
     best time shift (chosen on other contexts), the learned global and instance-level schedules
     of each seed, and each instance policy's times averaged over training contexts into one
     schedule (what of its gain a single schedule keeps); scored by the preference reward, the
-    classifier's accuracy, the realism measures (realism.py) and the teacher error (minus the
-    50-step default solution's squared distance); the default step count that matches each row's
+    classifier's accuracy, the realism measures (scoring/realism.py) and the teacher error (minus
+    the 50-step default solution's squared distance); the default step count that matches each row's
     reward, and the one that matches its realism. Writes the table to out_dir/results.md and to
     docs/RESULTS.md (section "miniatures")."""
 
@@ -587,10 +587,10 @@ def distilled_comparison(args):
     with --steps L, each seed), against mini-flux-schnell at its default, at each L of
     DISTILLED_STEPS, and mini-flux-schnell with its own learned JS schedule; all on the same
     held-out contexts and noises (the two models draw the same initial latents). Scored by the
-    preference reward, the classifier's accuracy and the realism measures (realism.py); the share
-    of the gap between mini-flux's default and mini-flux-schnell that the learned schedule closes,
-    and the paired difference to mini-flux-schnell per context. Writes docs/RESULTS.md (section
-    "distilled") and docs/distilled.png."""
+    preference reward, the classifier's accuracy and the realism measures (scoring/realism.py); the
+    share of the gap between mini-flux's default and mini-flux-schnell that the learned schedule
+    closes, and the paired difference to mini-flux-schnell per context. Writes docs/RESULTS.md
+    (section "distilled") and docs/distilled.png."""
 
     started = commit()
     runs = [

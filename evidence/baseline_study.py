@@ -11,8 +11,8 @@ Protocol: the paper's where the paper states it, else this project's choice (sai
 - K = 2 rollouts per context (the paper's). B = 32 contexts per update on mini-sd3 and mini-sdxl,
   16 on mini-flux: the paper's "batch size" for SD3.5-M / SD-XL and Flux-Dev, read as contexts
   (the paper does not say whether it counts contexts or samples; this is the project's reading).
-- L = 2 and 3, where the default schedule is far from what 50 steps reach (miniature.py
-  --agreement).
+- L = 2 and 3, where the default schedule is far from what 50 steps reach (python -m
+  evidence.miniatures --agreement).
 - A fixed budget of 40 iterations, the project's defaults otherwise (lr 3e-3, cosine; not tuned).
 - Two starts. "flat": a flat Dirichlet over schedules (--init uniform --concentration L+1), the
   project's reading of the paper's "trained from scratch", at every L. "default": the project's own

@@ -29,7 +29,7 @@ policy's share of each and the step-wise / single-pass time. The policy's cost d
 its weights, so freshly initialised policies are timed. iteration: `train.py` for a few iterations
 per training (global, instance, step-wise with REINFORCE + JS, step-wise with PPO) one after the
 other on each backbone named, at its defaults; the median wall time of an iteration.
-Names ending in -tiny are the randomly initialised pipelines of tests/tiny.py.
+Names ending in -tiny are the randomly initialised pipelines of miniatures/layouts.py.
 """
 
 import argparse

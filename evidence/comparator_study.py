@@ -1,7 +1,7 @@
 """
-The comparator TPDM as its own code trains it (stepwise.py, `--policy stepwise --optimizer ppo`)
-against the paper's single-pass policy with James-Stein, on an embedded backbone and the trained
-miniatures, with the one setting of TPDM's that cannot transfer, the learning rate, tuned on
+The comparator TPDM as its own code trains it (comparator/tpdm.py, `--policy stepwise --optimizer
+ppo`) against the paper's single-pass policy with James-Stein, on an embedded backbone and the
+trained miniatures, with the one setting of TPDM's that cannot transfer, the learning rate, tuned on
 training contexts.
 
     python -m evidence.comparator_study --jobs 2   # about 65 min on 2 idle cores
@@ -37,11 +37,11 @@ import backbones
 from evidence.results import commit, heldout_mean, interval, record, run_training
 from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
 from rewards import load_reward
-from scoring.paired import evaluate, policy_schedule
+from scoring.paired import policy_schedule, score_methods
 from store.checkpoint import load_checkpoint
 
 STUDIED = ["digits-prompt", "mini-sd3", "mini-flux", "mini-sdxl"]
-RATES = [3e-5, 1e-4, 3e-4]  # around the default, REINFORCE's 3e-3 x tpdm.LR_FACTOR = 1e-4
+RATES = [3e-5, 1e-4, 3e-4]  # around REINFORCE's 3e-3 x comparator.tpdm.LR_FACTOR = 1e-4
 RATE_STEP = 10**0.5  # between neighbours of the grid, and to an added rate
 EXTEND = 2
 WINDOW = 20  # iterations averaged for the training reward at the start and at the end
@@ -111,7 +111,7 @@ def tuning_score(args, name, rate):
     path = os.path.join(folder(args, name, PPO_ROW, TUNING_RUN, rate), "ckpt.pt")
     checkpoint, policy = load_checkpoint(path)
     backbone, reward, prompts, seeds = tuning_setup(name, checkpoint["config"]["reward"])
-    scores = evaluate(
+    scores = score_methods(
         backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)}
     )
     return scores["learned"].mean().item()

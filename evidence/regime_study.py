@@ -43,7 +43,7 @@ from evidence.results import commit, interval, record, run_training
 from policy import sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
 from rewards import digit_of, load_reward
-from scoring.paired import evaluate, mean_ci, policy_schedule
+from scoring.paired import mean_ci, policy_schedule, score_methods
 from store.checkpoint import load_checkpoint, make_policy
 from store.files import REPOSITORY, write_lines_atomic
 
@@ -107,7 +107,7 @@ def tuning_scores(args, name, runs):
     for run in runs:
         _, policy = load_checkpoint(os.path.join(run_folder(args, name, *run), "ckpt.pt"))
         method = {"learned": policy_schedule(policy, backbone)}
-        scores[run] = evaluate(backbone, reward, *contexts, method)["learned"].mean().item()
+        scores[run] = score_methods(backbone, reward, *contexts, method)["learned"].mean().item()
     return scores
 
 

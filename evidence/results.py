@@ -51,7 +51,7 @@ def commit():
 
 
 def sections(text):
-    """The sections of RESULTS.md in order: name -> its lines between the markers."""
+    """The sections of docs/RESULTS.md in order: name -> its lines between the markers."""
     found, name = {}, None
     for line in text.splitlines():
         if line.startswith("<!-- section: "):
@@ -65,8 +65,8 @@ def sections(text):
 
 
 def record(name, command, lines, at=None, path=RESULTS):
-    """Write (or replace) the section `name` of RESULTS.md: its command, the commit it ran at (`at`,
-    taken when the command started; default: now) and `lines`."""
+    """Write (or replace) the section `name` of docs/RESULTS.md: its command, the commit it ran at
+    (`at`, taken when the command started; default: now) and `lines`."""
     existing = sections(open(path).read()) if os.path.exists(path) else {}
     existing[name] = ["", f"`{command}`", "", f"at commit {at or commit()}", "", *lines, ""]
     body = list(HEADER)

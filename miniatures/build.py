@@ -23,7 +23,7 @@ Data: scikit-learn's 1,797 handwritten 8x8 digits (they ship inside the package)
 16x16 with Pillow's bicubic filter, grey ink replicated to RGB. A seeded half trains the pipelines
 (VAE and denoiser); the other half, which no pipeline saw, trains the classifier (tested on the
 pipelines' half) and is split again (digit_splits): one half trains the preference scorer, the
-other is the realism measure's reference set (realism.py), seen by neither reward model.
+other is the realism measure's reference set (scoring/realism.py), seen by neither reward model.
 Prompts are paraphrases, "a handwritten 7", "the digit 7", ... (prompts/digit_train.txt); the
 held-out paraphrases (prompts/digit_heldout.txt) are never seen in training.
 
@@ -32,7 +32,7 @@ Each pipeline is the family's real layout in miniature:
   vocabulary with a token per common word and per character otherwise, randomly initialised,
   seeded and frozen: different prompts give different embeddings, and the denoiser learns to read
   the digit from them; sequences of 12 tokens (the T5 tokenizers' model_max_length, which
-  families.py takes as the pipelines' max_sequence_length);
+  backbones/families.py takes as the pipelines' max_sequence_length);
 - an AutoencoderKL trained here (16x16x3 <-> 8x8 latents, 16 channels for SD3 and Flux, 4 for
   SD-XL, as the real families), its scaling (and shift) factor set from the latent statistics;
 - mini-sd3: SD3Transformer2DModel, rectified flow as SD3 trains it (x_t = (1 - t) x_0 + t noise,
@@ -178,7 +178,7 @@ def train_classifier(epochs=60, seed=0):
 
 
 # -----------------------------------------------------------------------------
-# the preference scorer behind the miniatures' quality reward (rewards.PreferenceReward)
+# the preference scorer behind the miniatures' quality reward (rewards.digits.PreferenceReward)
 #
 # Built the way HPSv2 was: a scorer of (image, prompted digit) trained with a Bradley-Terry loss,
 # -log sigmoid(s(preferred) - s(other)), on pairs where a person prefers the first image. The
@@ -469,7 +469,7 @@ def tokenizers_and_encoders(family):
     )
 
 
-# the denoisers' sizes; the rest of their configuration is the real family's (tests/tiny.py)
+# the denoisers' sizes; the rest of their configuration is the real family's (layouts.py)
 DENOISER_SIZES = dict(
     # joint_attention_dim = T5 width >= both CLIP widths; pooled = both projections
     sd3=dict(
@@ -508,7 +508,7 @@ DENOISER_SIZES = dict(
 
 def build_pipeline(family, vae):
     """An untrained pipeline of `family` around a trained `vae`, seeded: the real family's layout
-    (tests/tiny.py; mini-flux with FLUX.1-dev's guidance input) at DENOISER_SIZES."""
+    (miniatures/layouts.py; mini-flux with FLUX.1-dev's guidance input) at DENOISER_SIZES."""
     text = tokenizers_and_encoders(family)
     layout = "flux-dev" if family == "flux" else family
     return family_pipeline(layout, DENOISER_SIZES[family], lambda: vae, lambda: text, seed=10)

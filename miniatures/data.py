@@ -41,8 +41,8 @@ def digit_splits():
     """The digits by use, each (images, labels): "pipelines" (the half that trains the miniatures'
     VAEs and denoisers), and the other half, which no miniature saw: all of it trains the digit
     classifier; a seeded half of it ("preference") trains the preference scorer, the rest
-    ("reference") is the realism measure's reference set (realism.py), which the scorer never
-    saw."""
+    ("reference") is the realism measure's reference set (scoring/realism.py), which the scorer
+    never saw."""
     pipelines, (images, labels) = split()
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(1))
     scorer, reference = order[: len(order) // 2], order[len(order) // 2 :]

@@ -25,13 +25,13 @@ a batch repeated K times with repeat_interleave), is built once and reused, and 
 - "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads in the image, the
   paper's text-rendering reward; evaluate.py reports 1 - normalised edit distance beside it.
 - "preference": the miniatures' HPSv2, the default reward of the mini-* backbones: a small scorer
-  of (image, prompted digit) that miniature.py trains as HPSv2 was trained, with a Bradley-Terry
-  loss on preference pairs (a real digit over the same digit blurred, averaged, noised, erased,
-  over another digit, over a miniature's sample; of two samples, the one nearer convergence), on
-  digits no miniature saw. A black box on their decoded pixels; evaluate.py reports the
-  classifier's accuracy beside it, and realism.py the realism of the samples.
-- "digit": log p(prompted digit | image) under the small classifier that miniature.py trains on
-  digits the miniature pipelines never saw: prompt alignment only (it scores a blurry class mean
+  of (image, prompted digit) that miniatures/build.py trains as HPSv2 was trained, with a
+  Bradley-Terry loss on preference pairs (a real digit over the same digit blurred, averaged,
+  noised, erased, over another digit, over a miniature's sample; of two samples, the one nearer
+  convergence), on digits no miniature saw. A black box on their decoded pixels; evaluate.py reports
+  the classifier's accuracy beside it, and scoring/realism.py the realism of the samples.
+- "digit": log p(prompted digit | image) under the small classifier that miniatures/build.py trains
+  on digits the miniature pipelines never saw: prompt alignment only (it scores a blurry class mean
   above a real digit); evaluate.py reports its accuracy beside it.
 - "geneval" (geneval.py): the fraction of a GenEval prompt's requirements (objects, counts,
   colours, positions) that Mask2Former and CLIP find met; evaluate.py reports GenEval's binary

@@ -59,7 +59,7 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
 class PreferenceScorer(DigitClassifier):
     """The miniatures' preference model, built as HPSv2 is (a scorer of image and prompt trained on
     pairwise preferences): the same CNN, its 10 outputs read as the score of an image for each
-    prompted digit, trained with a Bradley-Terry loss by miniature.py (train_preference)."""
+    prompted digit, trained with a Bradley-Terry loss by miniatures/build.py (train_preference)."""
 
 
 def model_folder(kind, folder=None):
@@ -85,10 +85,10 @@ def load_scorer(folder=None):
 
 
 class DigitReward:
-    """log p(prompted digit | image) under the classifier of miniature.py, a black box on the
+    """log p(prompted digit | image) under the classifier of miniatures/build.py, a black box on the
     decoded pixels as HPSv2 is on a real model's: 8-bit images, resized to the classifier's side
     (bicubic, antialiased; the miniatures already decode at its 16 px), its own normalisation. 0 is
-    certainty. The classifier was trained on digits that no miniature saw (miniature.py)."""
+    certainty. The classifier was trained on digits that no miniature saw (miniatures/build.py)."""
 
     def __init__(self, backbone, checkpoint=None, device=None):
         self.backbone = backbone

@@ -34,7 +34,7 @@ processor does, not by padding; its post_process_instance_segmentation binarises
 (mmdetection at full size) before they are upsampled; boxes from masks as mmdetection's mask2bbox.
 Colours: CLIP ViT-L/14 zero-shot over GenEval's three templates on the object's mask over grey
 #999, cropped to its box; the same OpenAI weights, in transformers, float32, preprocessed by
-preprocess.clip_preprocess (CLIPImageProcessor: centre crop at floor((H-224)/2), torchvision
+rewards.images.clip_preprocess (CLIPImageProcessor: centre crop at floor((H-224)/2), torchvision
 rounds).
 Images are scored as tensors quantised to 8 bits, as GenEval reads PNGs.
 """

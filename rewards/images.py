@@ -1,7 +1,8 @@
 """
 Decoded images as the reward models read them: quantised to 8 bits as a saved image is, CLIP's
 preprocessing on tensors; and the optional packages a reward model needs, imported with a one-line
-error. Shared by rewards.py, ocr.py and geneval.py (none of which the others import back).
+error. Shared by hps.py, clip.py, digits.py, ocr.py and geneval.py (none of which the others
+import back).
 """
 
 import importlib

@@ -18,8 +18,6 @@ from tqdm import tqdm
 
 import rewards as reward_lib
 from backbones import BACKBONES
-from comparator import tpdm
-from policy import mean_increments, sample_increments, times_from_increments
 from prompts import context_noise
 from rewards.images import quantize
 from scoring.realism import realism_measure
@@ -31,22 +29,11 @@ GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (h
 # -----------------------------------------------------------------------------
 # methods: callables (noise, cond) -> times (N, L+1)
 def policy_schedule(policy, backbone, mode="mean", generator=None):
-    """A trained policy's schedule: the Dirichlet mean ("mean", deterministic) or one draw; for a
-    step-wise policy its deterministic rate at each step (the Beta mode or mean, policy.inference)
-    or a draw, returned with the latents it sampled."""
-
-    if policy.config["kind"] == "stepwise":  # it picks its times while sampling
-        draws = generator if mode != "mean" else None
-        return lambda noise, cond: tpdm.sample(policy, backbone, noise, cond, draws)
-
-    @torch.no_grad()
-    def times_fn(noise, cond):
-        alpha = policy(**backbone.policy_inputs(noise, cond))  # (N, L+1)
-        if mode == "mean":
-            return times_from_increments(mean_increments(alpha))
-        return times_from_increments(sample_increments(alpha, 1, generator)[:, 0])
-
-    return times_fn
+    """A trained policy's schedule with the latents it samples (its `schedule`): deterministic
+    ("mean": the Dirichlet mean, a step-wise policy's Beta mode or mean) or one draw from
+    `generator`."""
+    draws = None if mode == "mean" else generator
+    return torch.no_grad()(lambda noise, cond: policy.schedule(backbone, noise, cond, draws))
 
 
 def run_method(backbone, method, noise, cond):
@@ -133,7 +120,7 @@ def score_table(
     }
 
 
-def evaluate(
+def score_methods(
     backbone, reward, prompts, seeds, methods, reference=None, batch_size=64, progress=False
 ):
     """score_table for one reward: name -> Tensor (N,)."""
@@ -195,11 +182,11 @@ def heldout_gain(backbone, reward, heldout, steps):
     checkpoint (unlike the batch reward, on the same contexts every time)."""
     prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
     methods = {"default": default_schedule(backbone, steps)}
-    default = evaluate(backbone, reward, prompts, seeds, methods)["default"]
+    default = score_methods(backbone, reward, prompts, seeds, methods)["default"]
 
     def gain(policy):
         methods = {"learned": policy_schedule(policy, backbone)}
-        learned = evaluate(backbone, reward, prompts, seeds, methods)["learned"]
+        learned = score_methods(backbone, reward, prompts, seeds, methods)["learned"]
         return (learned - default).mean().item()
 
     return gain
@@ -207,7 +194,8 @@ def heldout_gain(backbone, reward, heldout, steps):
 
 def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
     """train.py's final table on its held-out contexts, the same noises for every method: printed
-    and written to eval.json (atomically: ablation.py takes an existing one as a finished run)."""
+    and written to eval.json (atomically: evidence/ablation.py takes an existing one as a finished
+    run)."""
     draws = torch.Generator().manual_seed(seed)
     methods = {
         "default": default_schedule(backbone, policy.steps),
@@ -216,7 +204,9 @@ def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_nam
     }
     # the teacher row: the reward's own target, error 0
     teacher = "limit (teacher)" if reward_name == "teacher" else None
-    scores = evaluate(backbone, reward, prompts, seeds, methods, reference=teacher, progress=True)
+    scores = score_methods(
+        backbone, reward, prompts, seeds, methods, reference=teacher, progress=True
+    )
     rows = summarize(scores)
     print(
         f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n"

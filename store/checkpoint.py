@@ -6,10 +6,10 @@ step-wise one) at the size its backbone gets (PRESETS). train.py saves into its 
 (everything to resume: policy, optimizer, iteration, configuration, RNG state, the metrics rows;
 atomic) and policy/: the trained policy in the Hugging Face Hub format (config.json +
 model.safetensors, no pickle; the backbone, L and the training configuration in config.json), to
-share with `policy.push_to_hub(repo_id)` and load with load_policy. evaluate.py, sample.py and
-backbones/pipeline.py take either ckpt.pt or such a folder / hub id and rebuild the policy and its
-frozen backbone from it alone. Every way a file can be missing, truncated or of another run ends in
-one line that says what to do.
+share with a loaded policy's `push_to_hub(repo_id)` and load with load_policy. evaluate.py,
+sample.py and backbones/pipeline.py take either ckpt.pt or such a folder / hub id and rebuild the
+policy and its frozen backbone from it alone. Every way a file can be missing, truncated or of
+another run ends in one line that says what to do.
 """
 
 import contextlib
@@ -59,23 +59,8 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
     start = dict(init="uniform")
     if init_times is not None:
         start = dict(init="default", init_times=json_times(init_times))
-    if kind == "global":  # the network on constant inputs: its sizes only
-        options = {**PRESETS[preset], **options}
-    if kind in ("instance", "stepwise"):
-        dims = dict(
-            latent_channels=backbone_dims["latent_channels"],
-            text_dim=backbone_dims["text_dim"],
-            pooled_dim=backbone_dims.get("pooled_dim"),
-        )
-        if options.get("inputs") == "hidden":  # the denoiser's hidden states (families.py)
-            if "feature_channels" not in backbone_dims:
-                raise ValueError("this backbone has no hidden states a policy could read")
-            dims.update(
-                feature_channels=backbone_dims["feature_channels"],
-                time_dim=backbone_dims["time_dim"],
-            )
-        options = {**PRESETS[preset], **options, **dims}
-    return POLICIES[kind](steps, **{**start, **options})
+    options = {**PRESETS[preset], **options}
+    return POLICIES[kind].for_backbone(steps, backbone_dims, **{**start, **options})
 
 
 POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}

@@ -10,7 +10,6 @@ imported only when asked for; off by default.
   continues the same wandb run, and rewritten iterations are skipped.
 """
 
-import dataclasses
 import importlib.util
 import json
 import math
@@ -78,6 +77,5 @@ def check_tracker(kind):
 
 
 def open_tracker(kind, out_dir, config):
-    """The tracker `kind` (None: none) for the run in out_dir, with its configuration (a
-    dataclass)."""
-    return None if kind is None else TRACKERS[kind](out_dir, dataclasses.asdict(config))
+    """The tracker `kind` (None: none) for the run in out_dir, with its configuration (a dict)."""
+    return None if kind is None else TRACKERS[kind](out_dir, config)

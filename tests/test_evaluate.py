@@ -110,7 +110,7 @@ def test_scores_equal_a_direct_computation_and_noise_is_paired(backbone, teacher
         "default": recording("default", heldout.default_schedule(backbone, STEPS)),
         "learned": recording("learned", learned),
     }
-    scores = heldout.evaluate(backbone, teacher, prompts, seeds, methods, batch_size=4)
+    scores = heldout.score_methods(backbone, teacher, prompts, seeds, methods, batch_size=4)
 
     noise = torch.cat(
         [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
@@ -120,7 +120,7 @@ def test_scores_equal_a_direct_computation_and_noise_is_paired(backbone, teacher
     torch.testing.assert_close(torch.cat(seen["learned"]), noise, rtol=0, atol=0)
 
     cond = backbone.encode_prompts(prompts)
-    learned_times = learned(noise, cond)
+    learned_times = learned(noise, cond)[0]  # (times, latents)
     assert (
         learned_times - learned_times[0]
     ).abs().max() > 0  # instance-level: every context its own schedule
@@ -150,10 +150,10 @@ def test_scores_do_not_depend_on_the_batch_size(backbone, teacher, ckpt):
         "default": heldout.default_schedule(backbone, STEPS),
         "learned": heldout.policy_schedule(policy, backbone),
     }
-    whole = heldout.evaluate(
+    whole = heldout.score_methods(
         backbone, teacher, prompts, seeds, methods, reference="limit", batch_size=64
     )
-    pieces = heldout.evaluate(
+    pieces = heldout.score_methods(
         backbone, teacher, prompts, seeds, methods, reference="limit", batch_size=3
     )
     assert list(whole) == ["default", "learned", "limit"]
@@ -247,8 +247,8 @@ def test_cli_writes_table_scores_plots_and_resumes(
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     direct = {
         "default": backbone.default_times(STEPS).expand(10, -1),
-        "learned": heldout.policy_schedule(learned_policy, backbone)(noise, cond),
-        "global": heldout.policy_schedule(global_policy, backbone)(noise, cond),
+        "learned": heldout.policy_schedule(learned_policy, backbone)(noise, cond)[0],
+        "global": heldout.policy_schedule(global_policy, backbone)(noise, cond)[0],
     }
     means = read_table_means(out / "results.md")
     store = json.loads((out / "scores.json").read_text())

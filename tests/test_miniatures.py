@@ -1,4 +1,4 @@
-"""The trained miniatures (miniature.py): the shipped folders load with the stock diffusers
+"""The trained miniatures (miniatures/build.py): the shipped folders load with the stock diffusers
 classes, their images are digits the classifier reads, the digit reward scores pixels, and train.py
 runs them on a CPU in float32 and bfloat16. Nothing here trains a miniature: the tests read the
 shipped ones."""
@@ -34,7 +34,6 @@ from rewards.digits import (
     load_classifier,
     load_scorer,
 )
-from runs import launch
 
 STOCK = {
     "mini-sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel),
@@ -95,8 +94,8 @@ def test_the_shipped_folders_load_with_the_stock_classes_and_fit_in_11_mib():
 def test_fifty_step_samples_are_digits_the_classifier_recognises(mini, paraphrases, least):
     """Fresh noise (seeds training never drew) with the training paraphrases: at least 90%
     recognised at 50 default steps; with the paraphrases no training saw, at least 75% (mini-sd3 and
-    mini-sdxl reach 100%, mini-flux, which reads prompts through T5 alone, 80%: miniature.py
-    --check, 200 contexts). 80 contexts each here."""
+    mini-sdxl reach 100%, mini-flux, which reads prompts through T5 alone, 80%: python -m
+    evidence.miniatures --check, 200 contexts). 80 contexts each here."""
     prompts = data.prompt_lists()[paraphrases == "held-out"]
     prompts, seeds = heldout_contexts(prompts, 80)
     reward = load_reward("digit", mini)
@@ -127,7 +126,7 @@ def test_mini_flux_schnell_is_mini_flux_distilled_without_guidance_at_4_steps():
         own, theirs = getattr(pipe, name).state_dict(), getattr(teacher, name).state_dict()
         assert all(torch.equal(own[key], theirs[key]) for key in theirs)
     schnell = backbones.load_backbone("mini-flux-schnell")
-    assert schnell.guidance is None and train.TRAINING["mini-flux-schnell"]["steps"] == 4
+    assert schnell.guidance is None and train.PRESETS["mini-flux-schnell"]["steps"] == 4
     assert torch.allclose(schnell.default_times(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
     prompts, seeds = heldout_contexts(data.prompt_lists()[1], 40)
     images = {}
@@ -159,7 +158,7 @@ def test_train_runs_on_mini_flux_schnell_at_its_4_steps_and_refuses_guidance(tmp
     assert report["steps"] == 4 and {"default", "learned (mean)"} <= set(report["realism"])
     config = train.parse_config(["--backbone", "mini-flux-schnell", "--guidance", "2"])
     with pytest.raises(SystemExit, match="mini-flux-schnell has no guidance input") as error:
-        launch.check(config, world_size=1)
+        train.check(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
@@ -206,7 +205,7 @@ def test_the_digit_rewards_are_refused_on_other_backbones(tmp_path, reward):
     with pytest.raises(
         SystemExit, match=f"the {reward} reward reads the 16x16 handwritten digits that only the "
     ) as error:
-        launch.check(
+        train.check(
             train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]),
             world_size=1,
         )
@@ -259,7 +258,7 @@ def test_the_preference_reward_ranks_real_digits_above_their_degradations(unseen
 def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases(tmp_path):
     for name in STOCK:
         config = train.parse_config(["--backbone", name, "--out-dir", str(tmp_path / "out")])
-        launch.check(config, world_size=1)  # no "--device cpu to insist"
+        train.check(config, world_size=1)  # no "--device cpu to insist"
         assert config.reward == "preference" and config.device is None and config.threads == 1
         assert (config.prompts, config.eval_prompts) == (
             "prompts/digit_train.txt",

@@ -37,7 +37,8 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     params=["sd3", "flux-dev", "sdxl", "mini-sd3", "mini-flux", "mini-sdxl", "mini-flux-schnell"],
 )
 def tiny(request):
-    """A tiny random pipeline of each family and the shipped trained miniatures (miniature.py)."""
+    """A tiny random pipeline of each family and the shipped trained miniatures
+    (miniatures/build.py)."""
     if request.param.startswith("mini-"):
         backbone = backbones.load_backbone(request.param)
         return backbone.pipe, backbone

@@ -137,7 +137,7 @@ def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
         [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
     )
     cond = backbone.encode_prompts(prompts)
-    learned_times = heldout.policy_schedule(policy, backbone)(noise, cond)
+    learned_times = heldout.policy_schedule(policy, backbone)(noise, cond)[0]
     expected = {
         "default": backbone.default_times(STEPS).expand(4, -1),
         "learned": learned_times,

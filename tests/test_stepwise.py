@@ -324,17 +324,19 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
     optimizer = train.make_optimizer(config, policy.parameters())
     weights, sizes = [], []
 
-    def log_probs(index):
-        sizes.append(len(index))
-        return policy(features[index])[:, 0]
+    class Rollouts:  # what ppo_update asks of a policy's rollouts
+        logp = torch.zeros(6)
 
-    def descend(loss):
-        norm = train.descend(config, policy, optimizer, loss, config.lr)
+        def log_prob(self, policy, index):
+            sizes.append(len(index))
+            return policy(features[index])[:, 0]
+
+    def step(loss):
+        norm = train.optimizer_step(config, policy, optimizer, config.lr, loss)
         weights.append(policy.weight.detach()[0].clone())
         return norm
 
-    shuffle = torch.Generator().manual_seed(0)
-    ppo_update(config, log_probs, torch.zeros(6), advantages, descend, shuffle)
+    ppo_update(config.tpdm, config.seed, 0, Rollouts(), policy, advantages, step)
     assert sizes == [6, 6, 6, 6]  # 4 epochs, each one minibatch of the whole batch
     # at theta = 0 every ratio is 1 (unclipped): g = -mean_i A_i x_i
     g = -(advantages[:, None] * features).mean(0)

@@ -16,7 +16,6 @@ from conftest import ENV, ROOT, SCRIPTS, run_script
 import rewards
 import train
 from comparator import tpdm as ppo_settings
-from runs import launch
 from store import checkpoint as checkpoints
 from store import files as folder
 
@@ -235,14 +234,14 @@ def test_an_unknown_name_fails_in_one_line_with_the_choices(capsys, flag, value)
 def test_bad_input_fails_in_one_line(tmp_path, args, message):
     config = train.parse_config([*args, "--out-dir", str(tmp_path / "out")])
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check(config, world_size=1)
+        train.check(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
 def test_contexts_must_split_over_ranks(tmp_path):
     config = train.parse_config(["--contexts", "9", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="not divisible by the 2 ranks"):
-        launch.check(config, world_size=2)
+        train.check(config, world_size=2)
 
 
 SHORT = ["--iterations", "3", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "2"]
@@ -375,7 +374,7 @@ def test_unusable_places_and_devices_fail_in_one_line_before_loading(tmp_path, m
     make(tmp_path)
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check(
+        train.check(
             train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out"), *args]), world_size=1
         )
     assert "\n" not in str(error.value)
@@ -383,7 +382,7 @@ def test_unusable_places_and_devices_fail_in_one_line_before_loading(tmp_path, m
 
 def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
     config = train.parse_config([*SHORT, "--threads", "1000", "--out-dir", str(tmp_path / "out")])
-    launch.check(config, world_size=1)
+    train.check(config, world_size=1)
     assert config.threads == os.cpu_count() and "is more than the" in capsys.readouterr().out
 
 
@@ -403,7 +402,7 @@ def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
 def test_a_run_folder_of_another_run_is_refused(short_run, tmp_path, change, message):
     out = copy_of(short_run, tmp_path)
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check(
+        train.check(
             train.parse_config([*SHORT, *change, "--out-dir", str(out), "--resume"]), world_size=1
         )
     assert "\n" not in str(error.value)
@@ -466,7 +465,7 @@ def test_a_bad_prompt_file_fails_in_one_line_naming_it(tmp_path, name, content, 
     path = tmp_path / name
     path.write_bytes(content)
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check(
+        train.check(
             train.parse_config(["--prompts", str(path), "--out-dir", str(tmp_path / "out")]),
             world_size=1,
         )
@@ -516,7 +515,8 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
     with pytest.raises(SystemExit):
         train.parse_config(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    for field in train.dataclasses.fields(train.Config):
+    fields = train.dataclasses.fields(train.Config) + train.dataclasses.fields(train.tpdm.Settings)
+    for field in fields:
         assert (
             f"--{field.name.replace('_', '-')}" in text
             and " ".join(field.metadata["help"].split()) in text
@@ -524,8 +524,8 @@ def test_help_describes_every_flag_with_its_default_and_choices(capsys):
     real = "sd35m,sd35l,sdxl,flux-dev,flux-schnell"
     small = "digits,digits-prompt,digits-noise,digits-xor,mini-sd3,mini-flux,mini-sdxl"
     assert "{" + real + "," + small + ",mini-flux-schnell}" in text
-    # the defaults that follow --optimizer (train.REINFORCE, comparator/tpdm.TPDM) are in the help
-    assert "AdamW weight decay; None: 1e-4, ppo 0 (default: None)" in text
+    # every default is shown, and none is "None"
+    assert "AdamW weight decay (default: 0.0001)" in text and "(default: None)" not in text
 
 
 def test_threads_one_for_the_embedded_backbones(tmp_path):
@@ -544,7 +544,7 @@ def test_the_names_train_offers_are_the_registries():
     """Every backbone has its training row; the other choices are the registries' own keys."""
     import backbones
 
-    assert train.CHOICES["backbone"] == list(backbones.BACKBONES) == list(train.TRAINING)
+    assert train.CHOICES["backbone"] == list(backbones.BACKBONES) == list(train.PRESETS)
 
 
 @pytest.mark.parametrize(
@@ -633,7 +633,7 @@ def test_headline_command_ends_in_one_line_naming_the_weights(tmp_path):
     machine only with --device cpu."""
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit) as refused:
-            launch.check(
+            train.check(
                 train.parse_config(
                     ["--backbone", "sd35m", "--steps", "10", "--out-dir", str(tmp_path / "out")]
                 ),
@@ -672,7 +672,7 @@ def test_text_and_object_rewards_are_refused_on_the_embedded_backbones(tmp_path,
         SystemExit,
         match=f"the {reward} reward reads text or objects, which the 8x8 digits images do not have",
     ):
-        launch.check(
+        train.check(
             train.parse_config(["--reward", reward, "--out-dir", str(tmp_path / "out")]),
             world_size=1,
         )
@@ -699,10 +699,9 @@ def test_each_reward_trains_on_its_shipped_prompts(tmp_path, reward, train_file,
             str(tmp_path / "out"),
         ]
     )
-    prompts, _, _ = launch.check(
-        config, world_size=1
-    )  # every shipped prompt is one the reward can score
     assert (config.prompts, config.eval_prompts) == (train_file, heldout_file)
+    prompts = train.load_prompt_file(config.prompts)
+    train.reward_lib.check_prompts(reward, prompts)  # every one is a prompt the reward can score
     assert len(prompts) >= 200
 
 
@@ -734,7 +733,7 @@ def test_a_prompt_the_reward_cannot_score_fails_in_one_line(tmp_path, reward, me
         ]
     )
     with pytest.raises(SystemExit, match=message) as error:
-        launch.check(config, world_size=1)
+        train.check(config, world_size=1)
     assert "\n" not in str(error.value)
 
 
@@ -799,7 +798,7 @@ def test_hpdv2_prompts_offline_say_how_to_get_them(tmp_path):
         match=r"HPDv2's train.json is not available: fetch it once online with "
         r"`hf download zhwang/HPDv2 train.json --repo-type dataset`",
     ) as error:
-        launch.check(config, world_size=1)
+        train.check(config, world_size=1)
     assert time.perf_counter() - started < 5 and "\n" not in str(error.value)
 
 
@@ -818,19 +817,24 @@ def test_ppo_defaults_are_tpdms_settings_and_reinforce_keeps_the_projects():
     ppo = train.parse_config(
         ["--backbone", "mini-sd3", "--policy", "stepwise", "--optimizer", "ppo"]
     )
-    assert (ppo.ppo_epochs, ppo.ppo_minibatches, ppo.ppo_clip, ppo.grad_clip) == (4, 1, 0.2, 1.0)
+    assert (ppo.tpdm.ppo_epochs, ppo.tpdm.ppo_minibatches, ppo.tpdm.ppo_clip, ppo.grad_clip) == (
+        4,
+        1,
+        0.2,
+        1.0,
+    )
     assert (ppo.baseline, ppo.weight_decay, ppo.lr_decay) == ("rloo", 0.0, "constant")
     assert (ppo.adam_beta2, ppo.adam_eps) == (0.99, 1e-5)
-    assert (ppo.init, ppo.policy_inputs, ppo.inference) == ("tpdm", "hidden", "mode")
+    assert (ppo.init, ppo.tpdm.policy_inputs, ppo.tpdm.inference) == ("tpdm", "hidden", "mode")
     embedded = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
-    assert embedded.policy_inputs == "sampler"  # the mixtures have no hidden states
+    assert embedded.tpdm.policy_inputs == "sampler"  # the mixtures have no hidden states
     reinforce = train.parse_config(["--backbone", "mini-sd3", "--policy", "stepwise"])
     assert (reinforce.baseline, reinforce.weight_decay, reinforce.lr_decay) == (
         "js",
         1e-4,
         "cosine",
     )
-    assert (reinforce.init, reinforce.policy_inputs, reinforce.inference) == (
+    assert (reinforce.init, reinforce.tpdm.policy_inputs, reinforce.tpdm.inference) == (
         "default",
         "sampler",
         "mean",
@@ -846,4 +850,4 @@ def test_ppo_defaults_are_tpdms_settings_and_reinforce_keeps_the_projects():
         (["--policy", "stepwise", "--policy-inputs", "hidden"], "digits is an exact mixture"),
     ):
         with pytest.raises(SystemExit, match=message):
-            launch.check(train.parse_config(args), world_size=1)
+            train.check(train.parse_config(args), world_size=1)
