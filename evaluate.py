@@ -1,12 +1,10 @@
 """
 Paired evaluation of learned sampling schedules on held-out contexts.
 
-Every method (the default schedule, the learned instance-level schedule at its Dirichlet mean,
-optionally a learned global schedule, the teacher and, for Flux-Dev, the distilled Flux-Schnell,
-for mini-flux the distilled mini-flux-schnell)
-samples from the *same* initial noise for each context (prompt + seed), so differences are paired.
-A method is a callable (noise, cond) -> times (N, L+1), or -> (times, latents) when it samples
-itself (a step-wise policy chooses its times inside the sampling loop).
+Every method (the default schedule, the learned schedule at its Dirichlet mean, optionally a
+learned global schedule, the teacher and, for Flux-Dev and mini-flux, their distilled Schnell
+models) samples from the *same* initial noise for each context (prompt + seed), so differences are
+paired (scoring/paired.py).
 
 CPU, the embedded digits backbone (after `python train.py`):
     python evaluate.py [--global-ckpt out/digits-L4-global-s0/ckpt.pt]
@@ -163,7 +161,7 @@ def main(argv=None):
         device = backbones.check_device(args.device)
         store_path = os.path.join(out_dir, "scores.json")
         score_store(store_path, {})  # a damaged one fails before anything loads
-        torch.set_num_threads(backbones.BACKBONES[trained_on]["threads"] or torch.get_num_threads())
+        torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
         backbone = backbones.trained_backbone(config, device)
         for path, _, policy in policies.values():
             check_fits(policy, backbone, path)

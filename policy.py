@@ -139,9 +139,8 @@ def log_prob(alpha, tau):
 # rollouts: what train.py's loop asks of every policy
 class DirichletRollouts:
     """K schedules per context drawn from a single-pass policy (instance or global) before the
-    sampling loop runs, and their log-probability. train.py's loop asks the same of the step-wise
-    policy's (comparator/tpdm.StepwiseRollouts), which draws each time inside the loop:
-        rollouts = Rollouts(policy, backbone, noise, cond, generators, K)
+    sampling loop runs, and their log-probability; what train.py's loop asks of every policy's
+    rollouts (SchedulePolicy.rollouts):
         rollouts.sample(part, noise, cond) -> latents of the samples `part` (L model calls)
         rollouts.log_prob(policy, index) -> (len,) log pi of those schedules, with gradients
         rollouts.logp (N,): log pi of each schedule as drawn; rollouts.concentration and
@@ -166,7 +165,7 @@ class DirichletRollouts:
     def log_prob(self, policy, index=slice(None)):
         """The Dirichlet log-density of the drawn increments `index`, with gradients: through the
         rollout's own forward pass the first time (REINFORCE's one step), through the policy run
-        again after that (PPO's later steps, the policy having moved)."""
+        again after that (an update of several steps, the policy having moved)."""
         alpha, self.alpha = self.alpha, None
         if alpha is None or not alpha.requires_grad:
             alpha = policy(**self.inputs)
@@ -336,7 +335,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         keys = ("latent_channels", "text_dim", "pooled_dim")
         return cls(steps, **{key: backbone_dims.get(key) for key in keys}, **options)
 
-    # What train.py, scoring/ and sample.py ask of every policy (the step-wise one answers too)
+    # What train.py, scoring/ and sample.py ask of every policy
     described = ("learned (Dirichlet mean)", "learned (one Dirichlet draw)")  # mean, drawn
     pipeline_refusal = None  # a stock pipeline runs its times (backbones/pipeline.py)
 
@@ -359,7 +358,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         return times, backbone.sample(noise, cond, times)
 
     def encode(self, latent, text, text_mask, pooled=None):
-        """The mean token (N, dim) that the head reads (comparator/tpdm.py's policy shares it)."""
+        """The mean token (N, dim) that the head reads (a subclass may read other inputs)."""
         if (pooled is None) != (self.pooled_proj is None):
             given, built = pooled is not None, self.pooled_proj is not None
             message = f"pooled embedding given: {given}, policy built with pooled_dim: {built}"

@@ -39,10 +39,10 @@ class Backbone:
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
       as_image(latents) -> latents in the (N, C, H, W) layout the policy reads
       hidden_states() (the diffusers families): a context of forward hooks on the denoiser, yields
-          read() -> its hidden states at the last model call, what a step-wise policy may read
+          read() -> its hidden states at the last model call, what a policy may read
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
       sample(noise, cond, times, decide=None) -> final latents; times (N, L+1), each row run
-          exactly (decide: a step-wise policy choosing the times on the way, run_schedule)
+          exactly (decide: choosing the times on the way, run_schedule)
       reference(noise, cond) -> an accurate solution from the same noise: the teacher
       decode(latents) -> images (N, 3, H, W) in [0, 1]
     """
@@ -79,8 +79,8 @@ def run_schedule(derivative, state, times, level=None, decide=None):
 
     derivative(state, t) -> d state / d level at per-sample times t (N,); times (N, L+1);
     level(times) -> the integration variable s (sigma for SD-XL; None = the times themselves).
-    decide(step, t, state, estimate) -> t_{l+1} (N,): a step-wise policy (comparator/tpdm.py)
-    choosing each next time after the model call at t_l; only times[:, 0] is then read. It sees
+    decide(step, t, state, estimate) -> t_{l+1} (N,): a policy choosing each next time after the
+    model call at t_l; only times[:, 0] is then read. It sees
     the state at unit scale, x / sqrt(s^2 + 1) (SD-XL's model input; a factor in [0.71, 1] for the
     flows), and the model's prediction of the clean sample, x - s * derivative (flows: x =
     (1 - t) x_0 + t n with velocity n - x_0; SD-XL: x = x_0 + sigma n with the predicted noise).

@@ -278,7 +278,7 @@ def main(argv=None):
             check_writable(os.path.dirname(os.path.abspath(args.export)), "--export")
         else:
             check_writable(out_dir)
-        torch.set_num_threads(spec["threads"] or torch.get_num_threads())
+        torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
         backbone = backbones.trained_backbone(config, device)
         check_fits(policy, backbone, args.ckpt)
         backbone.check_prompts(prompts, config["reward"])

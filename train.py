@@ -245,7 +245,8 @@ def fail(message):
 def check(config, world_size):
     """What argparse cannot say fails here in one line (SystemExit), before anything heavy loads,
     and nothing a run folder holds is changed. Returns the training and held-out prompts (None: the
-    backbone's own) and the checkpoint out_dir already holds (or None)."""
+    backbone's own), the checkpoint out_dir already holds (or None) and where the backbone's files
+    are, each checked whole (backbones.check_files)."""
     least = dict(LEAST, contexts=MIN_CONTEXTS[config.baseline])
     for key, minimum in least.items():
         value = getattr(config, key)
@@ -314,18 +315,18 @@ def check(config, world_size):
                 f"--out-dir {config.out_dir} holds {', '.join(foreign)}, which no run of train.py "
                 "wrote (there is no run.lock); pass another --out-dir, or move them away"
             )
-        missing = []  # every missing model in one message, before either loads
-        for check_files in (
-            lambda: reward_lib.check_reward(config.reward, config.reward_checkpoint),
-            lambda: backbones.check_files(config.backbone, config.model_path),
-        ):
-            try:
-                check_files()
-            except ValueError as error:
-                missing.append(str(error))
+        missing, location = [], None  # every missing model in one message, before either loads
+        try:
+            reward_lib.check_reward(config.reward, config.reward_checkpoint)
+        except ValueError as error:
+            missing.append(str(error))
+        try:  # where the backbone's files are, each checked whole
+            location = backbones.check_files(config.backbone, config.model_path)
+        except ValueError as error:
+            missing.append(str(error))
         if missing:
             fail("; ".join(missing))
-        return prompts, heldout, found
+        return prompts, heldout, found, location
     except ValueError as error:
         fail(error)
 
@@ -420,7 +421,7 @@ def main(config):
         )
         teacher = f" (the teacher solves {config.contexts} contexts)"
         print(cost + (teacher if config.reward == "teacher" else ""))
-    train_prompts, eval_prompts, found = check(config, world_size)
+    train_prompts, eval_prompts, found, location = check(config, world_size)
     if finished(config, found):
         if master:
             report_finished(config, found)
@@ -431,7 +432,7 @@ def main(config):
     # ---------------- backbone, prompts, reward ----------------
     torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
     try:  # the frozen backbone; a prompt it cannot take fails here, not at an iteration
-        backbone = backbones.trained_backbone(saved(config), device)
+        backbone = backbones.trained_backbone(saved(config), device, location)
         prompts = train_prompts or backbone.prompts
         heldout = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
         backbone.check_prompts(prompts + heldout[0], config.reward)

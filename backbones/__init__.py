@@ -43,17 +43,13 @@ def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
 # that runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG
 # scale (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input): the
 # values recommended by the SD3.5 model cards (Medium 4.5, Large 3.5) and the SD-XL and Flux-Dev
-# pipelines' defaults (5.0, 3.5). policy: the size in PRESETS. threads: CPU threads (None: torch's
-# default; the small backbones' tensors are tiny, so a second thread only adds contention).
-REAL = dict(resolution=1024, policy="real", threads=None)
-EMBEDDED = dict(
-    family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded", threads=1
-)
+# pipelines' defaults (5.0, 3.5). policy: the size in store.checkpoint.PRESETS.
+REAL = dict(resolution=1024, policy="real")
+EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded")
 MINIATURE = dict(
     hub_id=None,
     resolution=16,
     policy="embedded",
-    threads=1,
     prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"),
 )
 BACKBONES = {
@@ -162,18 +158,22 @@ def locate_weights(name, path=None):
     return hub_id
 
 
-def load_backbone(name, path=None, device=None, dtype=None, resolution=None, guidance=None):
-    """Build a backbone by name; `path` is a local diffusers folder replacing the hub id.
-    Real models load in bfloat16 on CUDA (float32 on CPU), frozen, in eval mode."""
+def load_backbone(
+    name, path=None, device=None, dtype=None, resolution=None, guidance=None, location=None
+):
+    """Build a backbone by name, frozen, in eval mode; `path` is a local diffusers folder replacing
+    the hub id. Its files are checked first (check_files), unless the caller did and passes their
+    `location`. Real models load in bfloat16 on CUDA (float32 on CPU). Weights that are incomplete,
+    or that the model classes refuse although every file is whole, end in one line (ValueError)."""
     spec = BACKBONES[name]
     if spec["family"] == "mixture":
         return MixtureBackbone(
             name, spec["populations"], device=device, teacher=spec.get("teacher")
         )
-    location = locate_weights(name, path)
+    location = location or check_files(name, path)
     import diffusers
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = check_device(device)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     pipeline_class = getattr(diffusers, PIPELINES[spec["family"]])
     try:
@@ -190,6 +190,11 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
             f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run "
             f"`hf auth login`, accept the licence on https://huggingface.co/{spec['hub_id']} and "
             "download again, or pass --model-path"
+        ) from None
+    except ValueError as error:  # shapes other than the configuration says
+        reason = str(error).splitlines()[0]
+        raise ValueError(
+            f"{name}: {location} does not load ({reason}); pass the folder of a {name} model"
         ) from None
     return from_pipeline(
         pipe.to(device),
@@ -260,32 +265,16 @@ def check_files(name, path=None):
     return location
 
 
-def open_backbone(name, path=None, **options):
-    """load_backbone after check_files. Weights that the model classes refuse
-    although every file is whole (shapes other than the configuration says) end in one line naming
-    the folder, not in the library's advice alone."""
-    location = check_files(name, path)
-    try:
-        return load_backbone(name, path=path, **options)
-    except ValueError as error:
-        if str(error).startswith(f"{name}:"):  # backbones' own one-line message
-            raise
-        reason = str(error).splitlines()[0]
-        raise ValueError(
-            f"{name}: {location} does not load ({reason}); pass the folder of a {name} model"
-        ) from None
-
-
-def trained_backbone(config, device):
-    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone
-    (its files checked first: open_backbone)."""
-    return open_backbone(
+def trained_backbone(config, device, location=None):
+    """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
+    return load_backbone(
         config["backbone"],
         path=config["model_path"],
         device=device,
         dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
         resolution=config["resolution"],
         guidance=config["guidance"],
+        location=location,
     )
 
 

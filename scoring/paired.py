@@ -3,8 +3,8 @@ Schedules scored on held-out contexts, paired: every method samples from the sam
 each context (prompt + seed), so differences between methods are paired.
 
 A method is a callable (noise, cond) -> times (N, L+1), or -> (times, latents) when it samples
-itself (a step-wise policy chooses its times inside the sampling loop): the default schedule, a
-trained policy's (its Dirichlet mean, or a draw), any fixed schedule. score_batches scores them
+itself (a policy's `schedule`: its mean or a draw): the default schedule, a trained policy, any
+fixed schedule. score_batches scores them
 with any rewards, batch by batch (evaluate.py resumes from what it stored); summarize and
 format_table give each method's mean and the paired difference to the default, with 95% Student-t
 intervals. train.py logs heldout_gain at each checkpoint and ends with heldout_report.
@@ -30,8 +30,7 @@ GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (h
 # methods: callables (noise, cond) -> times (N, L+1)
 def policy_schedule(policy, backbone, mode="mean", generator=None):
     """A trained policy's schedule with the latents it samples (its `schedule`): deterministic
-    ("mean": the Dirichlet mean, a step-wise policy's Beta mode or mean) or one draw from
-    `generator`."""
+    ("mean") or one draw from `generator`."""
     draws = None if mode == "mean" else generator
     return torch.no_grad()(lambda noise, cond: policy.schedule(backbone, noise, cond, draws))
 

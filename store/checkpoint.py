@@ -1,15 +1,14 @@
 """
 A policy built for a backbone, saved with what trained it, and loaded back.
 
-make_policy builds each kind (policy.py's instance and global policies, comparator/tpdm.py's
-step-wise one) at the size its backbone gets (PRESETS). train.py saves into its --out-dir ckpt.pt
-(everything to resume: policy, optimizer, iteration, configuration, RNG state, the metrics rows;
-atomic) and policy/: the trained policy in the Hugging Face Hub format (config.json +
-model.safetensors, no pickle; the backbone, L and the training configuration in config.json), to
-share with a loaded policy's `push_to_hub(repo_id)` and load with load_policy. evaluate.py,
-sample.py and backbones/pipeline.py take either ckpt.pt or such a folder / hub id and rebuild the
-policy and its frozen backbone from it alone. Every way a file can be missing, truncated or of
-another run ends in one line that says what to do.
+make_policy builds each kind of POLICIES at the size its backbone gets (PRESETS). train.py saves
+into its --out-dir ckpt.pt (everything to resume: policy, optimizer, iteration, configuration, RNG
+state, the metrics rows; atomic) and policy/: the trained policy in the Hugging Face Hub format
+(config.json + model.safetensors, no pickle; the backbone, L and the training configuration in
+config.json), to share with a loaded policy's `push_to_hub(repo_id)` and load with load_policy.
+evaluate.py, sample.py and backbones/pipeline.py take either ckpt.pt or such a folder / hub id and
+rebuild the policy and its frozen backbone from it alone. Every way a file can be missing, truncated
+or of another run ends in one line that says what to do.
 """
 
 import contextlib
@@ -53,8 +52,7 @@ def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", 
     """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
 
     Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
-    `options` (concentration, stop_margin, any width; for the step-wise policy init="tpdm",
-    inputs="hidden", inference) override the preset.
+    `options` (concentration, stop_margin, any width, a kind's own) override the preset.
     """
     start = dict(init="uniform")
     if init_times is not None:

@@ -20,7 +20,7 @@ INSTALL = "pip install -r requirements-track.txt"
 
 def scalars(row):
     """The numbers of a metrics.jsonl row, without the iteration (the step) and NaN (a setting that
-    does not apply, such as the PPO clip fraction under REINFORCE)."""
+    does not apply, such as a clip fraction where no update clips)."""
     return {
         key: value
         for key, value in row.items()
