@@ -112,6 +112,7 @@ def check_args(args):
     policy)), the reward names, reward -> local weights and the output folder."""
     checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
     config = checkpoint["config"]
+    backbones.check_trained_on(config, args.ckpt)
     trained_on, trained_reward = config["backbone"], config["reward"]
     policies = {"learned": (args.ckpt, checkpoint, learned)}
     if args.global_ckpt:  # the same backbone and L

@@ -259,6 +259,7 @@ def main(argv=None):
         device = backbones.check_device(args.device)
         ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
         config = ckpt["config"]
+        backbones.check_trained_on(config, args.ckpt)
         prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
         spec = backbones.BACKBONES[config["backbone"]]
         shipped = spec.get("prompts")  # the miniatures' held-out paraphrases

@@ -21,7 +21,6 @@ checkpoint, or reports a finished one.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import json
@@ -51,8 +50,10 @@ from store import checkpoint, files, track
 # given on the command line overrides either
 
 
-def arg(default, help):
-    return field(default=default, metadata={"help": help})
+def arg(default, help, least=None, positive=None):
+    """A field: its default, its help, and its bound (at least `least`; > 0 if positive, >= 0 if
+    positive is False), checked at the door."""
+    return field(default=default, metadata=dict(help=help, least=least, positive=positive))
 
 
 @dataclass
@@ -60,47 +61,51 @@ class Config:
     # I/O
     out_dir: str | None = arg(None, "run folder; default: out/<backbone>-L<steps>-<policy>-s<seed>")
     resume: bool = arg(False, "insist on continuing out_dir/ckpt.pt (a run is never overwritten)")
-    ckpt_interval: int = arg(50, "iterations between checkpoints (a kill loses at most this many)")
-    log_interval: int = arg(10, "iterations between log lines")
+    ckpt_interval: int = arg(50, "iterations between checkpoints (a kill loses at most this)", 1)
+    log_interval: int = arg(10, "iterations between log lines", 1)
     snapshots: bool = arg(False, "keep the policy at the start and each checkpoint (snapshots/)")
     figure: bool = arg(False, "also draw train.png: the held-out gain, the learned schedules")
     track: str | None = arg(None, "mirror each log row to tensorboard | wandb; default: neither")
     # backbone
     backbone: str = arg("digits", "a name in PRESETS (mini-*: the trained miniatures)")
     model_path: str | None = arg(None, "local diffusers folder replacing the hub id")
-    resolution: int | None = arg(None, "image side in pixels; default: the backbone's own")
-    guidance: float | None = arg(None, "CFG scale (flux-dev: distilled); default: the backbone's")
+    resolution: int | None = arg(None, "image side in pixels; default: the backbone's own", 8)
+    guidance: float | None = arg(
+        None, "CFG (flux-dev: distilled); default: the backbone's", None, False
+    )
     prompts: str | None = arg(None, "training prompts: a file (.txt, .json, .jsonl) or hpdv2")
     eval_prompts: str | None = arg(None, "held-out prompt file")
     # policy
     policy: str = arg("instance", "instance | global | stepwise (the comparator TPDM)")
-    steps: int = arg(4, "L, model calls per sample; one policy per L")
+    steps: int = arg(4, "L, model calls per sample; one policy per L", 1)
     init: str = arg("default", "default (the backbone's schedule) | uniform | tpdm (stepwise)")
-    concentration: float = arg(100.0, "initial sum(alpha) (with --init uniform, L+1 is flat)")
+    concentration: float = arg(
+        100.0, "initial sum(alpha) (--init uniform: L+1 is flat)", None, True
+    )
     # reward
     reward: str = arg("teacher", "a name in rewards.REWARDS")
     reward_checkpoint: str | None = arg(None, "local reward-model weights (offline machines)")
     # baseline
     baseline: str = arg("js", "js | js-unbiased | rloo | xctx (baselines.py)")
     contexts: int = arg(32, "B, contexts (prompt + noise) per update, over all ranks")
-    rollouts: int = arg(2, "K, schedules drawn per context")
-    rollout_batch: int | None = arg(None, "samples per backbone call (memory); default: all")
+    rollouts: int = arg(2, "K, schedules drawn per context", 2)
+    rollout_batch: int | None = arg(None, "samples per backbone call (memory); default: all", 1)
     # optim
     optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's update)")
-    iterations: int = arg(300, "policy updates")
-    lr: float = arg(3e-3, "AdamW peak learning rate")
+    iterations: int = arg(300, "policy updates", 1)
+    lr: float = arg(3e-3, "AdamW peak learning rate", None, True)
     lr_decay: str = arg("cosine", "cosine (to 0 at the end) | constant")
-    weight_decay: float = arg(1e-4, "AdamW weight decay")
+    weight_decay: float = arg(1e-4, "AdamW weight decay", None, False)
     adam_beta2: float = arg(0.999, "AdamW's beta2 (beta1 is 0.9)")
-    adam_eps: float = arg(1e-8, "AdamW's epsilon")
-    grad_clip: float = arg(1.0, "gradient-norm clip")
+    adam_eps: float = arg(1e-8, "AdamW's epsilon", None, True)
+    grad_clip: float = arg(1.0, "gradient-norm clip", None, True)
     # evaluation
-    eval_contexts: int = arg(256, "held-out contexts for the final table")
+    eval_contexts: int = arg(256, "held-out contexts for the final table", 1)
     # system
     seed: int = arg(0, "seeds contexts, rollouts and the policy initialisation")
     device: str | None = arg(None, "cpu | cuda; default: cuda if available")
     dtype: str | None = arg(None, "backbone dtype; default: bfloat16 on CUDA, float32 on CPU")
-    threads: int | None = arg(1, "CPU threads (1 suits the small backbones); none: torch's")
+    threads: int | None = arg(1, "CPU threads (1 suits the small backbones); none: torch's", 1)
 
 
 # Each backbone's training configuration, every value written out (the rest is Config's). The paper
@@ -216,22 +221,6 @@ def saved(config):
 # -----------------------------------------------------------------------------
 # the door: every input checked in one line, before anything heavy loads
 
-# the least value of each setting (contexts: the baseline's own, baselines.MIN_CONTEXTS)
-LEAST = dict(
-    steps=1,
-    rollouts=2,
-    iterations=1,
-    ckpt_interval=1,
-    log_interval=1,
-    eval_contexts=1,
-    rollout_batch=1,
-    resolution=8,
-    threads=1,
-)
-# settings that must be finite and > 0 (True) or >= 0 (False)
-POSITIVE = dict(
-    lr=True, grad_clip=True, adam_eps=True, concentration=True, weight_decay=False, guidance=False
-)
 # A training context's noise seed is prompts.context_seed(seed, iteration, context), which must stay
 # below 2^63 (torch's manual_seed) for every iteration and context of a run: a seed below 2^27
 # leaves room for 2^16 contexts per iteration and 2^20 iterations.
@@ -247,20 +236,21 @@ def check(config, world_size):
     and nothing a run folder holds is changed. Returns the training and held-out prompts (None: the
     backbone's own), the checkpoint out_dir already holds (or None) and where the backbone's files
     are, each checked whole (backbones.check_files)."""
-    least = dict(LEAST, contexts=MIN_CONTEXTS[config.baseline])
-    for key, minimum in least.items():
-        value = getattr(config, key)
-        if value is not None and value < minimum:
-            why = {"rollouts": " for a leave-one-out baseline"}.get(key, "")
-            why = f" for --baseline {config.baseline}" if key == "contexts" else why
-            fail(f"--{key.replace('_', '-')} must be at least {minimum}{why} (got {value})")
-    for key, positive in POSITIVE.items():
-        value = getattr(config, key)
-        if value is not None and not (
-            math.isfinite(value) and (value > 0 if positive else value >= 0)
+    for item in dataclasses.fields(Config):  # the bounds declared with each field (arg)
+        value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
+        least, positive = item.metadata["least"], item.metadata["positive"]
+        if item.name == "contexts":  # the baseline's own (baselines.MIN_CONTEXTS)
+            least = MIN_CONTEXTS[config.baseline]
+        if least is not None and value is not None and value < least:
+            why = " for a leave-one-out baseline" if item.name == "rollouts" else ""
+            why = f" for --baseline {config.baseline}" if item.name == "contexts" else why
+            fail(f"{flag} must be at least {least}{why} (got {value})")
+        if (
+            positive is not None
+            and value is not None
+            and not (math.isfinite(value) and (value > 0 if positive else value >= 0))
         ):
-            bound = "> 0" if positive else ">= 0"
-            fail(f"--{key.replace('_', '-')} must be a finite number {bound} (got {value})")
+            fail(f"{flag} must be a finite number {'> 0' if positive else '>= 0'} (got {value})")
     if not 0 <= config.adam_beta2 < 1:
         fail(f"--adam-beta2 must be in [0, 1) (got {config.adam_beta2})")
     if not 0 <= config.seed < MAX_SEED:
@@ -441,7 +431,7 @@ def main(config):
     lock, tracker, heldout_gain = None, None, None
     if master:  # taken once the inputs passed: a refused start leaves no folder behind
         try:
-            with write_or_exit(config.out_dir):
+            with files.write_or_exit(config.out_dir):
                 lock = files.claim_run(config.out_dir, fresh=not found)
         except ValueError as error:
             fail(error)
@@ -493,13 +483,13 @@ def main(config):
         metrics_path = os.path.join(config.out_dir, "metrics.jsonl")
         start, rows = 0, []
         if found:  # weights, optimizer and RNG state; metrics.jsonl cut back to its iteration
-            with write_or_exit():
+            with files.write_or_exit():
                 start = checkpoint.restore(found, raw_policy, optimizer, master and metrics_path)
             if master:
                 rows = files.metric_rows(metrics_path)[0]
                 print(f"continuing {ckpt_path} from iteration {start}")
         elif master:
-            snapshot(config, raw_policy, 0)
+            checkpoint.snapshot(config.out_dir, raw_policy, 0, saved(config), config.snapshots)
 
         # ---------------- the loop ----------------
         contexts_per_rank = config.contexts // world_size
@@ -573,7 +563,7 @@ def main(config):
             if checkpoint_now:  # the mean schedule's gain over the default on held-out contexts
                 row["heldout_gain"] = heldout_gain(raw_policy)
             rows.append(row)
-            with write_or_exit(metrics_path), open(metrics_path, "a") as file:
+            with files.write_or_exit(metrics_path), open(metrics_path, "a") as file:
                 file.write(json.dumps(row) + "\n")
             if tracker:
                 tracker.log(row)
@@ -589,13 +579,15 @@ def main(config):
                     rng={"torch": torch.get_rng_state()},
                     metrics=rows,  # a resume writes back a row that a torn line lost
                 )
-                with write_or_exit(ckpt_path):
+                with files.write_or_exit(ckpt_path):
                     checkpoint.save_checkpoint(ckpt_path, state)
-                snapshot(config, raw_policy, done)
+                checkpoint.snapshot(
+                    config.out_dir, raw_policy, done, saved(config), config.snapshots
+                )
 
         # ---------------- the policy in the Hub format, the held-out report (eval.json last) ----
         if master:
-            with write_or_exit(config.out_dir):
+            with files.write_or_exit(config.out_dir):
                 if config.figure:
                     draw_training(config, backbone, raw_policy, heldout)
                 policy_dir = os.path.join(config.out_dir, "policy")
@@ -630,18 +622,6 @@ def log_line(row):
     )
 
 
-@contextlib.contextmanager
-def write_or_exit(path=None):
-    """Writes to the run folder: one that fails (disk full, read-only storage) ends in one line
-    naming the folder (store.files.write_failed); the last good checkpoint stays as it was."""
-    try:
-        yield
-    except files.WriteFailed as error:
-        fail(error)
-    except OSError as error:
-        fail(files.write_failed(error.filename or path, error))
-
-
 def check_finite(config, iteration, rewards, ckpt_path):
     """Every baseline pools rewards: one NaN would reach every gradient. Stops in one line saying
     what can cause it and where the last good state is."""
@@ -658,18 +638,6 @@ def check_finite(config, iteration, rewards, ckpt_path):
     )
 
 
-def snapshot(config, policy, done):
-    """With --snapshots, the policy after `done` iterations in snapshots/policy-<done>.pt (what
-    evidence/baseline_study.py measures the gradient's variance at), read as it is
-    (store.checkpoint.load_checkpoint), without the optimizer and RNG state a resume needs."""
-    if config.snapshots:
-        path = os.path.join(config.out_dir, "snapshots", f"policy-{done}.pt")
-        state = dict(policy=policy.state_dict(), policy_config=policy.config, iteration=done)
-        with write_or_exit(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            checkpoint.save_checkpoint(path, dict(state, config=saved(config)))
-
-
 def draw_training(config, backbone, policy, heldout):
     """train.png (--figure): the held-out gain at each checkpoint, and the learned schedules of a
     few held-out contexts against the default."""
@@ -683,25 +651,10 @@ def draw_training(config, backbone, policy, heldout):
     plot_training(config.out_dir, learned, default, labels, config.reward, curve)
 
 
-def interrupted(config):
-    """The one line a Ctrl-C ends train.py with: what the run folder keeps, and how to go on."""
-    path = os.path.join(config.out_dir, "ckpt.pt")
-    if not os.path.isfile(path):
-        return (
-            f"interrupted before the first checkpoint: nothing of this run is kept in "
-            f"{config.out_dir}; the same command starts it afresh"
-        )
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return (
-        f"interrupted: {path} holds iteration {state['iteration']} of {config.iterations}; the "
-        "same command continues from there"
-    )
-
-
 if __name__ == "__main__":
     CONFIG = parse_config()
     try:
         main(CONFIG)
     except KeyboardInterrupt:  # Ctrl-C: one line, what the run folder keeps; 130, as a shell exits
-        print(interrupted(CONFIG), file=sys.stderr)
+        print(checkpoint.interrupted(CONFIG.out_dir, CONFIG.iterations), file=sys.stderr)
         sys.exit(130)

@@ -265,6 +265,16 @@ def check_files(name, path=None):
     return location
 
 
+def check_trained_on(config, source):
+    """ValueError in one line unless the checkpoint `source` names a backbone of BACKBONES (a
+    policy folder's config.json can be edited by hand)."""
+    if config.get("backbone") not in BACKBONES:
+        raise ValueError(
+            f'{source}: "backbone" is {config.get("backbone")!r}, not a backbone here; restore '
+            "the file from the run folder it came from, or train again"
+        )
+
+
 def trained_backbone(config, device, location=None):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
     return load_backbone(

@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from backbones import BACKBONES
 from comparator.tpdm import StepwisePolicy
 from policy import GlobalPolicy, SchedulePolicy, json_times
 from store.files import (
@@ -28,6 +27,7 @@ from store.files import (
     read_json,
     write_bytes_atomic,
     write_lines_atomic,
+    write_or_exit,
 )
 
 # where the main job, `python train.py`, writes its checkpoint: what evaluate.py and sample.py read
@@ -191,15 +191,12 @@ def load_checkpoint(source, backbone=None, steps=None):
 
 def check_saved_config(path, saved, training):
     """ValueError in one line naming config.json and its field when a policy folder's config.json
-    contradicts itself (edited by hand): a kind no policy has, a backbone this project does not
-    know, or a backbone or L other than its training configuration's."""
+    contradicts itself (edited by hand): a kind no policy has, or a backbone or L other than its
+    training configuration's (backbones.check_trained_on: a backbone this project has not)."""
     kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
     if kind not in POLICIES:
         known = ", ".join(POLICIES)
         raise ValueError(f'{path}: "kind" is {kind!r}, not a policy kind ({known}); {RESTORE}')
-    name = saved.get("backbone")
-    if name is not None and name not in BACKBONES:
-        raise ValueError(f'{path}: "backbone" is {name!r}, not a backbone here; {RESTORE}')
     for field in ("backbone", "steps"):
         trained = training.get(field)
         if saved.get(field) is not None and trained is not None and saved[field] != trained:
@@ -294,3 +291,30 @@ def restore(checkpoint, policy, optimizer, metrics_path=None):
     lines = [json.dumps(kept[done]) + "\n" for done in sorted(kept)]
     write_lines_atomic(metrics_path, lines)
     return iteration
+
+
+def snapshot(out_dir, policy, done, config, keep):
+    """With --snapshots (keep), the policy after `done` iterations in snapshots/policy-<done>.pt
+    (what evidence/baseline_study.py measures the gradient's variance at), read as it is
+    (load_checkpoint), without the optimizer and RNG state a resume needs."""
+    if keep:
+        path = os.path.join(out_dir, "snapshots", f"policy-{done}.pt")
+        state = dict(policy=policy.state_dict(), policy_config=policy.config, iteration=done)
+        with write_or_exit(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            save_checkpoint(path, dict(state, config=config))
+
+
+def interrupted(out_dir, iterations):
+    """The one line a Ctrl-C ends train.py with: what the run folder keeps, and how to go on."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    if not os.path.isfile(path):
+        return (
+            f"interrupted before the first checkpoint: nothing of this run is kept in "
+            f"{out_dir}; the same command starts it afresh"
+        )
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return (
+        f"interrupted: {path} holds iteration {state['iteration']} of {iterations}; the "
+        "same command continues from there"
+    )

@@ -215,3 +215,15 @@ def claim_run(out_dir, fresh):
             f"checkpoint; moved to {metrics_path}.failed, this run starts afresh"
         )
     return lock
+
+
+@contextlib.contextmanager
+def write_or_exit(path=None):
+    """Writes to a run folder: one that fails (disk full, read-only storage) ends in one line
+    (SystemExit "error: ...", write_failed) naming the folder; the last good file stays."""
+    try:
+        yield
+    except WriteFailed as error:
+        raise SystemExit(f"error: {error}") from None
+    except OSError as error:
+        raise SystemExit(f"error: {write_failed(error.filename or path, error)}") from None

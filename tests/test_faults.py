@@ -147,6 +147,13 @@ def edited_config(**fields):
     return policy_copy(edit)
 
 
+def unknown_backbone(policy):
+    """A policy folder whose config.json names, consistently, a backbone this project has not."""
+    config = json.loads((policy / "config.json").read_text())
+    config["backbone"] = config["training_config"]["backbone"] = "sd4"
+    (policy / "config.json").write_text(json.dumps(config))
+
+
 def users_files(tmp, run):
     """A folder a user keeps files in that a run would write: no run of train.py took it."""
     (tmp / "out" / "policy").mkdir(parents=True)
@@ -495,6 +502,13 @@ CASES = [
         NONE,
         ["sample.py", "--ckpt", "{tmp}/policy"],
         r'policy/config.json: "backbone" is \'mini-sd3\' but its "training_config" says \'digits\'',
+    ),
+    (
+        "policy-config-unknown-backbone",
+        policy_copy(unknown_backbone),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/policy"],
+        r'policy: "backbone" is \'sd4\', not a backbone here; restore the file',
     ),
     (
         "policy-config-steps-edited",
