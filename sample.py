@@ -34,7 +34,6 @@ import json
 import math
 import os
 import re
-import shutil
 import sys
 
 import torch
@@ -45,7 +44,7 @@ from rewards import check_reward, load_reward
 from scoring.figures import context_labels, draw_schedules
 from scoring.paired import default_schedule, policy_schedule, run_method
 from store.checkpoint import MAIN_RUN, check_fits, load_checkpoint
-from store.files import check_writable, write_failed
+from store.files import check_writable, claim_folder, release, write_failed
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -189,8 +188,8 @@ def save_figures(out_dir, contexts, results, label, measure):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = list(results)
-    per_context = gains(results)
+    names, per_context = list(results), gains(results)
+    contexts = contexts[:GRID_CONTEXTS]  # a readable grid; every context's images are written
     size = (2.4 * len(names), 2.5 * len(contexts))
     figure, axes = plt.subplots(len(contexts), len(names), figsize=size, squeeze=False)
     for row, (prompt, seed) in enumerate(contexts):
@@ -213,7 +212,7 @@ def save_figures(out_dir, contexts, results, label, measure):
     plt.close(figure)
     figure, ax = plt.subplots(figsize=(6, 4))
     labels = context_labels(*zip(*contexts))
-    draw_schedules(ax, results["learned"][1], results["default"][1][0], labels)
+    draw_schedules(ax, results["learned"][1][: len(contexts)], results["default"][1][0], labels)
     ax.set_title(label, fontsize=9)
     figure.tight_layout()
     figure.savefig(os.path.join(out_dir, "schedules.png"), dpi=120)
@@ -236,23 +235,38 @@ def run_reward(config, backbone, device):
         return None, "minus the distance to the teacher"
 
 
+# what sample.py writes into its --out-dir: these, and one image per context and method
+OUTPUTS = ("grid.png", "schedules.png", "schedules.json")
+IMAGE = re.compile(r"\d{3,}_[a-z0-9-]+_seed\d+_(default|learned|teacher)\.png")
+
+
+def our_outputs(out_dir):
+    """The files of sample.py's names that out_dir holds."""
+    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
+    return [name for name in names if name in OUTPUTS or IMAGE.fullmatch(name)]
+
+
 def write_outputs(out_dir, write):
-    """write() into out_dir, created if needed; a write that fails ends in one line, and a folder
-    this call created is removed rather than left empty or half written."""
-    created = not os.path.isdir(out_dir)
+    """write() into out_dir (ours: store.files.claim_folder took it), after removing what an
+    earlier sampling wrote there, so that two samplings never mix; a write that fails ends in one
+    line."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
+        for name in our_outputs(out_dir):
+            os.remove(os.path.join(out_dir, name))
         write()
-    except (OSError, KeyboardInterrupt) as error:
-        if created:  # a folder this call made, half written
-            shutil.rmtree(out_dir, ignore_errors=True)
-        if isinstance(error, KeyboardInterrupt):
-            raise
-        sys.exit(f"sample.py: error: {write_failed(error.filename or out_dir, error)}")
+    except OSError as error:
+        raise SystemExit(
+            f"sample.py: error: {write_failed(error.filename or out_dir, error, then=AGAIN)}"
+        ) from None
+
+
+AGAIN = "run the same command again"
+GRID_CONTEXTS = 16  # contexts drawn in grid.png (each context's images are written whole)
 
 
 def main(argv=None):
     args = parser.parse_args(argv)
+    claim = None  # the output folder, once taken
     try:  # every input is checked before the backbone loads, and nothing is written before
         if args.batch_size < 1:
             raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size})")
@@ -277,15 +291,34 @@ def main(argv=None):
         out_dir = args.out_dir or default_out
         if args.export:
             check_writable(os.path.dirname(os.path.abspath(args.export)), "--export")
-        else:
+        else:  # ours only: a folder of a user's files is refused (one writer at a time)
             check_writable(out_dir)
+            claim = claim_folder(out_dir, "sample.py", OUTPUTS + tuple(our_outputs(out_dir)))
         torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
         backbone = backbones.trained_backbone(config, device)
         check_fits(policy, backbone, args.ckpt)
         backbone.check_prompts(prompts, config["reward"])
         contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
+        if len(set(contexts)) < len(contexts):
+            print(f"note: {len(contexts) - len(set(contexts))} repeated context(s) sampled once")
+            contexts = list(dict.fromkeys(contexts))
     except ValueError as error:
+        if claim is not None:
+            release(claim)
         sys.exit(f"sample.py: error: {error}")
+    try:
+        produce(args, config, policy, backbone, contexts, out_dir, device)
+    except BaseException:  # a refusal, a full disk, Ctrl-C: a folder this call made is removed
+        if claim is not None and claim[2]:
+            release(claim)
+        raise
+    finally:
+        if claim is not None:
+            claim[0].close()
+
+
+def produce(args, config, policy, backbone, contexts, out_dir, device):
+    """Sample the contexts (or export the schedule) and write what main() checked."""
     if args.export:
         from backbones.pipeline import schedule_json
 
@@ -298,7 +331,10 @@ def main(argv=None):
             with open(args.export, "w") as handle:
                 json.dump(schedule, handle, indent=1)
 
-        write_outputs(os.path.dirname(os.path.abspath(args.export)), write_schedule)
+        try:
+            write_schedule()
+        except OSError as error:
+            sys.exit(f"sample.py: error: {write_failed(args.export, error, then=AGAIN)}")
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
     label = policy.described[args.stochastic]
     print(f"backbone {config['backbone']}, L={policy.steps}, {len(contexts)} contexts, {label}")

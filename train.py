@@ -296,15 +296,18 @@ def check(config, world_size):
         prompts = load_prompt_file(config.prompts) if config.prompts else None
         heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
         reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
+    except ValueError as error:
+        fail(error)
+    claim = None  # the folder taken (one writer, our marker) before its state is read
+    try:
+        if int(os.environ.get("RANK", "0")) == 0:
+            try:
+                claim = files.claim_folder(config.out_dir, "train.py", files.RUN_FILES)
+            except OSError:  # read-only: a finished run is still reported (below)
+                pass
         found = checkpoint.existing_run(saved(config))
-        if not finished(config, found):  # a finished run is reported, even if read-only
+        if not finished(config, found):
             files.check_writable(config.out_dir)
-        foreign = [] if found else files.foreign_files(config.out_dir)
-        if foreign:  # a user's files where this run would write its own: never overwritten
-            fail(
-                f"--out-dir {config.out_dir} holds {', '.join(foreign)}, which no run of train.py "
-                "wrote (there is no run.lock); pass another --out-dir, or move them away"
-            )
         missing, location = [], None  # every missing model in one message, before either loads
         try:
             reward_lib.check_reward(config.reward, config.reward_checkpoint)
@@ -316,8 +319,12 @@ def check(config, world_size):
             missing.append(str(error))
         if missing:
             fail("; ".join(missing))
-        return prompts, heldout, found, location
-    except ValueError as error:
+        return prompts, heldout, found, location, claim
+    except (ValueError, SystemExit) as error:
+        if claim is not None:  # a refused start leaves the folder as it was
+            files.release(claim)
+        if isinstance(error, SystemExit):
+            raise
         fail(error)
 
 
@@ -411,10 +418,12 @@ def main(config):
         )
         teacher = f" (the teacher solves {config.contexts} contexts)"
         print(cost + (teacher if config.reward == "teacher" else ""))
-    train_prompts, eval_prompts, found, location = check(config, world_size)
+    train_prompts, eval_prompts, found, location, claim = check(config, world_size)
     if finished(config, found):
         if master:
             report_finished(config, found)
+        if claim is not None:
+            claim[0].close()
         return
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -427,15 +436,14 @@ def main(config):
         heldout = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
         backbone.check_prompts(prompts + heldout[0], config.reward)
     except ValueError as error:
+        if claim is not None:
+            files.release(claim)
         fail(error)
-    lock, tracker, heldout_gain = None, None, None
-    if master:  # taken once the inputs passed: a refused start leaves no folder behind
-        try:
-            with files.write_or_exit(config.out_dir):
-                lock = files.claim_run(config.out_dir, fresh=not found)
-        except ValueError as error:
-            fail(error)
+    lock, tracker, heldout_gain = (claim or (None,))[0], None, None
     try:
+        if master:
+            with files.write_or_exit(config.out_dir):
+                files.start_run(config.out_dir, fresh=not found)
         reward = reward_lib.load_reward(
             config.reward, backbone, device=device, checkpoint=config.reward_checkpoint
         )

@@ -1,9 +1,7 @@
 """
-The diffusers backbones: Stable Diffusion 3 / 3.5, FLUX.1 and Stable Diffusion XL, each the
-pipeline's own frozen components (text encoders, denoiser, VAE) driven by rollout.run_schedule, so
-that a schedule runs exactly as given. With the times of `default_times(L)` each reproduces its
-pipeline's own latents (tests/test_rollout_diffusers.py). backbones.load_backbone builds them by
-name; backbones.from_pipeline wraps a pipeline already built.
+The diffusers backbones: Stable Diffusion 3 / 3.5, FLUX.1 and Stable Diffusion XL, the pipeline's
+frozen components driven by rollout.run_schedule, so that a schedule runs exactly as given; with
+`default_times(L)` each reproduces its pipeline's latents (tests/test_rollout_diffusers.py).
 """
 
 import contextlib
@@ -16,23 +14,31 @@ from rollout import Backbone, check_times, run_schedule
 
 # the rewards that score named words of the prompt (the digit, the quoted text, the objects)
 PROMPT_REWARDS = ("digit", "preference", "ocr", "geneval")
-# pixels per VAE decode call: four 1024^2 images (a 1024^2 decode is memory-hungry), a whole batch
-# of small ones (one call is 2.8x faster than chunks of 4 for 64 16x16 images)
+# pixels per VAE decode call: four 1024^2 images (memory-hungry), a whole batch of small ones
 DECODE_PIXELS = 4 * 1024**2
 
 
 class PipelineBackbone(Backbone):
-    """What the three diffusers families share: the frozen pipeline, its model's device and dtype,
-    the guidance (the pipeline's own default unless given), the resolution (the model's native one),
-    the chunked VAE decode and the hidden-state hooks; `vae_input(latents)` is each family's
-    latent -> VAE input, `hidden_layers` its denoiser's (first, last, time embedding) modules."""
+    """What the three families share. Each sets `vae_input(latents)` (latent -> VAE input) and
+    `hidden_layers`, its denoiser's (first, last, time embedding) modules."""
 
     cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
 
+    def __init__(self, pipe, model, name, resolution, guidance, multiple):
+        for component in pipe.components.values():
+            if isinstance(component, torch.nn.Module):
+                component.eval().requires_grad_(False)
+        pipe.set_progress_bar_config(disable=True)
+        self.pipe, self.model, self.name, self.prompts = pipe, model, name, None
+        self.device, self.dtype = model.device, model.dtype
+        self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
+        self.resolution = side = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        if side % multiple:
+            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {side}")
+
     def check_prompts(self, prompts, reward=None):
-        """A prompt longer than every text encoder's window is cut, and the cut words never reach
-        the model: refused in one line (ValueError) when `reward` scores the prompt's words
-        (PROMPT_REWARDS), else reported in one line."""
+        """A prompt longer than every text encoder's window loses its end: refused (ValueError)
+        when `reward` scores the prompt's words, else reported."""
         names, cut = ("tokenizer", "tokenizer_2", "tokenizer_3"), []
         tokenizers = [getattr(self.pipe, name, None) for name in names]
         tokenizers = [tokenizer for tokenizer in tokenizers if tokenizer is not None]
@@ -60,12 +66,11 @@ class PipelineBackbone(Backbone):
 
     @contextlib.contextmanager
     def hidden_states(self):
-        """Forward hooks on the denoiser's `hidden_layers` while the block runs; yields read() ->
-        (features (N, 2D, h, w), embedding (N, E)) float32 of the last model call: the image
-        features as they enter the first block and as they leave the last normalisation, on the
-        token grid, side by side, and the timestep embedding. TPDM's time predictor reads these
-        (its src/models/stable_diffusion_3/transformer_sd3.py returns them; modeling_sd3_pnt.py
-        combines them with the CFG formula of the prediction, as here)."""
+        """Forward hooks on `hidden_layers`; yields read() -> (features (N, 2D, h, w), embedding
+        (N, E)) float32 of the last model call: the image features entering the first block and
+        leaving the last norm, on the token grid, side by side, and the timestep embedding. As
+        TPDM's time predictor reads them (its src/models/stable_diffusion_3/transformer_sd3.py;
+        modeling_sd3_pnt.py guides them with the prediction's CFG formula, as here)."""
         captured = {}
 
         def keep(name):
@@ -77,9 +82,7 @@ class PipelineBackbone(Backbone):
         ]
 
         def read():
-            first, last, time = (captured[name].float() for name in self.hidden_layers)
-            if self.cfg:
-                first, last, time = (_guided(value, self.guidance) for value in (first, last, time))
+            first, last, time = (self.guide(captured[name].float()) for name in self.hidden_layers)
             return torch.cat([_token_grid(first), _token_grid(last)], dim=1), time
 
         try:
@@ -88,17 +91,31 @@ class PipelineBackbone(Backbone):
             for handle in handles:
                 handle.remove()
 
-    def __init__(self, pipe, model, name, resolution, guidance, multiple):
-        for component in pipe.components.values():
-            if isinstance(component, torch.nn.Module):
-                component.eval().requires_grad_(False)
-        pipe.set_progress_bar_config(disable=True)
-        self.pipe, self.model, self.name, self.prompts = pipe, model, name, None
-        self.device, self.dtype = model.device, model.dtype
-        self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
-        self.resolution = side = resolution or pipe.default_sample_size * pipe.vae_scale_factor
-        if side % multiple:
-            raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {side}")
+    def guide(self, prediction):
+        """Classifier-free guidance over a batch stacked [uncond; cond], as the pipelines do."""
+        if not self.cfg:
+            return prediction
+        uncond, cond = prediction.chunk(2)
+        return uncond + self.guidance * (cond - uncond)
+
+    def cfg_batch(self, cond, *keys):
+        """The tensors `keys` of cond, stacked [negative; positive] under true CFG."""
+        if not self.cfg:
+            return [cond[key] for key in keys]
+        return [torch.cat([cond["negative_" + key], cond[key]]) for key in keys]
+
+    def text_cond(self, prompts, masks, embeds, uncond, pooled, uncond_pooled, **extra):
+        """cond from encode_prompt's outputs; text_mask (N, S) True = a real token: every token
+        of precomputed embeddings (prompts None), else the _token_mask of each of `masks`."""
+        if prompts is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
+        else:
+            mask = torch.cat([_token_mask(*mask) for mask in masks], dim=1)
+        cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, **extra)
+        cond["text_mask"] = mask.to(self.device)
+        if self.cfg:
+            cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
+        return cond
 
     @torch.no_grad()
     def decode(self, latents):
@@ -107,19 +124,15 @@ class PipelineBackbone(Backbone):
 
     @torch.no_grad()
     def decode_raw(self, latents):
-        """The VAE's output in [-1, 1] (N, 3, H, W), as the pipeline decodes, in chunks of at most
-        DECODE_PIXELS pixels."""
-        chunk = max(1, DECODE_PIXELS // self.resolution**2)
-        pixels = []
-        for part in latents.split(chunk):
-            vae_input = self.vae_input(part).to(self.pipe.vae.dtype)
-            pixels.append(self.pipe.vae.decode(vae_input, return_dict=False)[0])
-        return torch.cat(pixels)
+        """The VAE's output in [-1, 1] (N, 3, H, W), decoded as the pipeline does."""
+        vae, parts = self.pipe.vae, latents.split(max(1, DECODE_PIXELS // self.resolution**2))
+        return torch.cat(
+            [vae.decode(self.vae_input(p).to(vae.dtype), return_dict=False)[0] for p in parts]
+        )
 
 
 def _token_grid(features):
-    """Tokens (N, h * w, D) of a square image -> (N, D, h, w); a UNet's maps (N, D, h, w) as they
-    are."""
+    """Tokens (N, h * w, D) of a square image -> (N, D, h, w); UNet maps (N, D, h, w) stay."""
     if features.dim() == 4:
         return features
     side = math.isqrt(features.shape[1])
@@ -127,14 +140,13 @@ def _token_grid(features):
 
 
 def _call_default(pipe, argument):
-    """The pipeline's own default for a __call__ argument (guidance_scale, max_sequence_length)."""
+    """The pipeline's own default for a __call__ argument."""
     return inspect.signature(type(pipe).__call__).parameters[argument].default
 
 
 def _text_length(pipe, t5_tokenizer):
-    """The T5 sequence length: the pipeline's default max_sequence_length (256 for SD3.5, 512 for
-    Flux), or its T5 tokenizer's model_max_length when that is shorter (the miniatures' 12; the real
-    T5 tokenizers take 512)."""
+    """The T5 sequence length: the pipeline's default max_sequence_length, or its T5 tokenizer's
+    model_max_length when shorter (the miniatures')."""
     default = _call_default(pipe, "max_sequence_length")
     return min(default, t5_tokenizer.model_max_length) if t5_tokenizer is not None else default
 
@@ -149,20 +161,20 @@ def _token_mask(tokenizer, prompts, length):
     return tokens.attention_mask.bool()
 
 
-def _cfg_batch(cond, *keys):
-    """The tensors `keys` of cond stacked [negative; positive], as the pipelines batch true CFG."""
-    return [torch.cat([cond["negative_" + key], cond[key]]) for key in keys]
-
-
-def _guided(prediction, guidance):
-    """Classifier-free guidance over a batch stacked [uncond; cond], as the pipelines write it."""
-    uncond, cond = prediction.chunk(2)
-    return uncond + guidance * (cond - uncond)
+def _transformer_dims(config, latent_channels):
+    """policy_dims of an MMDiT (SD3, Flux): features are the first and last hidden states."""
+    width = config.num_attention_heads * config.attention_head_dim
+    return dict(
+        latent_channels=latent_channels,
+        text_dim=config.joint_attention_dim,
+        pooled_dim=config.pooled_projection_dim,
+        feature_channels=2 * width,
+        time_dim=width,
+    )
 
 
 class SD3Backbone(PipelineBackbone):
-    """Stable Diffusion 3 / 3.5 (rectified flow, MMDiT); t is the flow sigma, true CFG in one
-    batch."""
+    """Stable Diffusion 3 / 3.5 (rectified flow, MMDiT); t is the flow sigma."""
 
     def __init__(self, pipe, name="sd3", resolution=None, guidance=None):
         multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
@@ -173,22 +185,16 @@ class SD3Backbone(PipelineBackbone):
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
         # TPDM's layers: the patch embedding, the output norm, the time-and-pooled-text embedding
         self.hidden_layers = ("pos_embed", "norm_out", "time_text_embed")
-        width = config.num_attention_heads * config.attention_head_dim
-        self.policy_dims = dict(
-            latent_channels=config.in_channels,
-            text_dim=config.joint_attention_dim,
-            pooled_dim=config.pooled_projection_dim,
-            feature_channels=2 * width,
-            time_dim=width,
-        )
+        self.policy_dims = _transformer_dims(config, config.in_channels)
 
     @torch.no_grad()
     def encode_prompts(self, prompts, max_sequence_length=None, **options):
-        """The pipeline's encode_prompt; `options` as its __call__ takes them (generate():
-        prompt_2, prompt_3, negative_prompt*, clip_skip, precomputed prompt_embeds)."""
+        """The pipeline's encode_prompt; `options` as its __call__ takes them."""
         pipe, length = self.pipe, max_sequence_length or self.text_length
         prompt_3 = options.pop("prompt_3", None)  # T5's own prompt, whose tokens the mask counts
-        embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
+        clip = (pipe.tokenizer, prompts, pipe.tokenizer_max_length)
+        t5 = (pipe.tokenizer_3, prompt_3 or prompts, length)
+        outputs = pipe.encode_prompt(
             prompt=prompts,
             prompt_2=options.pop("prompt_2", None),
             prompt_3=prompt_3,
@@ -197,19 +203,10 @@ class SD3Backbone(PipelineBackbone):
             max_sequence_length=length,
             **options,
         )
-        if prompts is None:  # precomputed embeddings: every token is read
-            mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=self.device)
-        else:
-            clip_mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer_max_length)
-            t5_mask = _token_mask(pipe.tokenizer_3, prompt_3 or prompts, length)
-            mask = torch.cat([clip_mask, t5_mask], dim=1).to(self.device)  # (N, 77 + T5 length)
-        cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask)
-        if self.cfg:
-            cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
-        return cond
+        return self.text_cond(prompts, (clip, t5), *outputs)
 
     def default_times(self, steps):
-        # SD3Pipeline passes no sigmas: the scheduler's spacing and static shift (3.0 for SD3.5)
+        # SD3Pipeline passes no sigmas: the scheduler's spacing and static shift
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(steps)
         return scheduler.sigmas.float()
@@ -217,9 +214,7 @@ class SD3Backbone(PipelineBackbone):
     @torch.no_grad()
     def sample(self, noise, cond, times, decide=None):
         check_times(times, noise.shape[0])
-        text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
-        if self.cfg:
-            text, pooled = _cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
+        text, pooled = self.cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
         copies = 2 if self.cfg else 1
 
         def velocity(state, t):
@@ -230,7 +225,7 @@ class SD3Backbone(PipelineBackbone):
                 pooled_projections=pooled,
                 return_dict=False,
             )[0]
-            return _guided(prediction, self.guidance) if self.cfg else prediction
+            return self.guide(prediction)
 
         return run_schedule(velocity, noise.float(), times, decide=decide)
 
@@ -247,40 +242,25 @@ class FluxBackbone(PipelineBackbone):
         multiple = pipe.vae_scale_factor * 2
         super().__init__(pipe, pipe.transformer, name, resolution, guidance, multiple)
         config = self.model.config
-        if not config.guidance_embeds:  # schnell: no guidance input, any value is ignored
+        if not config.guidance_embeds:  # schnell: no guidance input
             self.guidance = None
         self.text_length = _text_length(pipe, pipe.tokenizer_2)
-        self.latent_size = self.resolution // pipe.vae_scale_factor  # unpacked height = width
+        self.latent_size = size = self.resolution // pipe.vae_scale_factor  # unpacked side
         self.latent_channels = config.in_channels // 4
-        size = self.latent_size
         self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
-        # as SD3's: the token embedding (positions are rotary), the output norm, the embedding of
-        # time, guidance and pooled text
+        # as SD3's (positions are rotary, so the token embedding comes first)
         self.hidden_layers = ("x_embedder", "norm_out", "time_text_embed")
-        width = config.num_attention_heads * config.attention_head_dim
-        self.policy_dims = dict(
-            latent_channels=self.latent_channels,
-            text_dim=config.joint_attention_dim,
-            pooled_dim=config.pooled_projection_dim,
-            feature_channels=2 * width,
-            time_dim=width,
-        )
+        self.policy_dims = _transformer_dims(config, self.latent_channels)
 
     @torch.no_grad()
     def encode_prompts(self, prompts, max_sequence_length=None, **options):
-        """The pipeline's encode_prompt; `options` as its __call__ takes them (generate():
-        prompt_2, precomputed prompt_embeds and pooled_prompt_embeds)."""
+        """The pipeline's encode_prompt; `options` as its __call__ takes them."""
         length = max_sequence_length or self.text_length
         embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=prompts, device=self.device, max_sequence_length=length, **options
         )
-        if prompts is None:  # precomputed embeddings: every token is read
-            mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
-        else:  # the T5 tokens
-            mask = _token_mask(self.pipe.tokenizer_2, options.get("prompt_2") or prompts, length)
-        return dict(
-            prompt_embeds=embeds, pooled_prompt_embeds=pooled, text_mask=mask.to(self.device)
-        )
+        t5 = (self.pipe.tokenizer_2, options.get("prompt_2") or prompts, length)
+        return self.text_cond(prompts, (t5,), embeds, None, pooled, None)
 
     def pack(self, latents):
         size = self.latent_size
@@ -295,7 +275,7 @@ class FluxBackbone(PipelineBackbone):
         return self.pack(noise).to(self.device)  # (N, tokens, 4 C)
 
     def as_image(self, latents):
-        return self.unpack(latents)  # the policy sees an image
+        return self.unpack(latents)
 
     def default_times(self, steps):
         # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens) with the config's
@@ -314,8 +294,7 @@ class FluxBackbone(PipelineBackbone):
     @torch.no_grad()
     def sample(self, noise, cond, times, decide=None):
         check_times(times, noise.shape[0])
-        count = noise.shape[0]
-        patches = self.latent_size // 2
+        count, patches = noise.shape[0], self.latent_size // 2
         device, dtype = self.device, self.dtype
         image_ids = self.pipe._prepare_latent_image_ids(count, patches, patches, device, dtype)
         text_ids = torch.zeros(cond["prompt_embeds"].shape[1], 3, device=device, dtype=dtype)
@@ -346,7 +325,7 @@ class SDXLBackbone(PipelineBackbone):
     """Stable Diffusion XL (discrete-time, epsilon prediction) integrated as the Euler sampler does:
     the state is x = x_0 + sigma * noise, the model sees x / sqrt(sigma^2 + 1) at timestep t * 999,
     dx / dsigma = predicted noise, sigma(t) interpolated linearly in the model's noise table,
-    sigma(0) = 0. True CFG in one batch; add_time_ids (size, crop, target size) ride in cond."""
+    sigma(0) = 0. add_time_ids (size, crop, target size) ride in cond."""
 
     def __init__(self, pipe, name="sdxl", resolution=None, guidance=None):
         multiple = pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
@@ -362,16 +341,15 @@ class SDXLBackbone(PipelineBackbone):
             )
         alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
         self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigmas
-        channels = self.model.config.in_channels
-        self.latent_shape = (channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        # the UNet's counterparts of SD3's: its input convolution and output norm (both at the
-        # latent's resolution and the first block's width) and its timestep embedding
+        unet = self.model.config
+        self.latent_shape = (unet.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        # the UNet's counterparts of SD3's layers (both maps at the latent's resolution)
         self.hidden_layers = ("conv_in", "conv_norm_out", "time_embedding")
         self.policy_dims = dict(
-            latent_channels=channels,
-            text_dim=self.model.config.cross_attention_dim,
+            latent_channels=unet.in_channels,
+            text_dim=unet.cross_attention_dim,
             pooled_dim=pipe.text_encoder_2.config.projection_dim,
-            feature_channels=2 * self.model.config.block_out_channels[0],
+            feature_channels=2 * unet.block_out_channels[0],
             time_dim=self.model.time_embedding.linear_2.out_features,
         )
 
@@ -388,34 +366,23 @@ class SDXLBackbone(PipelineBackbone):
 
     @torch.no_grad()
     def encode_prompts(self, prompts, **options):
-        """The pipeline's encode_prompt; `options` as its __call__ takes them (generate():
-        prompt_2, negative_prompt*, clip_skip, precomputed prompt_embeds)."""
+        """The pipeline's encode_prompt; `options` as its __call__ takes them."""
         pipe = self.pipe
-        embeds, uncond, pooled, uncond_pooled = pipe.encode_prompt(
+        outputs = pipe.encode_prompt(
             prompt=prompts, device=self.device, do_classifier_free_guidance=self.cfg, **options
         )
-        count = len(embeds)
-        size = (self.resolution, self.resolution)
+        size, embeds = (self.resolution, self.resolution), outputs[0]
         projection = pipe.text_encoder_2.config.projection_dim
         time_ids = pipe._get_add_time_ids(
             size, (0, 0), size, dtype=embeds.dtype, text_encoder_projection_dim=projection
         )
-        time_ids = time_ids.to(self.device).repeat(count, 1)  # (N, 6)
-        if prompts is None:  # precomputed embeddings: every token is read
-            mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=self.device)
-        else:
-            mask = _token_mask(pipe.tokenizer, prompts, pipe.tokenizer.model_max_length)
-            mask = mask.to(self.device)
-        cond = dict(
-            prompt_embeds=embeds, pooled_prompt_embeds=pooled, time_ids=time_ids, text_mask=mask
-        )
-        if self.cfg:
-            cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
-        return cond
+        time_ids = time_ids.to(self.device).repeat(len(embeds), 1)  # (N, 6)
+        clip = (pipe.tokenizer, prompts, pipe.tokenizer.model_max_length)
+        return self.text_cond(prompts, (clip,), *outputs, time_ids=time_ids)
 
     def default_times(self, steps):
-        # the pipeline's EulerDiscreteScheduler spacing ("leading" for SD-XL: 981, 961, ..., 1 at 50
-        # steps, so t_0 < 1), then the final sigma 0
+        # the pipeline's EulerDiscreteScheduler spacing ("leading" for SD-XL, so t_0 < 1), then
+        # the final sigma 0
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(steps)
         last = scheduler.config.num_train_timesteps - 1
@@ -424,12 +391,9 @@ class SDXLBackbone(PipelineBackbone):
     @torch.no_grad()
     def sample(self, noise, cond, times, decide=None):
         check_times(times, noise.shape[0])
-        text, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
-        time_ids = cond["time_ids"]
-        if self.cfg:
-            text, pooled = _cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
-            time_ids = torch.cat([time_ids, time_ids])
+        text, pooled = self.cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
         copies = 2 if self.cfg else 1
+        time_ids = cond["time_ids"].repeat(copies, 1)
         view = (-1, 1, 1, 1)
 
         def epsilon(state, t):
@@ -442,7 +406,7 @@ class SDXLBackbone(PipelineBackbone):
                 return_dict=False,
                 added_cond_kwargs=dict(text_embeds=pooled, time_ids=time_ids),
             )[0]
-            return _guided(prediction, self.guidance) if self.cfg else prediction
+            return self.guide(prediction)
 
         # the pipeline's init_noise_sigma: sqrt(sigma_0^2 + 1) ("leading" spacing) or sigma_0
         first = self.sigma(times[:, 0]).to(noise.device).view(view)

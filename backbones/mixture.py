@@ -1,10 +1,8 @@
 """
-The embedded backbones: exact flow-matching samplers for class-conditional Gaussian mixtures over
-scikit-learn's 8x8 digits (no download), with the same interface (rollout.Backbone) as the
-diffusers backbones of families.py. Their velocity is known in closed form and their teacher is an
-accurate RK4 solve, so the best schedule of a set of contexts can be computed
-(evidence/ablation.py's oracles). backbones/__init__.py names them: digits, digits-prompt,
-digits-noise, digits-xor.
+The embedded backbones (digits, digits-prompt, digits-noise, digits-xor in backbones/__init__.py):
+class-conditional Gaussian mixtures over scikit-learn's 8x8 digits whose flow is closed-form, with
+the interface of rollout.Backbone. Their teacher is an accurate RK4 solve, so the best schedule of
+a set of contexts can be computed (evidence/ablation.py's oracles).
 """
 
 import torch
@@ -17,17 +15,13 @@ DIGIT_VOCAB = ["<pad>", "a", "handwritten"] + [str(d) for d in range(10)]
 
 
 class MixtureBackbone(Backbone):
-    """An embedded backbone: a class-conditional Gaussian mixture whose flow is closed-form.
+    """The same code path as the real models (prompts -> token embeddings, noise -> run_schedule
+    -> latents -> decode -> reward) with a known optimum, trained in a minute on a CPU.
 
-    Why it exists: it runs the same code path as the real models (prompts -> token embeddings,
-    noise -> `run_schedule` -> latents -> decode -> reward), its optimum is known (the exact ODE
-    solution, `reference`), and a whole training run takes a minute on a laptop CPU.
-
-    Data: the 1,797 8x8 handwritten digits shipped with scikit-learn, pixels 0..16 rescaled to
-    [-1, 1]. For "a handwritten d", with y_i the images of class d and m_d their mean, each
-    sub-population (spread k, std s, shift b: a number or a (64,) pattern) of `populations[d]`
-    puts one component N(mu_i, s^2 I) at mu_i = m_d + k (y_i - m_d) + b for every y_i; all
-    components of a class weigh the same.
+    Data: scikit-learn's 1,797 8x8 digits, pixels 0..16 rescaled to [-1, 1]. For "a handwritten
+    d", with y_i the images of class d and m_d their mean, each sub-population (spread k, std s,
+    shift b: a number or a (64,) pattern) of `populations[d]` puts one component N(mu_i, s^2 I) at
+    mu_i = m_d + k (y_i - m_d) + b for every y_i; all components of a class weigh the same.
     With x_t = (1 - t) x_0 + t noise the marginal given component m is N((1 - t) mu_m, v_m I),
     v_m = (1 - t)^2 s_m^2 + t^2, and the velocity E[noise - x_0 | x_t] is
 
@@ -36,14 +30,13 @@ class MixtureBackbone(Backbone):
     with posterior weights w = softmax_m(-|x - (1 - t) mu_m|^2 / (2 v_m) - (d/2) log v_m), d = 64.
     """
 
-    # The teacher's solve (reference): RK4 in `reference_dtype` on the grid
-    # t_k = 1 - (k / reference_steps) ** reference_power; a backbone's row may set them (teacher=)
+    # the teacher's RK4 solve (reference); a backbone's row may set them (teacher=)
     reference_steps, reference_power, reference_dtype = 64, 1.0, torch.float64
 
     def __init__(self, name, populations, device=None, teacher=None):
         from sklearn.datasets import load_digits  # the data ships inside scikit-learn, no download
 
-        if teacher is not None:  # the teacher's steps, grid and dtype (reference)
+        if teacher is not None:
             self.reference_steps, self.reference_power = teacher["steps"], teacher["power"]
             self.reference_dtype = getattr(torch, teacher["dtype"])
 
@@ -61,8 +54,8 @@ class MixtureBackbone(Backbone):
             centres = [mean + spread * (members - mean) + shift for spread, _, shift in groups]
             stds = [torch.full((len(members),), float(std)) for _, std, _ in groups]
             classes.append((torch.cat(centres), torch.cat(stds)))
-        # Grouped by class and padded to the largest, so one batched matmul gives every sample the
-        # logits of its own class only; padding has log-weight -1e30 (and a harmless std of 1).
+        # padded per class to the largest, so one batched matmul gives every sample the logits of
+        # its own class only; padding has log-weight -1e30 (and a harmless std of 1)
         size = max(len(centres) for centres, _ in classes)
         self.centres = torch.zeros(10, size, 64, dtype=torch.float64)
         self.variances = torch.ones(10, size, dtype=torch.float64)  # s_m^2
@@ -72,8 +65,7 @@ class MixtureBackbone(Backbone):
             self.variances[digit, : len(centres)] = stds**2
             self.log_weights[digit, : len(centres)] = 0.0
         self.norms = self.centres.square().sum(2)  # (10, M) |mu_m|^2
-        # A fixed tiny text encoder: seeded word and position embeddings, so prompts are token
-        # sequences that the policy cross-attends to, as with the real models.
+        # a fixed tiny text encoder: seeded word and position embeddings the policy attends to
         generator = torch.Generator().manual_seed(0)
         self.word_embeddings = torch.randn(len(DIGIT_VOCAB), DIGIT_WIDTH, generator=generator)
         self.position_embeddings = 0.1 * torch.randn(DIGIT_TOKENS, DIGIT_WIDTH, generator=generator)
@@ -113,9 +105,8 @@ class MixtureBackbone(Backbone):
         )
 
     def velocity(self, state, t, mixture):
-        """Exact E[noise - x_0 | x_t = state] at per-sample times t (N,), in the dtype of `mixture`:
-        float64 for sampling (float32 logits are off by about 1e-4 on the sharp mixtures);
-        differentiable in state and t."""
+        """Exact E[noise - x_0 | x_t = state] at per-sample times t (N,), in the dtype of `mixture`
+        (float64 for sampling: the sharp mixtures' logits need it). Differentiable in state, t."""
         centres, norms, variances, log_weights = mixture
         x = state.reshape(state.shape[0], 64).to(centres.dtype)
         t = t.to(centres.dtype)[:, None]  # (N, 1)
@@ -134,25 +125,19 @@ class MixtureBackbone(Backbone):
         return velocity.reshape(state.shape)
 
     def sample(self, noise, cond, times, decide=None):
-        """Differentiable in the times when they require grad (evidence/ablation.py's oracle
-        schedules)."""
+        """Differentiable in the times (evidence/ablation.py's oracle schedules)."""
         check_times(times, noise.shape[0])
         mixture = self.mixture(cond["label"])
-
-        def velocity(state, t):
-            return self.velocity(state, t, mixture)
-
-        return run_schedule(velocity, noise.float(), times, decide=decide)
+        return run_schedule(
+            lambda state, t: self.velocity(state, t, mixture), noise.float(), times, decide=decide
+        )
 
     @torch.no_grad()
     def reference(self, noise, cond):
         """Classical RK4 from t = 1 to 0 on the grid t_k = 1 - (k / steps) ** power, in
-        reference_dtype. By default 64 uniform steps in float64: RMS error about 2e-6 on digits and
-        2e-5 on the sharp mixtures (std 0.02) against a solve with 4096 steps, far below any L-step
-        sampler's. `digits`, whose components are wide (std 0.1), takes 20 steps on the grid of
-        power 0.7 (large steps near t = 1, where its flow is smooth) in float32: 3.8x cheaper,
-        within 1.2e-4 RMS of the default solve (tests/test_rollout_digits.py bounds it). The sharp
-        mixtures keep the default: with fewer steps their trajectories can switch components."""
+        reference_dtype. `digits` (wide components) takes fewer, larger steps near t = 1 in float32
+        (tests/test_rollout_digits.py bounds the error); with fewer steps the sharp mixtures'
+        trajectories can switch components."""
         steps, power, dtype = self.reference_steps, self.reference_power, self.reference_dtype
         fraction = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64, device=self.device)
         grid = (1.0 - fraction**power).to(dtype)

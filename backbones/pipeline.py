@@ -7,19 +7,12 @@ A trained schedule inside a stock diffusers pipeline.
     generator = torch.Generator("cuda").manual_seed(0)
     images = generate(pipe, policy, "a red fox in fresh snow", generator=generator).images
 
-generate() draws the initial noise the way the pipeline draws it, asks the policy for that noise and
-prompt's schedule (its Dirichlet mean), installs a scheduler that runs exactly those times and calls
-the pipeline itself, with latents= and the prompt embeddings already computed for the policy, at the
-guidance the policy was trained with unless guidance_scale= says otherwise. It returns the
-pipeline's own output (PIL images by default), one pipeline call per image, since every image has
-its own schedule.
-
-The schedulers run the times as given: LearnedFlowMatchScheduler (SD3.5, Flux: sigma = t) and
-LearnedEulerScheduler (SD-XL: sigma interpolated from the model's noise table at timestep t * 999)
-apply no shift and append no final 0, so sampling ends at the learned stop margin t_L, as in
-rollout.py's loop (tests/test_pipeline.py checks they give the same latents). A global policy's
-schedule is one list of times for every context: schedule_json() writes it, with the sigmas, for
-other tools.
+generate() draws the noise as the pipeline does, asks the policy for each noise and prompt's
+schedule and samples them in one batch with rollout.py's loop, at the guidance the policy was
+trained with; it returns the pipeline's own output. To run a schedule in the pipeline itself,
+install learned_scheduler(backbone, times) as pipe.scheduler: its times run as given, no shift and
+no final 0, so sampling ends at the learned stop margin t_L (tests/test_pipeline.py checks both
+give the same latents). schedule_json() exports a global policy's one schedule for other tools.
 """
 
 import importlib
@@ -56,10 +49,7 @@ class LearnedEulerScheduler(EulerDiscreteScheduler):
     the noise table (families.SDXLBackbone.sigma), the last one sigma(t_L) instead of 0."""
 
     def install(self, times, sigmas):
-        self.learned = (
-            torch.as_tensor(times, dtype=torch.float32).cpu(),
-            torch.as_tensor(sigmas, dtype=torch.float32).cpu(),
-        )
+        self.learned = [torch.as_tensor(x, dtype=torch.float32).cpu() for x in (times, sigmas)]
         return self
 
     def set_timesteps(self, num_inference_steps=None, device=None, timesteps=None, sigmas=None):
@@ -70,23 +60,16 @@ class LearnedEulerScheduler(EulerDiscreteScheduler):
         self._step_index, self._begin_index = None, None
 
 
-# Scheduler options that would change the update rule or the times: always off in a learned
-# scheduler (set_timesteps is replaced, so the sigma-spacing ones matter only for a later
-# set_timesteps call; stochastic_sampling would re-noise at every step instead of an Euler step)
-EXACT = {
-    "stochastic_sampling": False,
-    "use_karras_sigmas": False,
-    "use_exponential_sigmas": False,
-    "use_beta_sigmas": False,
-    "use_dynamic_shifting": False,
-    "shift_terminal": None,
-    "invert_sigmas": False,
-}
+# scheduler options that would change the update rule or the times: off in a learned scheduler
+EXACT = dict(shift_terminal=None) | dict.fromkeys(
+    ("stochastic_sampling", "invert_sigmas", "use_dynamic_shifting")
+    + ("use_karras_sigmas", "use_exponential_sigmas", "use_beta_sigmas"),
+    False,
+)
 
 
 def learned_scheduler(backbone, times):
-    """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly, from its own config
-    with every option of EXACT off."""
+    """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly."""
     config = backbone.pipe.scheduler.config
     overrides = {key: value for key, value in EXACT.items() if key in config}
     if isinstance(backbone, families.SDXLBackbone):  # whose config SDXLBackbone has checked
@@ -96,35 +79,20 @@ def learned_scheduler(backbone, times):
 
 
 def pipeline_noise(backbone, count, generator=None):
-    """(count, ...) initial noise drawn as the pipeline's prepare_latents draws it (randn_tensor,
-    its shape and dtype), in the layout families.py and the pipeline's latents= take."""
-    flux = isinstance(backbone, families.FluxBackbone)
-    size = 2 * (backbone.resolution // (backbone.pipe.vae_scale_factor * 2))
-    channels = backbone.latent_shape[0]
-    shape = (count, channels, size, size) if flux else (count, *backbone.latent_shape)
-    noise = randn_tensor(shape, generator=generator, device=backbone.device, dtype=backbone.dtype)
-    return backbone.pack(noise) if flux else noise
+    """(count, ...) initial noise drawn as the pipeline's prepare_latents draws it, in the layout
+    the pipeline's latents= takes (Flux: packed)."""
+    shape, device, dtype = (count, *backbone.latent_shape), backbone.device, backbone.dtype
+    noise = randn_tensor(shape, generator=generator, device=device, dtype=dtype)
+    return backbone.pack(noise) if isinstance(backbone, families.FluxBackbone) else noise
 
 
-# The pipeline's text arguments: encoded by the pipeline's own encode_prompt, for the model and
-# for the policy alike. A list holds one entry per prompt.
-TEXT = (
-    "prompt_2",
-    "prompt_3",
-    "negative_prompt",
-    "negative_prompt_2",
-    "negative_prompt_3",
-    "clip_skip",
-    "max_sequence_length",
-)
-EMBEDS = (
-    "prompt_embeds",
-    "pooled_prompt_embeds",
-    "negative_prompt_embeds",
-    "negative_pooled_prompt_embeds",
-)
+# the pipeline's text arguments, encoded by its encode_prompt for the model and the policy alike
+TEXT = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
+TEXT += ("clip_skip", "max_sequence_length")
+EMBEDS = ("prompt_embeds", "pooled_prompt_embeds")
+EMBEDS += ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
 REFUSED = ("timesteps", "sigmas")  # the schedule is the policy's
-# What each family's pipeline returns, as its __call__ does
+# what each family's pipeline returns
 OUTPUTS = {
     "sd3": ("stable_diffusion_3.pipeline_output", "StableDiffusion3PipelineOutput"),
     "flux": ("flux.pipeline_output", "FluxPipelineOutput"),
@@ -146,10 +114,8 @@ def _restore(state, pipe, progress):
 
 
 def trained_guidance(policy):
-    """The guidance scale a policy was trained at: its training configuration's --guidance, else its
-    backbone's default (backbones.BACKBONES); None when neither is known or the model has no
-    guidance input (FLUX.1-schnell). A schedule is learned for one guidance: the pipeline's own
-    default (7.0 for SD3 and SD-XL) is another."""
+    """The guidance a policy was trained at (a schedule is learned for one): its training
+    --guidance, else its backbone's default; None when neither is known or the model has none."""
     guidance = (policy.training_config or {}).get("guidance")
     if guidance is None:
         guidance = backbones.BACKBONES.get(policy.backbone, {}).get("guidance")
@@ -160,17 +126,10 @@ def trained_guidance(policy):
 def generate(
     pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs
 ):
-    """What pipe(prompt, ...) returns (its output class, images as output_type asks), every image
-    sampled with the schedule the policy proposes for its noise and prompt (the Dirichlet mean).
-    The prompts are encoded once, by the pipeline's encode_prompt, and every image of the call is
-    sampled in one batch by the backbone's loop (rollout.run_schedule, per-image times), which
-    equals the pipeline with the learned scheduler installed (tests/test_pipeline.py). pipe_kwargs:
-    the text arguments (prompt_2, negative_prompt, max_sequence_length, clip_skip, precomputed
-    prompt_embeds, ...), height = width, output_type, return_dict; guidance_scale defaults to the
-    policy's own (trained_guidance). num_inference_steps is the policy's L. Refused in one line
-    (ValueError): timesteps and sigmas, any other pipeline argument, a policy of an embedded
-    backbone or of another family, an empty prompt, num_images_per_prompt < 1. The pipeline is
-    left as it was found (its modules' modes, grad flags, progress bar)."""
+    """What pipe(prompt, ...) returns, every image sampled with the schedule the policy proposes
+    for its noise and prompt (the Dirichlet mean). pipe_kwargs: TEXT and EMBEDS, height = width,
+    output_type, return_dict, num_inference_steps (the policy's L), guidance_scale (default:
+    trained_guidance). The pipeline is left as found (modules' modes, grad flags, progress bar)."""
     if policy.pipeline_refusal:
         raise ValueError(policy.pipeline_refusal)
     family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
@@ -239,11 +198,10 @@ def generate(
         cond = {key: value[index.to(value.device)] for key, value in cond.items()}
         noise = pipeline_noise(backbone, len(index), generator) if latents is None else latents
         times = policy.times(backbone, noise, cond)  # (N, L+1), the Dirichlet mean
-        sampled = backbone.sample(noise, cond, times)  # L model calls for the whole batch
-        images = sampled
+        images = backbone.sample(noise, cond, times)  # L model calls for the whole batch
         if output_type != "latent":  # decoded and post-processed as the pipeline does
             images = pipe.image_processor.postprocess(
-                backbone.decode_raw(sampled), output_type=output_type
+                backbone.decode_raw(images), output_type=output_type
             )
     finally:
         _restore(state, pipe, progress)
@@ -255,8 +213,8 @@ def generate(
 
 
 def schedule_json(policy, backbone):
-    """A global policy's schedule for other tools: its times (L+1,), the sigmas they stand for, and
-    the timesteps the model sees (its Dirichlet mean)."""
+    """A global policy's schedule (its Dirichlet mean) for other tools: its times (L+1,), the sigmas
+    they stand for, and the timesteps the model sees."""
     if policy.pipeline_refusal:
         raise ValueError(policy.pipeline_refusal)
     if policy.config["kind"] != "global":
@@ -265,8 +223,8 @@ def schedule_json(policy, backbone):
             "only a global one exports"
         )
     times = times_from_increments(mean_increments(policy(torch.zeros(1))))[0].double()
-    sigmas = backbone.sigma(times) if isinstance(backbone, families.SDXLBackbone) else times
-    scale = 999 if isinstance(backbone, families.SDXLBackbone) else 1000
+    sdxl = isinstance(backbone, families.SDXLBackbone)
+    sigmas, scale = (backbone.sigma(times), 999) if sdxl else (times, 1000)
     return dict(
         backbone=backbone.name,
         steps=policy.steps,

@@ -1,46 +1,30 @@
 """
 Rewards: black-box scores of a rollout's final latents, higher is better.
 
-    reward = load_reward("teacher", backbone)  # or "hpsv2", "clip", "ocr", "geneval"
+    reward = load_reward("teacher", backbone)  # or "hpsv2", "clip", "ocr", "geneval", ...
     scores = reward(latents, prompts, noise, cond)  # (N,) float32 on the backbone's device
-    # what evaluate.py reports: name -> (N,)
-    columns = metrics(reward, "ocr", latents, prompts, noise, cond)
+    columns = metrics(reward, "ocr", latents, prompts, noise, cond)  # what evaluate.py reports
 
-Every reward has that one signature, batched over N samples with one prompt each (the contexts of
-a batch repeated K times with repeat_interleave), is built once and reused, and decodes with
-`backbone.decode` itself when it needs images. `REWARDS` maps each name to its loader.
+Every reward is batched over N samples with one prompt each (a batch's contexts repeated K times
+with repeat_interleave), built once, and decodes with `backbone.decode` when it needs images.
 
-- "teacher": fidelity to the same frozen backbone's accurate solution `backbone.reference(noise,
-  cond)` from the same noise and prompt: minus the per-sample mean squared error in latent space,
-  so 0 is the best possible score. No reward model, works for every backbone, the default for
-  digits. Teacher solutions are cached per context (hash of the noise bytes and the prompt): the K
-  rollouts of a context cost one reference solve and a fixed held-out set is solved once.
-- "hpsv2": Human Preference Score v2.1 (or v2.0), x100 as the paper reports HPSv2 (its text does not
-  say which version; v2.1 is this project's choice): the cosine similarity of HPS's open_clip
-  ViT-H-14 image and text embeddings. Needs requirements-hps.txt and
-  the checkpoint HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2 (`checkpoint=` a local path).
-- "clip": 100 x cosine similarity of a transformers CLIPModel's image and text embeddings
-  (default openai/clip-vit-large-patch14, `checkpoint=` a hub id or local folder): a light
-  prompt-alignment reward for machines without the HPS environment.
-- "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads in the image, the
-  paper's text-rendering reward; evaluate.py reports 1 - normalised edit distance beside it.
-- "preference": the miniatures' HPSv2, the default reward of the mini-* backbones: a small scorer
-  of (image, prompted digit) that miniatures/build.py trains as HPSv2 was trained, with a
-  Bradley-Terry loss on preference pairs (a real digit over the same digit blurred, averaged,
-  noised, erased, over another digit, over a miniature's sample; of two samples, the one nearer
-  convergence), on digits no miniature saw. A black box on their decoded pixels; evaluate.py reports
-  the classifier's accuracy beside it, and scoring/realism.py the realism of the samples.
-- "digit": log p(prompted digit | image) under the small classifier that miniatures/build.py trains
-  on digits the miniature pipelines never saw: prompt alignment only (it scores a blurry class mean
-  above a real digit); evaluate.py reports its accuracy beside it.
-- "geneval" (geneval.py): the fraction of a GenEval prompt's requirements (objects, counts,
-  colours, positions) that Mask2Former and CLIP find met; evaluate.py reports GenEval's binary
-  correctness beside it. Both read text or objects, which the 8x8 embedded backbones do not have.
+- "teacher": minus the latent MSE to the frozen backbone's accurate solution `backbone.reference(
+  noise, cond)` from the same noise and prompt (0 is best); no reward model, the digits' default.
+- "hpsv2": 100 x HPS v2.1 (or v2.0) cosine similarity (Wu et al. 2023), the paper's reward; needs
+  requirements-hps.txt and HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2.
+- "clip": 100 x CLIP cosine similarity (transformers), for machines without the HPS environment.
+- "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads, the paper's
+  text-rendering reward; evaluate.py also reports 1 - normalised edit distance.
+- "geneval" (geneval.py): the fraction of a GenEval prompt's requirements met; evaluate.py also
+  reports GenEval's binary correctness. ocr and geneval need images with text or objects, which
+  the 8x8 embedded backbones do not draw.
+- "digit", "preference" (digits.py): the mini-* backbones' rewards, from models that
+  miniatures/build.py trains on digits no miniature saw: log p(prompted digit | image) under a
+  classifier, and a Bradley-Terry preference scorer (their HPSv2); both also report the
+  classifier's accuracy.
 
-Images are quantised to 8 bits before scoring, as the reward models were trained and evaluated on
-8-bit images, and preprocessed on tensors to the same numbers as each model's own transform
-(tests/test_rewards.py, tests/test_rewards_hps.py check this against the reference code).
-
+Images are quantised to 8 bits before scoring, as the reward models saw them, and preprocessed on
+tensors to the same numbers as each model's own transform (tests/test_rewards.py checks this).
 Rewards are returned as computed, NaN included: the trainer stops at a non-finite reward rather
 than dropping or clamping samples, which would bias the estimator and hide a broken model.
 """
@@ -66,11 +50,7 @@ def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, b
     from rewards import geneval  # Mask2Former: imported only when asked for
 
     return geneval.load_geneval(
-        backbone,
-        device=device,
-        checkpoint=checkpoint,
-        clip_checkpoint=clip_checkpoint,
-        batch_size=batch_size,
+        backbone, device, checkpoint, clip_checkpoint, batch_size=batch_size
     )
 
 
@@ -83,10 +63,8 @@ REWARDS = {
     "digit": load_digit,
     "preference": load_preference,
 }
-# rewards that read text or objects: not for the 8x8 embedded backbones
-IMAGE_CONTENT = ("ocr", "geneval")
-# rewards that read the miniatures' 16x16 digits: only for the mini-* backbones
-DIGIT_REWARDS = ("digit", "preference")
+IMAGE_CONTENT = ("ocr", "geneval")  # read text or objects: not for the 8x8 embedded backbones
+DIGIT_REWARDS = ("digit", "preference")  # read the miniatures' 16x16 digits: mini-* only
 COLUMNS = {  # what metrics() returns, per reward
     "ocr": ("ocr", "ocr edit"),
     "geneval": ("geneval", "geneval correct"),
@@ -96,8 +74,8 @@ COLUMNS = {  # what metrics() returns, per reward
 
 
 def check_digits(name, backbone, spec):
-    """ValueError (one line) when the reward `name` reads the miniatures' digits and the backbone
-    named `backbone` (spec: its row of backbones.BACKBONES) draws none."""
+    """ValueError when the reward `name` reads digits that the backbone `backbone` (spec: its row
+    of backbones.BACKBONES) does not draw."""
     if name in DIGIT_REWARDS and "folder" not in spec:
         raise ValueError(
             f"the {name} reward reads the 16x16 handwritten digits that only the mini-* backbones "
@@ -106,8 +84,7 @@ def check_digits(name, backbone, spec):
 
 
 def check_prompts(name, prompts):
-    """ValueError (one line, naming the prompt) for a prompt the reward `name` cannot score: OCR
-    needs a "quoted" target text, GenEval one of its templates."""
+    """ValueError naming the first prompt the reward `name` cannot score."""
     if name in DIGIT_REWARDS:
         for prompt in prompts:
             digit_of(prompt)
@@ -121,19 +98,14 @@ def check_prompts(name, prompts):
 
 @torch.no_grad()
 def metrics(reward, name, latents, prompts, noise, cond):
-    """name -> (N,) float tensor: the reward, and for OCR the edit score, for GenEval the binary
-    correctness (GenEval's own accuracy) beside it."""
-    if name == "ocr":
+    """name -> (N,) float tensor: the reward, and beside it OCR's edit score, GenEval's binary
+    correctness or the digit classifier's accuracy."""
+    if name in IMAGE_CONTENT:
         rows = reward.details(latents, prompts)
+        keys = ("recall", "edit") if name == "ocr" else ("reward", "correct")
         return {
-            "ocr": torch.tensor([row["recall"] for row in rows]),
-            "ocr edit": torch.tensor([row["edit"] for row in rows]),
-        }
-    if name == "geneval":
-        rows = reward.details(latents, prompts)
-        return {
-            "geneval": torch.tensor([row["reward"] for row in rows]),
-            "geneval correct": torch.tensor([float(row["correct"]) for row in rows]),
+            column: torch.tensor([float(row[key]) for row in rows])
+            for column, key in zip(COLUMNS[name], keys)
         }
     if name in DIGIT_REWARDS:
         score, correct = reward.details(latents, prompts)
@@ -165,11 +137,11 @@ def check_reward(name, checkpoint=None):
         )
     if name == "digit":
         check_model_files("classifier", checkpoint)
-    if name == "preference":  # the scorer (its checkpoint) and the classifier behind its accuracy
+    if name == "preference":  # the scorer and the classifier behind its accuracy
         check_model_files("preference", checkpoint)
         check_model_files("classifier")
-    if name == "clip" and not os.path.isdir(checkpoint or CLIP_DEFAULT):
-        model = checkpoint or CLIP_DEFAULT
+    model = checkpoint or CLIP_DEFAULT
+    if name == "clip" and not os.path.isdir(model):
         hub_file(
             model,
             "config.json",
@@ -179,8 +151,8 @@ def check_reward(name, checkpoint=None):
 
 
 def check_model_files(kind, folder=None):
-    """A digit reward model's folder (digits.model_folder: "classifier" or "preference") whole:
-    ValueError in one line naming a missing or damaged file."""
+    """ValueError naming a missing or damaged file of the digit model `kind` ("classifier" or
+    "preference")."""
     folder = model_folder(kind, folder)
     advice = (
         f"restore it with `git checkout miniatures/{kind}`, or retrain it with "

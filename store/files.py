@@ -71,7 +71,7 @@ class WriteFailed(ValueError):
     """A write to a run folder failed (write_failed says why, in one line)."""
 
 
-def write_failed(path, error, needed=None):
+def write_failed(path, error, needed=None, then=None):
     """The one line that ends a run whose write failed: which folder, why, and (disk full) how much
     free space the write needs."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -80,8 +80,8 @@ def write_failed(path, error, needed=None):
         size = f"{needed / 2**20:.1f} MiB free" if needed else "more free space"
         return WriteFailed(
             f"could not write {path}: the disk is full ({free / 2**20:.1f} MiB free in {folder}, "
-            f"the write needs {size}); free some space and run the same command again: it "
-            "continues from the last checkpoint"
+            f"the write needs {size}); free some space and "
+            + (then or "run the same command again: it continues from the last checkpoint")
         )
     if error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
         return WriteFailed(
@@ -158,7 +158,10 @@ def lock_run(out_dir):
     return handle
 
 
-# what train.py writes into a run folder (run.lock first, when it takes the folder)
+# The marker of an output folder: the program that took it. A folder is a program's only if it
+# carries this file with its name; the program writes, replaces or deletes only the files it writes.
+MARKER = "written-by.json"
+# what train.py writes into a run folder
 RUN_FILES = (
     "ckpt.pt",
     "metrics.jsonl",
@@ -171,12 +174,55 @@ RUN_FILES = (
 )
 
 
-def foreign_files(out_dir):
-    """The files of RUN_FILES that `out_dir` holds although no run of train.py took it (it has no
-    run.lock): a user's, which a run would overwrite."""
-    if os.path.exists(os.path.join(out_dir, "run.lock")):
-        return []
-    return [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+def claim_folder(out_dir, program, outputs, flag="--out-dir"):
+    """Take out_dir for `program` (train.py, sample.py, evaluate.py) before anything reads its
+    state: the lock first (lock_run: one writer at a time), then the marker. A folder with our
+    marker is ours; one without it is taken (and marked) only if it holds none of `outputs`, the
+    names we write, so that a user's files are never overwritten. ValueError in one line otherwise,
+    and the folder is left as it was. Returns the claim for `release`: (lock, out_dir, what this
+    call added: the folder, or the lock and marker files)."""
+    top = os.path.abspath(out_dir)  # the outermost folder this call will make, if any
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
+    added = [top] if not os.path.exists(top) else []
+    lock_path, marker = os.path.join(out_dir, "run.lock"), os.path.join(out_dir, MARKER)
+    added += [] if added or os.path.exists(lock_path) else [lock_path]
+    lock = lock_run(out_dir)
+    claim = (lock, out_dir, added)
+    try:
+        if os.path.isfile(marker):
+            owner = read_json(marker, f"move it away, or pass another {flag}")
+            if not isinstance(owner, dict) or owner.get("program") != program:
+                held = owner.get("program") if isinstance(owner, dict) else None
+                raise ValueError(
+                    f"{flag} {out_dir} holds the outputs of {held}, not of {program} ({MARKER}); "
+                    f"pass another {flag}"
+                )
+            return claim
+        clash = [name for name in outputs if os.path.lexists(os.path.join(out_dir, name))]
+        if clash:  # a user's files where we would write our own: never overwritten
+            raise ValueError(
+                f"{flag} {out_dir} holds {', '.join(clash)}, which no run of {program} wrote "
+                f"(there is no {MARKER}); pass another {flag}, or move them away"
+            )
+        write_json_atomic(marker, dict(program=program))
+        added += [] if added[:1] == [top] else [marker]
+        return claim
+    except (ValueError, OSError):
+        release(claim)
+        raise
+
+
+def release(claim):
+    """Let go of a folder whose start was refused: the lock closed, and what the claim added
+    removed (the folder it made, or the lock and marker files it wrote into a user's folder)."""
+    lock, out_dir, added = claim
+    lock.close()
+    for path in added:
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.isfile(path):
+            os.remove(path)
 
 
 def metric_rows(path):
@@ -197,15 +243,14 @@ def metric_rows(path):
     return rows, torn
 
 
-def claim_run(out_dir, fresh):
-    """Take out_dir for this run (lock_run; ValueError in one line if another run holds it). A
-    fresh run (no checkpoint) finding a metrics.jsonl finds what a run that failed before its first
-    checkpoint left: it is kept as metrics.jsonl.failed (replacing an older one), with a note, so
-    that the two runs' rows are never mixed. Returns the lock: keep it referenced."""
-    lock = lock_run(out_dir)
-    for name in os.listdir(out_dir):  # what a write cut short left (write_bytes_atomic)
-        if name.endswith(".tmp"):
-            os.remove(os.path.join(out_dir, name))
+def start_run(out_dir, fresh):
+    """A run folder taken (claim_folder) is readied for its run: what a write of ours cut short
+    (write_bytes_atomic's <name>.tmp) is removed, and a fresh run (no checkpoint) finding a
+    metrics.jsonl finds what a run that failed before its first checkpoint left: it is kept as
+    metrics.jsonl.failed (replacing an older one), with a note, so that two runs' rows never mix."""
+    for name in RUN_FILES:
+        if os.path.isfile(os.path.join(out_dir, name + ".tmp")):
+            os.remove(os.path.join(out_dir, name + ".tmp"))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if fresh and os.path.isfile(metrics_path):
         rows, _ = metric_rows(metrics_path)
@@ -214,7 +259,6 @@ def claim_run(out_dir, fresh):
             f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first "
             f"checkpoint; moved to {metrics_path}.failed, this run starts afresh"
         )
-    return lock
 
 
 @contextlib.contextmanager

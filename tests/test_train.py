@@ -336,7 +336,7 @@ def test_a_run_that_failed_before_its_first_checkpoint_is_never_mixed_with_the_n
 ):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "run.lock").write_text("12345\n")  # what train.py wrote when it took the folder
+    (out / "written-by.json").write_text('{"program": "train.py"}')  # train.py took it
     (out / "metrics.jsonl").write_text(
         '{"iteration": 1, "reward": 0.5}\n{"iteration": 2, "rew'
     )  # a torn row too
