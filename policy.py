@@ -205,7 +205,7 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
         raise ValueError(
             f"every initial concentration must exceed {ALPHA_MIN}: concentration "
             f"{concentration} x smallest increment {increments.min().item():.3g}; "
-            "raise concentration or stop_margin"
+            "raise the concentration"
         )
     # inverse softplus log(exp(y) - 1) as y + log(1 - exp(-y)): accurate for y = 1e-6 and y = 1e4
     return target + torch.log(-torch.expm1(-target))

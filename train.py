@@ -21,6 +21,7 @@ checkpoint, or reports a finished one.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import json
@@ -43,6 +44,7 @@ from comparator import tpdm
 from prompts import SHIPPED, context_noise, context_seed, heldout_contexts, load_prompt_file
 from scoring import paired
 from scoring.figures import context_labels, plot_training
+from scoring.realism import NEIGHBOURS
 from store import checkpoint, files, track
 
 # -----------------------------------------------------------------------------
@@ -108,11 +110,9 @@ class Config:
     threads: int | None = arg(1, "CPU threads (1 suits the small backbones); none: torch's", 1)
 
 
-# Each backbone's training configuration, every value written out (the rest is Config's). The paper
-# states K = 2 and a "batch size" of 32 (SD-XL, SD3.5-M) or 16 (SD3.5-L, Flux-Dev), not whether it
-# counts contexts or samples; B = 32 / 16 contexts is this project's reading, and the rest are this
-# project's choices. rollout_batch: samples per backbone call, for GPU memory; threads: None is
-# torch's own count (a real model's large tensors use every core).
+# Each backbone's training configuration (the rest is Config's). The paper states K = 2 and a
+# "batch size" of 32 (SD-XL, SD3.5-M) or 16 (SD3.5-L, Flux-Dev); reading it as B contexts, and the
+# rest, are this project's choices. threads None: torch's own count (real models use every core).
 REAL = dict(
     steps=4,
     rollouts=2,
@@ -150,8 +150,7 @@ PRESETS = {
     "mini-sd3": MINIATURE,
     "mini-flux": MINIATURE,
     "mini-sdxl": MINIATURE,
-    # the distilled miniature's own step count, as flux-schnell's: a schedule for a few-step model
-    # is asked at the budget it was distilled for
+    # a few-step distilled model is asked at the budget it was distilled for
     "mini-flux-schnell": dict(MINIATURE, steps=4),
 }
 CHOICES = dict(
@@ -228,14 +227,14 @@ MAX_SEED = 2**27
 
 
 def fail(message):
-    raise SystemExit(f"error: {message}")
+    """Stop in one line: under torchrun every rank checks, and rank 0 says why."""
+    raise SystemExit(f"error: {message}" if int(os.environ.get("RANK", "0")) == 0 else 1)
 
 
 def check(config, world_size):
-    """What argparse cannot say fails here in one line (SystemExit), before anything heavy loads,
-    and nothing a run folder holds is changed. Returns the training and held-out prompts (None: the
-    backbone's own), the checkpoint out_dir already holds (or None) and where the backbone's files
-    are, each checked whole (backbones.check_files)."""
+    """What argparse cannot say fails here in one line, before anything heavy loads and with the
+    run folder unchanged. Returns the training and held-out prompts (None: the backbone's own), the
+    checkpoint out_dir holds (or None), where the backbone's files are, and the folder's claim."""
     for item in dataclasses.fields(Config):  # the bounds declared with each field (arg)
         value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
         least, positive = item.metadata["least"], item.metadata["positive"]
@@ -279,6 +278,17 @@ def check(config, world_size):
             f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
             "--device cpu to insist (or try --backbone digits)"
         )
+    side = spec["resolution"]
+    if spec["hub_id"] is None and config.resolution not in (None, side):
+        fail(
+            f"--resolution {config.resolution}: {config.backbone} draws {side}x{side} images (its "
+            "reward and realism measure read that size); drop --resolution"
+        )
+    if "folder" in spec and config.eval_contexts <= NEIGHBOURS:
+        fail(
+            f"--eval-contexts must be at least {NEIGHBOURS + 1} on a miniature (got "
+            f"{config.eval_contexts}): its realism measure compares {NEIGHBOURS}-nearest neighbours"
+        )
     if config.threads and config.threads > (os.cpu_count() or 1):
         print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores")
         config.threads = os.cpu_count()
@@ -298,33 +308,29 @@ def check(config, world_size):
         reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
     except ValueError as error:
         fail(error)
+    missing, location = [], None  # every missing model in one message, before either loads
+    try:
+        reward_lib.check_reward(config.reward, config.reward_checkpoint)
+    except ValueError as error:
+        missing.append(str(error))
+    try:  # where the backbone's files are, each checked whole
+        location = backbones.check_files(config.backbone, config.model_path)
+    except ValueError as error:
+        missing.append(str(error))
+    if missing:
+        fail("; ".join(missing))
     claim = None  # the folder taken (one writer, our marker) before its state is read
     try:
         if int(os.environ.get("RANK", "0")) == 0:
-            try:
+            with contextlib.suppress(OSError):  # read-only: a finished run is still reported
                 claim = files.claim_folder(config.out_dir, "train.py", files.RUN_FILES)
-            except OSError:  # read-only: a finished run is still reported (below)
-                pass
         found = checkpoint.existing_run(saved(config))
         if not finished(config, found):
             files.check_writable(config.out_dir)
-        missing, location = [], None  # every missing model in one message, before either loads
-        try:
-            reward_lib.check_reward(config.reward, config.reward_checkpoint)
-        except ValueError as error:
-            missing.append(str(error))
-        try:  # where the backbone's files are, each checked whole
-            location = backbones.check_files(config.backbone, config.model_path)
-        except ValueError as error:
-            missing.append(str(error))
-        if missing:
-            fail("; ".join(missing))
         return prompts, heldout, found, location, claim
-    except (ValueError, SystemExit) as error:
+    except ValueError as error:
         if claim is not None:  # a refused start leaves the folder as it was
             files.release(claim)
-        if isinstance(error, SystemExit):
-            raise
         fail(error)
 
 
@@ -335,8 +341,7 @@ def finished(config, found):
 
 
 def report_finished(config, found):
-    """The same command again on a finished run: say what is there, neither failing nor
-    overwriting."""
+    """The same command again on a finished run: what is there, neither failing nor overwriting."""
     eval_path = os.path.join(config.out_dir, "eval.json")
     again = "delete it and run the same command again to write the held-out report afresh"
     try:
@@ -350,6 +355,10 @@ def report_finished(config, found):
         f"held-out table:\n{paired.format_table(report['rows'])}\nto train again, pass another "
         f"--out-dir (or --iterations N > {found['iteration']} to continue)"
     )
+    ignored = [flag for flag in ("figure", "track") if getattr(config, flag)]
+    if ignored:
+        flags = " and ".join("--" + flag for flag in ignored)
+        print(f"note: {flags} apply to a run that trains; this one is finished")
 
 
 # -----------------------------------------------------------------------------
@@ -365,8 +374,7 @@ def get_lr(config, iteration):
 
 
 def make_optimizer(config, parameters):
-    """AdamW with beta1 0.9 and the configuration's beta2, epsilon and weight decay. foreach: one
-    kernel per operation for all the policy's tensors (on a CPU the same numbers, faster)."""
+    """AdamW with beta1 0.9; foreach: one kernel per operation over all the policy's tensors."""
     return torch.optim.AdamW(
         parameters,
         lr=config.lr,
@@ -639,11 +647,12 @@ def check_finite(config, iteration, rewards, ckpt_path):
     if os.path.isfile(ckpt_path):
         last = f"{ckpt_path} holds the last good state"
     bad = int((~torch.isfinite(rewards)).sum())
-    fail(
-        f"iteration {iteration + 1}: {bad} rewards are NaN or inf: the policy diverged (learning "
-        f"rate too high? --lr {config.lr:g}) or the backbone ({config.dtype or 'default'} dtype) "
-        f"or the reward model overflowed; {last}"
-    )
+    guidance = "" if config.guidance is None else f", --guidance {config.guidance:g}"
+    models = f"the backbone ({config.dtype or 'default'} dtype{guidance}) or the reward model"
+    cause = f"the policy diverged (learning rate too high? --lr {config.lr:g}) or {models}"
+    if iteration == 0:  # no update yet: the schedules are the initial policy's
+        cause = f"before any update, so {models}"
+    fail(f"iteration {iteration + 1}: {bad} rewards are NaN or inf: {cause} overflowed; {last}")
 
 
 def draw_training(config, backbone, policy, heldout):
@@ -660,6 +669,7 @@ def draw_training(config, backbone, policy, heldout):
 
 
 if __name__ == "__main__":
+    sys.stdout.reconfigure(errors="backslashreplace")  # the tables' "±" on any terminal
     CONFIG = parse_config()
     try:
         main(CONFIG)
