@@ -15,10 +15,10 @@ One GPU, HPSv2 and CLIP on the 3,200 HPDv2 test prompts (once: `hf download zhwa
         --schnell --limit 400
 
 Writes under --out-dir (default: eval/ next to the checkpoint): results.md (mean and 95% CI per
-method, paired difference to default with its CI, per style for HPDv2), scores.json (every score,
-per method, reward and context) and, with --figure, results.png. A rerun loads scores.json and
-scores only what is missing, so an interrupted run resumes and --limit can be raised later
-(scores.json is written every 30 s, at the end and at a Ctrl-C: a kill loses at most 30 s).
+method, paired difference to the default with its CI, per style for HPDv2), scores.json (every
+score, per method, reward and context) and, with --figure, results.png. A rerun scores only what
+scores.json lacks (written every SAVE_EVERY seconds, at the end and at a Ctrl-C), so an interrupted
+run resumes and --limit can be raised later.
 """
 
 import argparse
@@ -81,22 +81,17 @@ add("--batch-size", type=int, help="contexts per batch; default 8 at 512 px and 
 add("--device", help="default: cuda when available, else cpu")
 
 
-# -----------------------------------------------------------------------------
-# command line: checkpoints, prompt sets, resumable scores, report
-
 SAVE_EVERY = 30.0  # seconds between writes of scores.json (and at the end, and at a Ctrl-C)
+PARTS = ("rows", "contexts", "scores", "times")  # what scores.json holds
 
 
 def score_store(path, rows):
-    """evaluate.py's resumable scores (scores.json: rows, contexts, scores, times), empty when
-    absent. ValueError in one line if the file is damaged or defines one of `rows` otherwise."""
-    store = dict(rows={}, contexts={}, scores={}, times={})
+    """evaluate.py's resumable scores.json (rows, contexts, scores, times), empty when absent;
+    ValueError in one line if it is damaged or defines one of `rows` otherwise."""
     advice = "move it away to score afresh, or use another --out-dir"
-    if os.path.isfile(path):
-        store = read_json(path, advice)
-        parts = ("rows", "contexts", "scores", "times")
-        if not isinstance(store, dict) or not all(isinstance(store.get(k), dict) for k in parts):
-            raise ValueError(f"{path} is not a scores.json of evaluate.py; {advice}")
+    store = read_json(path, advice) if os.path.isfile(path) else {part: {} for part in PARTS}
+    if not isinstance(store, dict) or not all(isinstance(store.get(k), dict) for k in PARTS):
+        raise ValueError(f"{path} is not a scores.json of evaluate.py; {advice}")
     for name, value in rows.items():
         if store["rows"].setdefault(name, value) != value:
             raise ValueError(
@@ -107,9 +102,9 @@ def score_store(path, rows):
 
 
 def check_args(args):
-    """evaluate.py's command line against its checkpoints, before anything heavy is loaded (bad
-    input raises ValueError): returns the policies to evaluate (name -> (path, checkpoint,
-    policy)), the reward names, reward -> local weights and the output folder."""
+    """evaluate.py's command line against its checkpoints, before anything heavy loads (ValueError
+    in one line): returns name -> (path, checkpoint, policy) of the policies to evaluate, the reward
+    names, reward -> local weights and the output folder."""
     checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
     config = checkpoint["config"]
     backbones.check_trained_on(config, args.ckpt)
@@ -148,13 +143,11 @@ def default_batch_size(backbone):
 
 def main(argv=None):
     args = parser.parse_args(argv)
-
     try:  # cheap checks before anything heavy
         policies, reward_names, local, out_dir = check_args(args)
         config = policies["learned"][1]["config"]
         steps, trained_on = config["steps"], config["backbone"]
-        # the table is grouped by styles: HPDv2's, or a .jsonl's "style" or "tag"
-        prompt_list, styles = None, None
+        prompt_list, styles = None, None  # styles group the tables: HPDv2's, a .jsonl's style/tag
         if args.hpdv2:
             prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
         elif prompt_file := args.prompts or config["eval_prompts"]:
@@ -290,11 +283,11 @@ def main(argv=None):
             lines += [f"## {column}" + (f", {group}" if group else ""), ""]
             lines += [format_table(summarize(masked)), ""]
         if groups:  # GenEval's overall score is this mean over its tasks
-            overall = []
-            for row, values in scores.items():
-                mean = sum(values[masks[group]].mean() for group in groups) / len(groups)
-                overall.append(f"{row} {mean:.4g}")
-            lines += [f"mean over the {len(groups)} groups: " + ", ".join(overall), ""]
+            overall = ", ".join(
+                f"{row} {sum(values[masks[group]].mean() for group in groups) / len(groups):.4g}"
+                for row, values in scores.items()
+            )
+            lines += [f"mean over the {len(groups)} groups: {overall}", ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
     try:
         write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)])

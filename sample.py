@@ -1,8 +1,7 @@
 """
 Sample with a learned schedule and with the backbone's default schedule, from the same noise, next
-to the teacher's solution; draw where the schedules put their steps.
-
-Everything (policy, backbone, L) is rebuilt from the checkpoint alone.
+to the teacher's solution; draw where the schedules put their steps. Everything (policy, backbone,
+L) is rebuilt from the checkpoint alone.
 
 CPU, the embedded digits backbone (after `python train.py`; one context per class by default):
     python sample.py
@@ -17,19 +16,14 @@ diffusers pipeline; --export: a global schedule for other tools):
     python sample.py --ckpt $RUN/policy --prompt "a red fox" --pipeline
     python sample.py --ckpt out/digits-L4-global-s0/policy --export schedule.json
 
-Writes under --out-dir (default: samples/ next to the checkpoint): one PNG per context and method
-(NNN_<prompt>_seedS_default.png / _learned.png / _teacher.png; small images are upscaled with
-nearest neighbours), grid.png (rows = contexts, columns = default | learned | teacher, each image
-titled with its mean squared distance to the teacher), schedules.png (time per step index, one
-colour per context, against the default) and schedules.json (the times used, per context). Each
-context is compared by the run's own reward (the preference reward on the miniatures; the distance
-to the teacher where that is the reward), with the distance to the teacher beside it. With
---pipeline the images come from the diffusers pipeline itself (backbones.pipeline.generate for the
-learned schedule, the pipeline's own call for the default, from the same seeds): *_default.png and
-*_learned.png.
+Writes under --out-dir (default: samples/ next to the checkpoint) one image per context and method
+(*_default.png, *_learned.png, *_teacher.png), grid.png (each image titled with its score by the
+run's reward), schedules.png and schedules.json (the times used); with --pipeline, *_default.png
+and *_learned.png from the diffusers pipeline itself (backbones.pipeline.generate).
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -70,9 +64,39 @@ add("--steps", type=int, help="expected L; an error if the checkpoint was traine
 add("--batch-size", type=int, default=8, help="contexts per backbone call")
 add("--device", help="default: cuda when available, else cpu")
 
-# -----------------------------------------------------------------------------
-
 MIN_SIDE = 128  # smaller images (digits: 8x8) are upscaled with nearest neighbours to at least this
+GRID_CONTEXTS = 16  # contexts drawn in grid.png (each context's images are written whole)
+AGAIN = "run the same command again"
+# what sample.py writes into its --out-dir: these, and one image per context and method
+OUTPUTS = ("grid.png", "schedules.png", "schedules.json")
+IMAGE = re.compile(r"\d{3,}_[a-z0-9-]+_seed\d+_(default|learned|teacher)\.png")
+
+
+def check_args(args):
+    """sample.py's command line against its checkpoint, before anything heavy loads (ValueError in
+    one line): returns the run's config, policy, prompts, device and output folder."""
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size})")
+    device = backbones.check_device(args.device)
+    ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
+    config = ckpt["config"]
+    backbones.check_trained_on(config, args.ckpt)
+    prompts = args.prompt + (load_prompt_file(args.prompts) if args.prompts else [])
+    spec = backbones.BACKBONES[config["backbone"]]
+    if not prompts and spec.get("prompts"):  # the miniatures' held-out paraphrases
+        prompts = load_prompt_file(spec["prompts"][1])[:10]
+    if not prompts and spec["family"] != "mixture":
+        raise ValueError(f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE")
+    if args.pipeline and policy.pipeline_refusal:
+        raise ValueError(policy.pipeline_refusal)
+    if args.pipeline and spec["family"] == "mixture":
+        raise ValueError(f"--pipeline needs a diffusers backbone, not {config['backbone']!r}")
+    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
+    if args.export:
+        check_writable(os.path.dirname(os.path.abspath(args.export)), "--export")
+    else:
+        check_writable(out_dir)
+    return config, policy, prompts, device, out_dir
 
 
 def to_pil(image):
@@ -91,58 +115,46 @@ def slug(prompt, length=40):
     return re.sub(r"[^a-zA-Z0-9]+", "-", prompt).strip("-")[:length].lower() or "prompt"
 
 
-def image_name(index, prompt, seed, method):
-    return f"{index:03d}_{slug(prompt)}_seed{seed}_{method}.png"
-
-
 @torch.no_grad()
 def sample_contexts(
     backbone, policy, prompts, seeds, stochastic=False, draw_seed=0, batch_size=8, reward=None
 ):
-    """For contexts (prompts[i], seeds[i]), from the same noise: the default and the learned
-    schedule's images, times, mean squared distance (in latent space) to the teacher and score, and
-    the teacher's images. The score is `reward`'s (the signature in rewards/__init__.py), or minus
-    the distance (the teacher reward) when None. Returns dict method -> (images (N, 3, H, W) on CPU,
-    times (N, L+1) or None, errors (N,), scores (N,))."""
+    """Contexts (prompts[i], seeds[i]) sampled from the same noise by the default schedule, the
+    learned one and the teacher. Returns method -> (images (N, 3, H, W) on CPU, times (N, L+1) or
+    None, latent mean squared distance to the teacher (N,), score by `reward` or, when None, minus
+    that distance (N,))."""
     generator = torch.Generator().manual_seed(draw_seed)
     mode = "sample" if stochastic else "mean"
     methods = {
         "default": default_schedule(backbone, policy.steps),
         "learned": policy_schedule(policy, backbone, mode=mode, generator=generator),
+        "teacher": None,
     }
-    results = {name: ([], [], [], []) for name in [*methods, "teacher"]}
+    batches = {name: [] for name in methods}
     for start in range(0, len(prompts), batch_size):
+        batch_prompts = prompts[start : start + batch_size]
         noise = context_noise(backbone, seeds[start : start + batch_size])
-        cond = backbone.encode_prompts(prompts[start : start + batch_size])
+        cond = backbone.encode_prompts(batch_prompts)
         teacher = backbone.reference(noise, cond)
-        for name, method in [*methods.items(), ("teacher", None)]:
+        for name, method in methods.items():
             times, latents = (
                 (None, teacher) if method is None else run_method(backbone, method, noise, cond)
             )
-            results[name][0].append(backbone.decode(latents).float().cpu())
-            results[name][1].append(None if times is None else times.float().cpu())
+            images = backbone.decode(latents).float().cpu()
             error = (latents.float() - teacher.float()).square().flatten(1).mean(1)
-            results[name][2].append(error.cpu())
-            score = -error
-            if reward is not None:
-                score = reward(latents, prompts[start : start + batch_size], noise, cond)
-            results[name][3].append(score.float().cpu())
+            score = -error if reward is None else reward(latents, batch_prompts, noise, cond)
+            times = None if times is None else times.float().cpu()
+            batches[name].append((images, times, error.cpu(), score.float().cpu()))
     return {
-        name: (
-            torch.cat(images),
-            None if times[0] is None else torch.cat(times),
-            torch.cat(errors),
-            torch.cat(scores),
-        )
-        for name, (images, times, errors, scores) in results.items()
+        name: tuple(None if column[0] is None else torch.cat(column) for column in zip(*rows))
+        for name, rows in batches.items()
     }
 
 
 @torch.no_grad()
 def pipeline_contexts(backbone, policy, prompts, seeds):
-    """The diffusers pipeline's own images for contexts (prompts[i], seeds[i]): its default
-    schedule, and the learned one through backbones.pipeline.generate, both from the noise of
-    torch.Generator(seed)."""
+    """The diffusers pipeline's own images for contexts (prompts[i], seeds[i]) with its default
+    schedule and the learned one (backbones.pipeline.generate), both from torch.Generator(seed)."""
     from backbones.pipeline import generate  # diffusers' schedulers load only on this path
 
     results = {"default": [], "learned": []}
@@ -150,12 +162,10 @@ def pipeline_contexts(backbone, policy, prompts, seeds):
     options = dict(height=side, width=side, guidance_scale=guidance)
     for prompt, seed in zip(prompts, seeds):  # a generator per call: both start from one noise
         noise = torch.Generator().manual_seed(seed)
-        default = backbone.pipe(
-            prompt, num_inference_steps=policy.steps, generator=noise, **options
-        )
+        stock = backbone.pipe(prompt, num_inference_steps=policy.steps, generator=noise, **options)
         noise = torch.Generator().manual_seed(seed)
         learned = generate(backbone.pipe, policy, prompt, generator=noise, **options)
-        results["default"] += default.images
+        results["default"] += stock.images
         results["learned"] += learned.images
     return results
 
@@ -193,17 +203,17 @@ def save_figures(out_dir, contexts, results, label, measure):
     size = (2.4 * len(names), 2.5 * len(contexts))
     figure, axes = plt.subplots(len(contexts), len(names), figsize=size, squeeze=False)
     for row, (prompt, seed) in enumerate(contexts):
-        for col, name in enumerate(names):
+        for ax, name in zip(axes[row], names):
             images, _, _, scores = results[name]
-            axes[row][col].imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
-            title = f"{name}: {scores[row]:.4f}" if name != "teacher" else "teacher"
+            ax.imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
+            gain = per_context[row]
+            title = "teacher" if name == "teacher" else f"{name}: {scores[row]:.4f}"
             if name == "learned":  # this context's gain or loss: a mean gain has per-context losses
-                gain = per_context[row]
                 title += f"\n{'better' if gain > 0 else 'worse'} by {abs(gain):.4f}"
-            axes[row][col].set(xticks=[], yticks=[], title=title)
-            axes[row][col].title.set_fontsize(7)
+            ax.set(xticks=[], yticks=[], title=title)
+            ax.title.set_fontsize(7)
             if name == "learned":
-                axes[row][col].title.set_color("tab:green" if per_context[row] > 0 else "tab:red")
+                ax.title.set_color("tab:green" if gain > 0 else "tab:red")
         axes[row][0].set_ylabel(f"{prompt[:40]}\nseed {seed}", fontsize=7)
     title = f"each image's {measure} (higher is better); {verdict(results, measure)}"
     figure.suptitle(title, fontsize=7, wrap=True)
@@ -220,24 +230,18 @@ def save_figures(out_dir, contexts, results, label, measure):
 
 
 def run_reward(config, backbone, device):
-    """The run's own reward and its name in the printed comparisons; the teacher reward is the
-    distance to the teacher, computed anyway (None). A reward that cannot load here falls back to
-    that distance, with a note."""
+    """The run's own reward and its name in the printed comparisons; None (minus the distance to
+    the teacher, computed anyway) for the teacher reward or, with a note, one that cannot load."""
     name = config["reward"]
-    if name == "teacher":
-        return None, "minus the distance to the teacher"
-    try:
-        check_reward(name, config["reward_checkpoint"])
-        reward = load_reward(name, backbone, device=device, checkpoint=config["reward_checkpoint"])
-        return reward, f"the {name} reward"
-    except (ImportError, ValueError, OSError) as error:
-        print(f"note: the {name} reward is not available ({error}); comparing by the teacher")
-        return None, "minus the distance to the teacher"
-
-
-# what sample.py writes into its --out-dir: these, and one image per context and method
-OUTPUTS = ("grid.png", "schedules.png", "schedules.json")
-IMAGE = re.compile(r"\d{3,}_[a-z0-9-]+_seed\d+_(default|learned|teacher)\.png")
+    if name != "teacher":
+        try:
+            checkpoint = config["reward_checkpoint"]
+            check_reward(name, checkpoint)
+            reward = load_reward(name, backbone, device=device, checkpoint=checkpoint)
+            return reward, f"the {name} reward"
+        except (ImportError, ValueError, OSError) as error:
+            print(f"note: the {name} reward is not available ({error}); comparing by the teacher")
+    return None, "minus the distance to the teacher"
 
 
 def our_outputs(out_dir):
@@ -246,74 +250,52 @@ def our_outputs(out_dir):
     return [name for name in names if name in OUTPUTS or IMAGE.fullmatch(name)]
 
 
-def write_outputs(out_dir, write):
-    """write() into out_dir (ours: store.files.claim_folder took it), after removing what an
-    earlier sampling wrote there, so that two samplings never mix; a write that fails ends in one
-    line."""
+@contextlib.contextmanager
+def writing(out_dir, contexts, pictures):
+    """Write one PNG per context and method (pictures: method -> PIL images) into out_dir (ours:
+    store.files.claim_folder took it), then the caller's files, after removing what an earlier
+    sampling wrote there, so that two samplings never mix; a failed write ends in one line."""
     try:
         for name in our_outputs(out_dir):
             os.remove(os.path.join(out_dir, name))
-        write()
+        for index, (prompt, seed) in enumerate(contexts):
+            for name, images in pictures.items():
+                images[index].save(
+                    os.path.join(out_dir, f"{index:03d}_{slug(prompt)}_seed{seed}_{name}.png")
+                )
+        yield
     except OSError as error:
-        raise SystemExit(
-            f"sample.py: error: {write_failed(error.filename or out_dir, error, then=AGAIN)}"
-        ) from None
-
-
-AGAIN = "run the same command again"
-GRID_CONTEXTS = 16  # contexts drawn in grid.png (each context's images are written whole)
+        failed = write_failed(error.filename or out_dir, error, then=AGAIN)
+        raise SystemExit(f"sample.py: error: {failed}") from None
 
 
 def main(argv=None):
     args = parser.parse_args(argv)
     claim = None  # the output folder, once taken
     try:  # every input is checked before the backbone loads, and nothing is written before
-        if args.batch_size < 1:
-            raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size})")
-        device = backbones.check_device(args.device)
-        ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
-        config = ckpt["config"]
-        backbones.check_trained_on(config, args.ckpt)
-        prompts = list(args.prompt) + (load_prompt_file(args.prompts) if args.prompts else [])
-        spec = backbones.BACKBONES[config["backbone"]]
-        shipped = spec.get("prompts")  # the miniatures' held-out paraphrases
-        if not prompts and shipped:
-            prompts = load_prompt_file(shipped[1])[:10]
-        if not prompts and spec["family"] != "mixture":
-            raise ValueError(
-                f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE"
-            )
-        if args.pipeline and policy.pipeline_refusal:
-            raise ValueError(policy.pipeline_refusal)
-        if args.pipeline and spec["family"] == "mixture":
-            raise ValueError(f"--pipeline needs a diffusers backbone, not {config['backbone']!r}")
-        default_out = os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
-        out_dir = args.out_dir or default_out
-        if args.export:
-            check_writable(os.path.dirname(os.path.abspath(args.export)), "--export")
-        else:  # ours only: a folder of a user's files is refused (one writer at a time)
-            check_writable(out_dir)
-            claim = claim_folder(out_dir, "sample.py", OUTPUTS + tuple(our_outputs(out_dir)))
+        config, policy, prompts, device, out_dir = check_args(args)
+        if not args.export:  # ours only: a folder of a user's files is refused (one writer)
+            claim = claim_folder(out_dir, "sample.py", our_outputs(out_dir))
         torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
         backbone = backbones.trained_backbone(config, device)
         check_fits(policy, backbone, args.ckpt)
         backbone.check_prompts(prompts, config["reward"])
-        contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
-        if len(set(contexts)) < len(contexts):
-            print(f"note: {len(contexts) - len(set(contexts))} repeated context(s) sampled once")
-            contexts = list(dict.fromkeys(contexts))
     except ValueError as error:
-        if claim is not None:
+        if claim:
             release(claim)
         sys.exit(f"sample.py: error: {error}")
+    contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
+    if len(set(contexts)) < len(contexts):
+        print(f"note: {len(contexts) - len(set(contexts))} repeated context(s) sampled once")
+        contexts = list(dict.fromkeys(contexts))
     try:
         produce(args, config, policy, backbone, contexts, out_dir, device)
     except BaseException:  # a refusal, a full disk, Ctrl-C: a folder this call made is removed
-        if claim is not None and claim[2]:
+        if claim and claim[2]:
             release(claim)
         raise
     finally:
-        if claim is not None:
+        if claim:
             claim[0].close()
 
 
@@ -324,15 +306,10 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
 
         try:
             schedule = schedule_json(policy, backbone)
-        except ValueError as error:
-            sys.exit(f"sample.py: error: {error}")
-
-        def write_schedule():
             with open(args.export, "w") as handle:
                 json.dump(schedule, handle, indent=1)
-
-        try:
-            write_schedule()
+        except ValueError as error:
+            sys.exit(f"sample.py: error: {error}")
         except OSError as error:
             sys.exit(f"sample.py: error: {write_failed(args.export, error, then=AGAIN)}")
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
@@ -341,56 +318,38 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
     prompts, seeds = [prompt for prompt, _ in contexts], [seed for _, seed in contexts]
     policy = policy.to(backbone.device)
     if args.pipeline:
-        images = pipeline_contexts(backbone, policy, prompts, seeds)
-
-        def write_pipeline_images():
-            for index, (prompt, seed) in enumerate(contexts):
-                for name, pictures in images.items():
-                    path = os.path.join(out_dir, image_name(index, prompt, seed, name))
-                    pictures[index].save(path)
-
-        write_outputs(out_dir, write_pipeline_images)
-        return print(f"wrote {2 * len(contexts)} images from the diffusers pipeline to {out_dir}")
+        pictures = pipeline_contexts(backbone, policy, prompts, seeds)
+        with writing(out_dir, contexts, pictures):
+            print(f"wrote {2 * len(contexts)} images from the diffusers pipeline to {out_dir}")
+        return
 
     reward, measure = run_reward(config, backbone, device)
     results = sample_contexts(
         backbone, policy, prompts, seeds, args.stochastic, args.draw_seed, args.batch_size, reward
     )
-    default_times = results["default"][1][0]
-    _, learned_times, learned_errors, learned_scores = results["learned"]
-    _, _, default_errors, default_scores = results["default"]
-
-    def write_samples():
-        for index, (prompt, seed) in enumerate(contexts):
-            for name, (images, _, _, _) in results.items():
-                path = os.path.join(out_dir, image_name(index, prompt, seed, name))
-                to_pil(images[index]).save(path)
+    learned, default = results["learned"], results["default"]
+    pictures = {name: [to_pil(image) for image in images] for name, (images, *_) in results.items()}
+    with writing(out_dir, contexts, pictures):
         save_figures(out_dir, contexts, results, label, measure)
-        learned = [
-            dict(prompt=prompt, seed=seed, learned=learned_times[index].tolist())
-            for index, (prompt, seed) in enumerate(contexts)
+        per_context = [
+            dict(prompt=prompt, seed=seed, learned=times.tolist())
+            for (prompt, seed), times in zip(contexts, learned[1])
         ]
         mode = "sample" if args.stochastic else "mean"
-        saved = dict(default=default_times.tolist(), learned_mode=mode, contexts=learned)
+        saved = dict(default=default[1][0].tolist(), learned_mode=mode, contexts=per_context)
         with open(os.path.join(out_dir, "schedules.json"), "w") as handle:
             json.dump(saved, handle, indent=1)
-
-    write_outputs(out_dir, write_samples)
-    for index, (prompt, seed) in enumerate(contexts):
-        times = ", ".join(f"{t:.3f}" for t in learned_times[index].tolist())
-        scored = (
-            ""
-            if reward is None
-            else (
-                f"{config['reward']} reward {learned_scores[index]:.4f} (default "
-                f"{default_scores[index]:.4f}), "
-            )
-        )
+    for (prompt, seed), times, error, score, default_error, default_score in zip(
+        contexts, *learned[1:], *default[2:]
+    ):
+        times = ", ".join(f"{t:.3f}" for t in times.tolist())
+        scored = f"{config['reward']} reward {score:.4f} (default {default_score:.4f}), "
+        scored = "" if reward is None else scored
         print(
             f"{prompt!r} seed {seed}: learned times [{times}], {scored}distance to the teacher "
-            f"{learned_errors[index]:.4f} (default {default_errors[index]:.4f})"
+            f"{error:.4f} (default {default_error:.4f})"
         )
-    print(f"default times [{', '.join(f'{t:.3f}' for t in default_times.tolist())}]")
+    print(f"default times [{', '.join(f'{t:.3f}' for t in default[1][0].tolist())}]")
     print(verdict(results, measure))
     print(
         f"wrote {3 * len(contexts)} images to {out_dir}, the grid "

@@ -585,6 +585,27 @@ CASES = [
         "seed is built from it",
     ),
     (
+        "miniature-eval-contexts-below-the-realism-k",
+        nothing,
+        NONE,
+        [*MINI, "--eval-contexts", "3"],
+        r"--eval-contexts must be at least 4 on a miniature \(got 3\): its realism measure",
+    ),
+    (
+        "miniature-resolution-other-than-16",
+        nothing,
+        NONE,
+        [*MINI, "--resolution", "32"],
+        r"--resolution 32: mini-sd3 draws 16x16 images .*; drop --resolution",
+    ),
+    (
+        "digits-resolution-ignored",
+        nothing,
+        NONE,
+        ["train.py", "--resolution", "16", "--out-dir", "{tmp}/out"],
+        r"--resolution 16: digits draws 8x8 images",
+    ),
+    (
         "sample-seed-negative",
         nothing,
         NONE,

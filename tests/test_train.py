@@ -511,6 +511,17 @@ def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path
     assert torch.load(tmp_path / "out" / "ckpt.pt", weights_only=True)["iteration"] == 2
 
 
+def test_a_non_finite_reward_before_any_update_is_blamed_on_the_models(tmp_path, monkeypatch):
+    def load_broken_reward(*args, **kwargs):
+        return lambda latents, *rest: torch.full((latents.shape[0],), float("nan"))
+
+    monkeypatch.setattr(rewards, "load_reward", load_broken_reward)
+    with pytest.raises(SystemExit) as error:
+        train.main(train.parse_config([*SHORT, "--out-dir", str(tmp_path / "out")]))
+    assert str(error.value).startswith("error: iteration 1: 16 rewards are NaN or inf: before any ")
+    assert "--lr" not in str(error.value) and "no checkpoint was written yet" in str(error.value)
+
+
 def test_help_describes_every_flag_with_its_default_and_choices(capsys):
     with pytest.raises(SystemExit):
         train.parse_config(["--help"])
