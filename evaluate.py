@@ -22,14 +22,23 @@ run resumes and --limit can be raised later.
 """
 
 import argparse
+import hashlib
+import json
 import os
+import signal
 import sys
 import time
+
+if __name__ == "__main__":  # Ctrl-C while torch and diffusers import: one line, not a traceback
+    from store.files import interrupt_quietly
+
+    interrupt_quietly("evaluate.py")
 
 import torch
 
 import backbones
 import rewards as reward_lib
+from policy import GlobalPolicy
 from prompts import (
     HELDOUT_SEED,
     heldout_contexts,
@@ -41,7 +50,14 @@ from prompts import (
 from scoring.figures import plot_results
 from scoring.paired import default_schedule, format_table, policy_schedule, score_batches, summarize
 from store.checkpoint import MAIN_RUN, check_fits, load_checkpoint
-from store.files import check_writable, read_json, write_json_atomic, write_lines_atomic
+from store.files import (
+    check_writable,
+    claim_folder,
+    read_json,
+    release,
+    write_json_atomic,
+    write_lines_atomic,
+)
 
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
 parser.error = lambda message: parser.exit(2, f"evaluate.py: error: {message}\n")  # no usage
@@ -81,24 +97,38 @@ add("--batch-size", type=int, help="contexts per batch; default 8 at 512 px and 
 add("--device", help="default: cuda when available, else cpu")
 
 
+AGAIN = "run the same command again: it scores only what scores.json lacks"
 SAVE_EVERY = 30.0  # seconds between writes of scores.json (and at the end, and at a Ctrl-C)
-PARTS = ("rows", "contexts", "scores", "times")  # what scores.json holds
+PARTS = ("rows", "rewards", "contexts", "scores", "times")  # what scores.json holds
+OUTPUTS = ("scores.json", "results.md", "results.png")  # what evaluate.py writes in --out-dir
 
 
-def score_store(path, rows):
-    """evaluate.py's resumable scores.json (rows, contexts, scores, times), empty when absent;
-    ValueError in one line if it is damaged or defines one of `rows` otherwise."""
+def score_store(path, rows, rewards=None):
+    """evaluate.py's resumable scores.json (rows, rewards, contexts, scores, times), empty when
+    absent; ValueError in one line if it is damaged, or scored one of `rows` (name -> what its
+    scores depend on) or of `rewards` (name -> its weights) with other settings."""
     advice = "move it away to score afresh, or use another --out-dir"
     store = read_json(path, advice) if os.path.isfile(path) else {part: {} for part in PARTS}
     if not isinstance(store, dict) or not all(isinstance(store.get(k), dict) for k in PARTS):
         raise ValueError(f"{path} is not a scores.json of evaluate.py; {advice}")
-    for name, value in rows.items():
-        if store["rows"].setdefault(name, value) != value:
-            raise ValueError(
-                f"{path} holds '{name}' scores of {store['rows'][name]}, not {value}: use "
-                "another --out-dir"
-            )
+    for part, entries in (("rows", rows), ("rewards", rewards or {})):
+        for name, value in entries.items():
+            if store[part].setdefault(name, value) != value:
+                raise ValueError(
+                    f"{path} holds '{name}' scores of {store[part][name]}, not {value}: use "
+                    "another --out-dir"
+                )
     return store
+
+
+def weights_digest(policy):
+    """What a policy's scores depend on, whatever file it was read from: its configuration and
+    weights, hashed."""
+    digest = hashlib.sha256(json.dumps(policy.config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(policy.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def check_args(args):
@@ -112,6 +142,12 @@ def check_args(args):
     policies = {"learned": (args.ckpt, checkpoint, learned)}
     if args.global_ckpt:  # the same backbone and L
         global_run = load_checkpoint(args.global_ckpt, trained_on, config["steps"])
+        if not isinstance(global_run[1], GlobalPolicy):
+            kind = global_run[0]["config"].get("policy", "instance")
+            raise ValueError(
+                f"--global-ckpt {args.global_ckpt} is a run of --policy {kind}; pass a run of "
+                "train.py --policy global"
+            )
         policies["global"] = (args.global_ckpt, *global_run)
     beside = ["clip"] if trained_reward == "hpsv2" else []
     for item in args.reward_checkpoint:
@@ -143,6 +179,7 @@ def default_batch_size(backbone):
 
 def main(argv=None):
     args = parser.parse_args(argv)
+    claim = None  # the output folder, once taken
     try:  # cheap checks before anything heavy
         policies, reward_names, local, out_dir = check_args(args)
         config = policies["learned"][1]["config"]
@@ -154,13 +191,19 @@ def main(argv=None):
             prompt_list, styles = load_prompt_file(prompt_file), prompt_groups(prompt_file)
         device = backbones.check_device(args.device)
         store_path = os.path.join(out_dir, "scores.json")
+        # one writer, and a folder of ours or free of our outputs, before its scores are read
+        claim = claim_folder(out_dir, "evaluate.py", OUTPUTS)
         score_store(store_path, {})  # a damaged one fails before anything loads
         torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
         backbone = backbones.trained_backbone(config, device)
         for path, _, policy in policies.values():
             check_fits(policy, backbone, path)
         backbone.check_prompts(prompt_list or [], config["reward"])
-    except ValueError as error:
+    except BaseException as error:  # a refused or failed start leaves the folder as it was
+        if claim is not None:
+            release(claim)
+        if not isinstance(error, ValueError):
+            raise
         sys.exit(f"evaluate.py: error: {error}")
     own = not (args.hpdv2 or args.prompts)  # train.py's held-out prompts: its count by default
     count = args.count or (config["eval_contexts"] if own else None)
@@ -178,18 +221,22 @@ def main(argv=None):
         except (ImportError, ValueError, OSError) as error:
             print(f"skipping reward {name!r}: {error}")
     if not rewards:
+        release(claim)
         sys.exit(f"evaluate.py: error: none of the rewards {reward_names} could be loaded")
 
-    # every row with what identifies it: stored scores of another checkpoint iteration are stale
+    # every row with what its scores depend on (the backbone's settings, the policy's weights), and
+    # every reward with its weights: stored scores of anything else are stale
+    settings = {
+        key: config.get(key) for key in ("backbone", "model_path", "resolution", "guidance")
+    }
     methods = {"default": default_schedule(backbone, steps)}
-    identity = {"default": dict(backbone=trained_on, steps=steps)}
+    identity = {"default": dict(settings, steps=steps)}
     for name, (path, run, policy) in policies.items():
         methods[name] = policy_schedule(policy.to(backbone.device), backbone)
-        iteration = run["iteration"]
-        identity[name] = dict(checkpoint=os.path.abspath(path), iteration=iteration, steps=steps)
+        identity[name] = dict(settings, steps=steps, weights=weights_digest(policy))
     runs = [(backbone, methods, "reference" if args.reference else None)]
     if args.reference:
-        identity["reference"] = dict(backbone=trained_on)
+        identity["reference"] = settings
     if args.schnell:  # the same seeds give Flux-Schnell the same noise: its rows are paired too
         try:
             options = dict(device=device, dtype=backbone.dtype, resolution=config["resolution"])
@@ -208,8 +255,9 @@ def main(argv=None):
     )
 
     try:
-        store = score_store(store_path, identity)
+        store = score_store(store_path, identity, {name: local.get(name) for name in rewards})
     except ValueError as error:
+        release(claim)
         sys.exit(f"evaluate.py: error: {error}")
     keys = [f"{seed}|{prompt}" for prompt, seed in zip(prompts, seeds)]
     contexts = zip(keys, prompts, seeds, styles)
@@ -219,15 +267,10 @@ def main(argv=None):
         stored = store["scores"].get(row, {})
         return any(keys[index] not in stored.get(reward_name, {}) for reward_name in rewards)
 
-    created = not os.path.isdir(out_dir)  # made at the first save: an early stop leaves none
-
     def save():  # a full disk or read-only storage: one line, the last scores.json kept
         try:
-            os.makedirs(out_dir, exist_ok=True)
-            write_json_atomic(store_path, store)
-        except (ValueError, OSError) as error:
-            if created and os.path.isdir(out_dir) and not os.listdir(out_dir):
-                os.rmdir(out_dir)  # no empty folder left behind
+            write_json_atomic(store_path, store, then=AGAIN)
+        except ValueError as error:
             sys.exit(f"evaluate.py: error: {error}")
 
     batch_size = args.batch_size or default_batch_size(backbone)
@@ -252,8 +295,10 @@ def main(argv=None):
     except KeyboardInterrupt:  # Ctrl-C: what is scored is kept; one line, exit 130 as a shell
         if scored:
             save()
+            claim[0].close()
             kept = f"{store_path} keeps every score made so far; the same command scores the rest"
         else:
+            release(claim)
             kept = "nothing was scored or written; the same command starts again"
         print(f"evaluate.py: interrupted: {kept}", file=sys.stderr)
         sys.exit(130)
@@ -261,10 +306,10 @@ def main(argv=None):
         save()
 
     lines = [
-        f"# Evaluation of {os.path.abspath(args.ckpt)}\n\nbackbone {trained_on}, L = {steps} "
-        f"steps, {len(prompts)} contexts (prompt + noise seed), every method on the same noise. "
-        "Mean ± half-width of the 95% Student-t interval; diff = paired difference to the default "
-        "schedule on the same contexts. Higher is better.",
+        f"# Evaluation of {os.path.relpath(args.ckpt, out_dir)}\n\nbackbone {trained_on}, L = "
+        f"{steps} steps, {len(prompts)} contexts (prompt + noise seed), every method on the same "
+        "noise. Mean ± half-width of the 95% Student-t interval; diff = paired difference to the "
+        "default schedule on the same contexts. Higher is better.",
         "",
     ]
 
@@ -290,7 +335,7 @@ def main(argv=None):
             lines += [f"mean over the {len(groups)} groups: {overall}", ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
     try:
-        write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)])
+        write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)], then=AGAIN)
     except ValueError as error:
         sys.exit(f"evaluate.py: error: {error}")
     written = f"{os.path.join(out_dir, 'results.md')} and scores.json"
@@ -299,10 +344,12 @@ def main(argv=None):
         default_times = backbone.default_times(steps).cpu()
         plot_results(os.path.join(out_dir, "results.png"), tables, learned_times, default_times)
         written += " and results.png"
+    claim[0].close()
     print(f"\nwrote {written}")
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt again
     try:
         main()
     except KeyboardInterrupt:  # before the scoring loop, which keeps its own scores

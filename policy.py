@@ -55,10 +55,15 @@ text-to-image sampler takes its L steps. Trained with
 REINFORCE and a James-Stein baseline, after Yu et al., "Designing Instance-Level Sampling Schedules
 via REINFORCE with James-Stein Shrinkage" (CVPR 2026, {{ paper_url }}). config.json names the
 backbone, L and the training configuration. Load it with `store.checkpoint.load_policy(folder or
-repo id)` and sample with `backbones.pipeline.generate(pipe, policy, prompt)`, from the repository
-that trained it.
+repo id)` and sample with `backbones.pipeline.generate(pipe, policy, prompt)`, from the
+reference implementation of the paper that trained it (library `instance-schedules`).
 """
-HUB = dict(model_card_template=MODEL_CARD, paper_url="https://arxiv.org/abs/2511.22177")
+HUB = dict(
+    model_card_template=MODEL_CARD,
+    paper_url="https://arxiv.org/abs/2511.22177",
+    library_name="instance-schedules",
+    tags=["arxiv:2511.22177", "sampling-schedule", "text-to-image"],
+)
 
 
 # -----------------------------------------------------------------------------
@@ -295,7 +300,8 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         self.config.update(init=init, init_times=json_times(init_times))
         self.config.update(concentration=concentration, stop_margin=stop_margin)
         self.steps, self.grid = steps, grid
-        assert dim % heads == 0, f"dim {dim} must be a multiple of heads {heads}"
+        if dim % heads:
+            raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
 
         # noise: a stem at full resolution, then one stage per width, each halving the resolution
         self.stem = nn.Conv2d(latent_channels, widths[0], 3, padding=1)

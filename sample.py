@@ -28,7 +28,13 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+
+if __name__ == "__main__":  # Ctrl-C while torch and diffusers import: one line, not a traceback
+    from store.files import interrupt_quietly
+
+    interrupt_quietly("sample.py")
 
 import torch
 
@@ -280,9 +286,11 @@ def main(argv=None):
         backbone = backbones.trained_backbone(config, device)
         check_fits(policy, backbone, args.ckpt)
         backbone.check_prompts(prompts, config["reward"])
-    except ValueError as error:
+    except BaseException as error:  # a refused or failed start leaves the folder as it was
         if claim:
             release(claim)
+        if not isinstance(error, ValueError):
+            raise
         sys.exit(f"sample.py: error: {error}")
     contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
     if len(set(contexts)) < len(contexts):
@@ -359,6 +367,7 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt again
     try:
         main()
     except KeyboardInterrupt:  # one line, exit 130 as a shell; what was written stays as it is

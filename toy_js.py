@@ -2,25 +2,16 @@
 Why James-Stein shrinkage helps REINFORCE, on problems small enough to know the right answer;
 writes OUT_DIR/toy_js.json (every number) and OUT_DIR/toy_js.png, and prints its tables.
 
-    python toy_js.py                    # about a minute on 2 CPU cores
-    python toy_js.py --record           # the same, its tables also into docs/RESULTS.md
-    python toy_js.py --quick            # a few seconds (the tests run this)
+    python toy_js.py            # the full simulations
+    python toy_js.py --quick    # far fewer simulations, the same tables (the tests run this)
+    python -m evidence.toy_js   # the full run, its tables also into docs/RESULTS.md
 
-Part A, estimation: rewards from the paper's random-effects model, r[c, i] = mu_c + eps (Var
-sigma^2 = 1), mu_c = mu_0 + xi (Var delta^2), over a grid of delta^2/sigma^2, K and B: the MSE of
-each baseline b[c, i] (baselines.py, r[c, i] left out as in training) as an estimate of mu_c, the
-oracle's (oracle_baseline) and the z-score of JS - RLOO over the same batches.
-
-Part B, gradients: a contextual bandit with a Dirichlet action like the scheduler's (Bandit) and
-hidden per-context reward offsets (like prompt difficulty). Its expected reward has a closed form,
-so autograd gives the exact gradient; the table gives the MSE of the REINFORCE estimate (B = 16,
-K = 2) against it: the noise a baseline leaves in an update.
-
-Part C, the bound (docs/BOUND.md): the variance of the advantage r[c, i] - b[c, i] under each
-baseline in the same random-effects model, in closed form (rloo_variance, cross_context_variance,
-mix_variance with the weights oracle_weight and variance_optimal_weight) beside simulated batches,
-the plug-in JS and js-unbiased simulated only; then the effective-batch factors of JS over RLOO and
-over the better of RLOO and XCTX (factor_table, closed forms only: the same in --quick).
+Part A, estimation: rewards r[c, i] = mu_c + eps (Var sigma^2 = 1), mu_c = mu_0 + xi (Var delta^2),
+the paper's random-effects model: the MSE of each baseline (baselines.py) as an estimate of mu_c.
+Part B, gradients: a Dirichlet contextual bandit whose expected reward has a closed form, so the
+MSE of the REINFORCE estimate against the exact gradient is the noise a baseline leaves.
+Part C, the bound (docs/BOUND.md): Var(r - b) per baseline in closed form beside simulated batches,
+then JS's effective-batch factors (factor_table, closed forms only: the same in --quick).
 """
 
 import argparse
@@ -35,25 +26,22 @@ import torch.nn.functional as F
 from torch.distributions import Dirichlet
 
 import baselines
-from evidence.results import commit, record
 
 parser = argparse.ArgumentParser(description="James-Stein baselines on toy problems")
-add = parser.add_argument
-add("--out-dir", default="out/toy_js", help="the JSON and PNG go here")
-add("--quick", action="store_true", help="a few seconds: far fewer simulations, same tables")
-add("--record", action="store_true", help="also write the tables into docs/RESULTS.md")
-add("--seed", type=int, default=0)
-add("--threads", type=int, default=1, help="torch CPU threads (small batches: one is fastest)")
+parser.add_argument("--out-dir", default="out/toy_js", help="the JSON and PNG go here")
+parser.add_argument("--quick", action="store_true", help="far fewer simulations, same tables")
 
-RATIOS = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0)  # delta^2 / sigma^2
-ROLLOUTS, CONTEXTS = (2, 4, 8), (4, 16, 32)  # the K and B of part A
-REWARDS_PER_CELL = (2**19, 2**23)  # at the first look, and at most while JS - RLOO is unresolved
+RATIOS = (0.0, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 100.0)  # part A: delta^2 / sigma^2
+ROLLOUTS, CONTEXTS = (2, 4, 8), (4, 16, 32)  # part A: K and B
 SIGNIFICANT = 3.5  # |z| above this: two-sided p < 4.7e-4 per look
 OFFSET_SPREADS = (0.0, 1.0, 10.0)  # part B: std of the hidden per-context offsets, in rollout noise
-BANDIT = dict(actions=5, features=4, contexts=16, rollouts=2, batches=4000)
+BANDIT = dict(actions=5, features=4, contexts=16, rollouts=2)
 BOUND_RATIOS = (0.0, 0.1, 0.3, 1.0, 3.0, 10.0)  # part C: delta^2 / sigma^2, docs/BOUND.md's table
-BOUND_ROLLOUTS, BOUND_CONTEXTS = (2, 4), (4, 16)  # the K and B part C simulates
-BOUND_REWARDS = 2**21  # rewards per simulated cell of part C
+BOUND_ROLLOUTS, BOUND_CONTEXTS = (2, 4), (4, 16)  # part C: K and B
+TIE_CONTEXTS, TIE_OFF = (4, 8, 16, 32), (0.0, 0.3)  # part C, K = 2: at, off the tie
+# rewards: per cell of part A, at the first look and at most while JS - RLOO is unresolved;
+# batches: part B's; bound_rewards: per cell of part C
+FULL = dict(rewards=(2**19, 2**23), batches=4000, bound_rewards=2**21)
 QUICK = dict(rewards=(2**14, 2**14), batches=256, bound_rewards=2**13)
 ESTIMATORS = {name: baselines.BASELINES[name] for name in ("rloo", "xctx", "js", "js-unbiased")}
 BASELINES = {"none": torch.zeros_like, **ESTIMATORS}  # part B also tries no baseline
@@ -63,35 +51,16 @@ def normal(shape, generator):  # float64 draws, as every simulation here uses
     return torch.randn(shape, generator=generator, dtype=torch.float64)
 
 
-# ---- part A: estimating mu_c under the random-effects model
-def oracle_baseline(rewards, sigma2, delta2):
-    """(..., B, K) -> (..., B, K): E[mu_c | every reward but r[c, i]], sigma^2 and delta^2 known, a
-    flat prior on mu_0. Given mu_0 it is (1 - a) * rloo + a * mu_0, a the true weight; over mu_0's
-    posterior, mu_0 becomes its generalised-least-squares estimate from the other contexts' means
-    (variance delta^2 + sigma^2/K) and this context's rloo (variance delta^2 + sigma^2/(K-1))."""
-    contexts, rollouts = rewards.shape[-2:]
-    weight = (sigma2 / (rollouts - 1)) / (sigma2 / (rollouts - 1) + delta2)
-    own, means = baselines.rloo(rewards), rewards.mean(-1)
-    others = (means.sum(-1, keepdim=True) - means)[..., None]  # (..., B, 1) others' sum
-    own_precision = 1 / (delta2 + sigma2 / (rollouts - 1))
-    other_precision = 1 / (delta2 + sigma2 / rollouts)
-    total_precision = own_precision + (contexts - 1) * other_precision
-    grand_mean = (own_precision * own + other_precision * others) / total_precision
-    return (1 - weight) * own + weight * grand_mean
-
-
-def squared_errors(ratio, contexts, rollouts, batches, generator):
-    """name -> (batches,): per simulated batch, each estimator's squared error over its B*K b."""
-    chunk = 2**20 // (contexts * rollouts)  # batches simulated at once
+def simulate(measure, ratio, contexts, rollouts, batches, generator):
+    """name -> (batches,): measure(rewards, means, noise) over simulated batches of the
+    random-effects model (sigma^2 = 1, delta^2 = ratio), 2^20 rewards at a time."""
+    chunk = 2**20 // (contexts * rollouts)
     results = []
     for start in range(0, batches, chunk):
         size = min(chunk, batches - start)
         means = 3.0 + math.sqrt(ratio) * normal((size, contexts, 1), generator)  # mu_c
-        rewards = means + normal((size, contexts, rollouts), generator)
-        estimates = {name: estimate(rewards) for name, estimate in ESTIMATORS.items()}
-        estimates["oracle"] = oracle_baseline(rewards, 1.0, ratio)
-        errors = {name: (b - means).square().mean((-2, -1)) for name, b in estimates.items()}
-        results.append(dict(errors, weight=baselines.shrinkage(rewards)))
+        noise = normal((size, contexts, rollouts), generator)  # eps
+        results.append(measure(means + noise, means, noise))
     return {name: torch.cat([result[name] for result in results]) for name in results[0]}
 
 
@@ -100,19 +69,42 @@ def z_score(differences):  # of the mean of paired differences
     return differences.mean().item() / max(standard_error, 1e-300)
 
 
+# ---- part A: estimating mu_c under the random-effects model
+def oracle_baseline(rewards, sigma2, delta2):
+    """(..., B, K) -> (..., B, K): E[mu_c | every reward but r[c, i]], sigma^2 and delta^2 known, a
+    flat prior on mu_0: rloo shrunk by a* towards mu_0's generalised-least-squares estimate from the
+    other contexts' means (variance delta^2 + sigma^2/K) and this context's rloo."""
+    contexts, rollouts = rewards.shape[-2:]
+    own, means = baselines.rloo(rewards), rewards.mean(-1)
+    others = (means.sum(-1, keepdim=True) - means)[..., None]  # (..., B, 1) others' sum
+    own_precision = 1 / (delta2 + sigma2 / (rollouts - 1))
+    other_precision = 1 / (delta2 + sigma2 / rollouts)
+    total_precision = own_precision + (contexts - 1) * other_precision
+    grand_mean = (own_precision * own + other_precision * others) / total_precision
+    weight = oracle_weight(delta2 / sigma2, rollouts)
+    return (1 - weight) * own + weight * grand_mean
+
+
 def estimation_cell(ratio, contexts, rollouts, rewards_per_cell, generator):
-    """Simulate, doubling the batches while JS - RLOO is unresolved (|z| <= SIGNIFICANT): most cells
-    settle at the first look and the near-ties get the simulations."""
+    """Each baseline's MSE, doubling the batches while JS - RLOO is unresolved (|z| <= SIGNIFICANT):
+    most cells settle at the first look and the near-ties get the simulations."""
+
+    def squared_errors(rewards, means, noise):  # per batch, over its B*K baselines
+        estimates = {name: estimate(rewards) for name, estimate in ESTIMATORS.items()}
+        estimates["oracle"] = oracle_baseline(rewards, 1.0, ratio)
+        errors = {name: (b - means).square().mean((-2, -1)) for name, b in estimates.items()}
+        return dict(errors, weight=baselines.shrinkage(rewards))
+
     first, most = (rewards // (contexts * rollouts) for rewards in rewards_per_cell)  # in batches
     batches = max(first, 16)
-    errors = squared_errors(ratio, contexts, rollouts, batches, generator)
+    errors = simulate(squared_errors, ratio, contexts, rollouts, batches, generator)
     while abs(z_score(errors["js"] - errors["rloo"])) <= SIGNIFICANT and 2 * batches <= most:
-        more = squared_errors(ratio, contexts, rollouts, batches, generator)
+        more = simulate(squared_errors, ratio, contexts, rollouts, batches, generator)
         errors = {name: torch.cat([errors[name], more[name]]) for name in errors}
         batches *= 2
     cell = dict(ratio=ratio, K=rollouts, B=contexts, batches=batches)
     cell["mean_weight"] = errors.pop("weight").mean().item()
-    cell["true_weight"] = (1 / (rollouts - 1)) / (1 / (rollouts - 1) + ratio)
+    cell["true_weight"] = oracle_weight(ratio, rollouts)
     cell["mse"] = {name: error.mean().item() for name, error in errors.items()}
     cell["js_minus_rloo_z"] = z_score(errors["js"] - errors["rloo"])
     cell["unbiased_minus_rloo_z"] = z_score(errors["js-unbiased"] - errors["rloo"])
@@ -191,9 +183,8 @@ class Bandit:
 
 
 def gradient_errors(bandit, offset_spread, batches, generator):
-    """MSE of the REINFORCE gradient at the initial policy against the exact gradient of the batch
-    objective (1/B) sum_c E[r_c], relative to E|exact|^2, per baseline (mean, standard error), over
-    R = batches batches, each with its own copy of the policy."""
+    """Per baseline, (mean, standard error) over batches of |REINFORCE - exact gradient|^2 /
+    E|exact|^2 at the initial policy, the objective (1/B) sum_c E[r_c]."""
     weight, bias = (p.requires_grad_(True) for p in bandit.initial_policy((batches,)))
     shape = (batches, BANDIT["contexts"])
     features, targets, offsets, scales = bandit.draw(shape, offset_spread, generator)
@@ -216,55 +207,46 @@ def gradient_errors(bandit, offset_spread, batches, generator):
     return results
 
 
-# ---- part C: the variance of the advantage r - b, closed forms (docs/BOUND.md) and simulation
-# Every form is in units of sigma^2, a function of ratio = rho = delta^2 / sigma^2, rollouts K and
-# contexts B (floats; B = math.inf gives the limit). N = B*K. Each baseline below but the plug-in JS
-# leaves r[c, i] out, so Var(r - b) = sigma^2 + E(b - mu_c)^2 (docs/BOUND.md, eq. 0): part A's
-# MSE + 1.
+# ---- part C: Var(r - b) / sigma^2, closed forms (docs/BOUND.md) and simulation
+# Functions of ratio = rho = delta^2 / sigma^2, K and B (B = math.inf gives the limit), N = B*K.
 BOUND_FORMS = ("rloo", "xctx", "js a*", "oracle")  # printed; "ideal" (b = mu_c, 1) is checked too
 
 
 def rloo_variance(rollouts):
-    """Var(r - b_rloo) / sigma^2 = K / (K-1), whatever B and rho (docs/BOUND.md, eq. 1)."""
+    """K / (K-1), whatever B and rho (docs/BOUND.md, eq. 1)."""
     return rollouts / (rollouts - 1)
 
 
 def cross_context_variance(ratio, rollouts, contexts=math.inf):
-    """Var(r - b_xctx) / sigma^2 = N/(N-1) + rho K^2 B(B-1) / (N-1)^2, -> 1 + rho as B -> inf
-    (docs/BOUND.md, eq. 2); written with 1/N and 1/B so that B = math.inf gives the limit."""
+    """N/(N-1) + rho K^2 B(B-1) / (N-1)^2 (docs/BOUND.md, eq. 2), written in 1/N and 1/B."""
     inverse = 1 / (contexts * rollouts)  # 1/N
     return 1 / (1 - inverse) + ratio * (1 - 1 / contexts) / (1 - inverse) ** 2
 
 
 def mix_variance(weight, ratio, rollouts, contexts=math.inf):
-    """Var(r - b) / sigma^2 for b = (1 - a) b_rloo + a b_xctx with a fixed weight a (docs/BOUND.md,
-    eq. 3): 1 + (1-a)^2 / (K-1) + a^2 M_x + 2 a (1-a) / (N-1), M_x = eq. 2 - 1 the MSE of b_xctx;
-    1/(N-1) is the covariance of the two baselines' errors (they share context c's K-1 others)."""
+    """b = (1 - a) b_rloo + a b_xctx, a fixed: 1 + (1-a)^2 / (K-1) + a^2 M_x + 2 a (1-a) / (N-1),
+    M_x = eq. 2 - 1 (docs/BOUND.md, eq. 3)."""
     inverse = 1 / (contexts * rollouts)
-    shared = inverse / (1 - inverse)  # 1/(N-1)
+    shared = inverse / (1 - inverse)  # 1/(N-1), the covariance of the two baselines' errors
     cross_error = cross_context_variance(ratio, rollouts, contexts) - 1  # M_x
-    rloo_error = 1 / (rollouts - 1)
-    keep = 1 - weight
+    rloo_error, keep = 1 / (rollouts - 1), 1 - weight
     return 1 + keep**2 * rloo_error + weight**2 * cross_error + 2 * weight * keep * shared
 
 
 def oracle_weight(ratio, rollouts):
-    """a* = (1/(K-1)) / (1/(K-1) + rho): JS's weight with sigma^2 and delta^2 known, the posterior
-    weight on mu_0 were mu_0 known (docs/BOUND.md, eq. 4)."""
+    """a* = (1/(K-1)) / (1/(K-1) + rho), JS's weight with sigma^2 and delta^2 known (eq. 4)."""
     return (1 / (rollouts - 1)) / (1 / (rollouts - 1) + ratio)
 
 
 def variance_optimal_weight(ratio, rollouts, contexts=math.inf):
-    """a_var = (1/(K-1)) / (1/(K-1) + rho N/(N-1)), the fixed weight that minimises eq. 3
-    (docs/BOUND.md, eq. 5); a_var < a* at finite B, equal as B -> inf. Its mix is oracle_baseline
-    exactly."""
+    """a_var, the fixed weight that minimises eq. 3 (docs/BOUND.md, eq. 5); its mix is
+    oracle_baseline."""
     return (1 / (rollouts - 1)) / (1 / (rollouts - 1) + ratio / (1 - 1 / (contexts * rollouts)))
 
 
 def effective_batch(ratio, rollouts, contexts=math.inf, weight=None):
-    """How many times its batch RLOO, or the better of RLOO and XCTX, needs for the advantage
-    variance of b = (1 - a) b_rloo + a b_xctx, a = a* unless given (docs/BOUND.md, eq. 8):
-    {"rloo": V_rloo / V, "best": min(V_rloo, V_xctx) / V}."""
+    """{"rloo": V_rloo / V, "best": min(V_rloo, V_xctx) / V}, V the variance of the mix with weight
+    a (a* unless given): the batch RLOO or the better of the two needs (docs/BOUND.md, eq. 8)."""
     weight = oracle_weight(ratio, rollouts) if weight is None else weight
     variance = mix_variance(weight, ratio, rollouts, contexts)
     better = min(rloo_variance(rollouts), cross_context_variance(ratio, rollouts, contexts))
@@ -272,18 +254,15 @@ def effective_batch(ratio, rollouts, contexts=math.inf, weight=None):
 
 
 def largest_factor_over_best(rollouts, contexts=math.inf):
-    """(rho, factor): the largest factor over the better of RLOO and XCTX that any baseline built
-    from the other rewards reaches (oracle_baseline, eq. 5's mix), at the rho where the two tie,
-    rho = (1 - 1/N) / (K-1); there a_var = 1/2 and the factor is 2K / (2K - 1 + (K-1)/(N-1))
-    (docs/BOUND.md, eq. 9), 2K/(2K-1) as B -> inf."""
+    """(rho, factor): the largest factor over the better of RLOO and XCTX any baseline of the other
+    rewards reaches, where the two tie (docs/BOUND.md, eq. 9)."""
     inverse = 1 / (contexts * rollouts)
     ratio = (1 - inverse) / (rollouts - 1)
     return ratio, 2 * rollouts / (2 * rollouts - 1 + (rollouts - 1) * inverse / (1 - inverse))
 
 
 def factor_table(ratios=BOUND_RATIOS, rollouts=(2, 4), contexts=(16, math.inf)):
-    """The lines of docs/BOUND.md's table: JS's effective-batch factors (weight a*) over RLOO and
-    over the better of RLOO and XCTX, per rho, K and B, from the closed forms alone."""
+    """The lines of docs/BOUND.md's table: effective_batch per rho, K and B."""
     columns = list(itertools.product(rollouts, contexts))
     head = " | ".join(f"K={k} B={b:<4g}  " for k, b in columns)
     lines = [f"d2/s2 | {head}".rstrip(), "      | " + " | ".join("/rloo  /best" for _ in columns)]
@@ -294,42 +273,26 @@ def factor_table(ratios=BOUND_RATIOS, rollouts=(2, 4), contexts=(16, math.inf)):
     return lines
 
 
-def advantage_squares(ratio, contexts, rollouts, batches, generator):
-    """name -> (batches,): per simulated batch, the mean of (r - b)^2 over its B*K advantages, an
-    unbiased estimate of Var(r - b) (E(r - b) = 0 for every baseline here); "kept" is 1 - beta,
-    beta = mean of (b_js - mu_c) eps over the batch, which estimates Cov(b_js[c, i], eps[c, i]) /
-    sigma^2 = E[d b_js[c, i] / d r[c, i]] (Stein's lemma): how far the plug-in JS moves with the
-    reward it is the baseline of, which scales the gradient's signal by 1 - beta (docs/BOUND.md)."""
-    chunk = 2**20 // (contexts * rollouts)  # batches simulated at once
-    fixed = {
-        "js a*": oracle_weight(ratio, rollouts),
-        "oracle": variance_optimal_weight(ratio, rollouts, contexts),
-    }
-    results = []
-    for start in range(0, batches, chunk):
-        size = min(chunk, batches - start)
-        means = 3.0 + math.sqrt(ratio) * normal((size, contexts, 1), generator)  # mu_c
-        noise = normal((size, contexts, rollouts), generator)  # eps
-        rewards = means + noise
-        own, cross = baselines.rloo(rewards), baselines.cross_context(rewards)
-        estimates = {"rloo": own, "xctx": cross, "ideal": means}
-        estimates.update({name: (1 - a) * own + a * cross for name, a in fixed.items()})
-        estimates["js"] = baselines.james_stein(rewards)
-        estimates["js-unbiased"] = baselines.james_stein_unbiased(rewards)
-        squares = {name: (rewards - b).square().mean((-2, -1)) for name, b in estimates.items()}
-        kept = 1 - ((estimates["js"] - means) * noise).mean((-2, -1))
-        results.append(dict(squares, kept=kept))
-    return {name: torch.cat([result[name] for result in results]) for name in results[0]}
-
-
 def bound_cell(ratio, contexts, rollouts, rewards, generator):
-    """Closed forms and simulated means (with standard errors) of Var(r - b) / sigma^2."""
-    batches = max(rewards // (contexts * rollouts), 16)
-    squares = advantage_squares(ratio, contexts, rollouts, batches, generator)
+    """Closed forms and simulated means (with standard errors) of Var(r - b) / sigma^2. "kept" is
+    1 - mean of (b_js - mu_c) eps, by Stein's lemma 1 - E[d b_js / d r]: the share of the gradient's
+    signal the plug-in JS keeps (docs/BOUND.md)."""
     weights = {
         "js a*": oracle_weight(ratio, rollouts),
         "oracle": variance_optimal_weight(ratio, rollouts, contexts),
     }
+
+    def advantage_squares(rewards, means, noise):  # per batch, the mean of (r - b)^2
+        own, cross = baselines.rloo(rewards), baselines.cross_context(rewards)
+        estimates = {"rloo": own, "xctx": cross, "ideal": means}
+        estimates.update({name: (1 - a) * own + a * cross for name, a in weights.items()})
+        estimates["js"] = baselines.james_stein(rewards)
+        estimates["js-unbiased"] = baselines.james_stein_unbiased(rewards)
+        squares = {name: (rewards - b).square().mean((-2, -1)) for name, b in estimates.items()}
+        return dict(squares, kept=1 - ((estimates["js"] - means) * noise).mean((-2, -1)))
+
+    batches = max(rewards // (contexts * rollouts), 16)
+    squares = simulate(advantage_squares, ratio, contexts, rollouts, batches, generator)
     form = {
         "rloo": rloo_variance(rollouts),
         "xctx": cross_context_variance(ratio, rollouts, contexts),
@@ -345,7 +308,7 @@ def bound_cell(ratio, contexts, rollouts, rewards, generator):
 
 
 def bound_lines(cells):
-    """Part C's tables and conclusions: closed form against simulation, then the factors."""
+    """Part C's tables: closed form against simulation, then the factors."""
     lines = ["Part C: Var(r - b) / sigma^2, closed form (docs/BOUND.md) and simulated", "", "```"]
     lines.append(
         " K   B  d2/s2 |  rloo (sim)   |  xctx (sim)   | js a* (sim)   | oracle (sim)  | max|z|"
@@ -359,8 +322,7 @@ def bound_lines(cells):
         head = f"{c['K']:>2} {c['B']:>3} {c['ratio']:>6g}"
         lines.append(f"{head} | {' | '.join(pairs)} | {largest:6.1f} | {tail}")
     lines += ["```", "", "Effective batch of JS (weight a*), closed forms (BOUND.md, eq. 8):", ""]
-    lines += ["```", *factor_table(), "```"]
-    return lines
+    return lines + ["```", *factor_table(), "```"]
 
 
 def bound_summary(cells):
@@ -378,29 +340,51 @@ def bound_summary(cells):
             ceilings.append(
                 f"B={contexts:g}: {factor:.3f} at d2/s2 = {ratio:.3f} (JS a*: {js:.3f})"
             )
-        ideal = rloo_variance(rollouts)
         lines.append(
-            f"K={rollouts}: largest factor over the better of RLOO and XCTX, "
-            + ", ".join(ceilings)
-            + f"; b = mu_c itself is worth {ideal:.3f}x RLOO's batch"
+            f"K={rollouts}: largest factor over the better of RLOO and XCTX, {', '.join(ceilings)}"
+            f"; b = mu_c itself is worth {rloo_variance(rollouts):.3f}x RLOO's batch"
         )
+    c = next(c for c in cells if (c["K"], c["B"], c["ratio"]) == (2, 16, 1.0))
+    better = min(c["form"]["rloo"], c["form"]["xctx"])
+    plug_in, kept = c["simulated"]["js"] / better, c["simulated"]["kept"]
+    oracle, per_signal = c["form"]["oracle"] / better, c["js_per_signal"] / better
+    return lines + [
+        f"K=2 B=16 d2/s2=1: plug-in JS's Var(r - b) is {plug_in:.3f}x the better of RLOO "
+        f"and XCTX, below the oracle's {oracle:.3f}x: it keeps {kept:.3f} of the signal, "
+        f"so per unit of signal {per_signal:.3f}x"
+    ]
+
+
+def tie_cells(rewards, generator):
+    """The plug-in JS against the better of RLOO and XCTX at K = 2: at the tie (where eq. 9's
+    factor is largest) for each B of TIE_CONTEXTS, and off it at B = 4 (rho of TIE_OFF)."""
+    points = [(largest_factor_over_best(2, b)[0], b) for b in TIE_CONTEXTS]
+    points += [(ratio, 4) for ratio in TIE_OFF]
+    return [bound_cell(ratio, contexts, 2, rewards, generator) for ratio, contexts in points]
+
+
+def tie_lines(cells):
+    """Per cell: the effective batch over the better of RLOO and XCTX of JS with a* (closed form,
+    eq. 8) and of the plug-in JS per unit of signal (simulated, ± its standard error)."""
+    lines = ["", "Plug-in JS against the better of RLOO and XCTX, K = 2 (effective batch):", ""]
+    lines += [
+        "```",
+        "  B  d2/s2 | JS a* (eq. 8) | plug-in JS per unit of signal (sim, ± se of Var(r - b))",
+    ]
     for c in cells:
-        if (c["K"], c["B"], c["ratio"]) == (2, 16, 1.0):
-            better = min(c["form"]["rloo"], c["form"]["xctx"])
-            plug_in, kept = c["simulated"]["js"] / better, c["simulated"]["kept"]
-            oracle, per_signal = c["form"]["oracle"] / better, c["js_per_signal"] / better
-            lines.append(
-                f"K=2 B=16 d2/s2=1: plug-in JS's Var(r - b) is {plug_in:.3f}x the better of RLOO "
-                f"and XCTX, below the oracle's {oracle:.3f}x: it keeps {kept:.3f} of the signal, "
-                f"so per unit of signal {per_signal:.3f}x"
-            )
-    return lines
+        better = min(c["form"]["rloo"], c["form"]["xctx"])
+        factor = better / c["js_per_signal"]
+        spread = factor * c["standard_error"]["js"] / c["simulated"]["js"]
+        ideal = effective_batch(c["ratio"], 2, c["B"])["best"]
+        head = f"{c['B']:>3} {c['ratio']:>6.3f} | {ideal:13.3f}"
+        lines.append(f"{head} | {factor:.3f} ± {spread:.3f}")
+    return lines + ["```"]
 
 
 def plot_toy_js(cells, bound_cells, path):
-    """Left: each baseline's MSE over RLOO's against delta^2/sigma^2, at the paper's K = 2, B = 16
-    (cells: estimation_cell's). Right: the effective batch over the better of RLOO and XCTX, same
-    K and B, closed forms as lines, simulated batches as markers (bound_cells: bound_cell's)."""
+    """Left: each baseline's MSE over RLOO's against delta^2/sigma^2 at K = 2, B = 16 (part A).
+    Right: the effective batch over the better of RLOO and XCTX, same K and B, closed forms as
+    lines, simulated batches (part C) as markers."""
     from matplotlib.figure import Figure
 
     left, right = Figure(figsize=(12, 4), layout="tight").subplots(1, 2)
@@ -437,18 +421,15 @@ def plot_toy_js(cells, bound_cells, path):
     left.figure.savefig(path, dpi=110)
 
 
-if __name__ == "__main__":
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    os.makedirs(args.out_dir, exist_ok=True)
-    full = dict(rewards=REWARDS_PER_CELL, batches=BANDIT["batches"], bound_rewards=BOUND_REWARDS)
-    settings = QUICK if args.quick else full
-    if args.record and args.quick:
-        parser.error("--record writes evidence: run it without --quick")
-    started, code = time.time(), commit()
+def main(out_dir, quick=False):
+    """Parts A, B and C: prints their tables, writes out_dir/toy_js.json and toy_js.png, and returns
+    the printed lines (evidence/toy_js.py records them)."""
+    torch.set_num_threads(1)  # small batches: one thread is fastest
+    os.makedirs(out_dir, exist_ok=True)
+    started, settings = time.time(), QUICK if quick else FULL
 
     # ---- part A: estimation
-    generator = torch.Generator().manual_seed(args.seed)
+    generator = torch.Generator().manual_seed(0)
     grid = itertools.product(ROLLOUTS, CONTEXTS, RATIOS)  # K, B, delta^2/sigma^2
     cells = [estimation_cell(ratio, B, K, settings["rewards"], generator) for K, B, ratio in grid]
     lines = ["Part A: MSE of b[c, i] as an estimate of mu_c (sigma^2 = 1)", "", "```"]
@@ -463,7 +444,7 @@ if __name__ == "__main__":
     conclusions = estimation_summary(cells)
 
     # ---- part B: gradients
-    torch.manual_seed(args.seed)  # Dirichlet sampling draws from the global generator
+    torch.manual_seed(0)  # Dirichlet sampling draws from the global generator
     bandit = Bandit(generator, BANDIT["actions"], BANDIT["features"])
     batches = settings["batches"]
     gradients = [gradient_errors(bandit, spread, batches, generator) for spread in OFFSET_SPREADS]
@@ -482,19 +463,23 @@ if __name__ == "__main__":
     grid = itertools.product(BOUND_ROLLOUTS, BOUND_CONTEXTS, BOUND_RATIOS)  # K, B, delta^2/sigma^2
     rewards = settings["bound_rewards"]
     bound_cells = [bound_cell(ratio, B, K, rewards, generator) for K, B, ratio in grid]
-    lines += ["", *bound_lines(bound_cells)]
+    ties = tie_cells(rewards, generator)
+    lines += ["", *bound_lines(bound_cells), *tie_lines(ties)]
     conclusions += bound_summary(bound_cells)
     lines += ["", "Conclusions:", "", *(f"- {line}" for line in conclusions)]
     print("\n".join(lines))
-    plot_toy_js(cells, bound_cells, os.path.join(args.out_dir, "toy_js.png"))
+    plot_toy_js(cells, bound_cells, os.path.join(out_dir, "toy_js.png"))
     gradient = dict(zip(map(str, OFFSET_SPREADS), gradients))
-    bound = dict(cells=bound_cells, factors=factor_table())
+    bound = dict(cells=bound_cells, factors=factor_table(), ties=ties)
     summary = dict(settings=settings, estimation=cells, gradient=gradient, bound=bound)
-    summary["conclusions"] = conclusions
-    with open(os.path.join(args.out_dir, "toy_js.json"), "w") as file:
-        json.dump(dict(summary, seconds=time.time() - started), file, indent=1)
-    written = f"{args.out_dir}/toy_js.json and toy_js.png"
-    if args.record:  # the evidence: docs/RESULTS.md, section toy_js
-        record("toy_js", "python toy_js.py --record", lines, at=code)
-        written += " and docs/RESULTS.md (section toy_js)"
-    print(f"\nwrote {written} in {time.time() - started:.1f} s")
+    summary.update(conclusions=conclusions, seconds=time.time() - started)
+    with open(os.path.join(out_dir, "toy_js.json"), "w") as file:
+        json.dump(summary, file, indent=1)
+    return lines
+
+
+if __name__ == "__main__":
+    args = parser.parse_args()
+    started = time.time()
+    main(args.out_dir, args.quick)
+    print(f"\nwrote {args.out_dir}/toy_js.json and toy_js.png in {time.time() - started:.1f} s")

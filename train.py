@@ -24,13 +24,20 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import textwrap
 import time
 from dataclasses import dataclass, field
+
+if __name__ == "__main__":  # Ctrl-C while torch and diffusers import: one line, not a traceback
+    from store.files import interrupt_quietly
+
+    interrupt_quietly("train.py")
 
 import torch
 import torch.distributed as dist
@@ -306,6 +313,7 @@ def check(config, world_size):
         prompts = load_prompt_file(config.prompts) if config.prompts else None
         heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
         reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
+        digest = prompts_digest(prompts, heldout)
     except ValueError as error:
         fail(error)
     missing, location = [], None  # every missing model in one message, before either loads
@@ -325,19 +333,44 @@ def check(config, world_size):
             with contextlib.suppress(OSError):  # read-only: a finished run is still reported
                 claim = files.claim_folder(config.out_dir, "train.py", files.RUN_FILES)
         found = checkpoint.existing_run(saved(config))
+        if found and found.get("prompts_digest", digest) != digest:
+            raise ValueError(
+                f"{config.out_dir} holds a run on other prompts: a prompt file changed since it "
+                "began; restore the file, or pass another --out-dir for the new prompts"
+            )
+        if found and found["iteration"] > config.iterations:
+            raise ValueError(
+                f"{config.out_dir} holds iteration {found['iteration']} of this run, past "
+                f"--iterations {config.iterations}; pass --iterations {found['iteration']} or "
+                "more, or another --out-dir"
+            )
         if not finished(config, found):
             files.check_writable(config.out_dir)
         return prompts, heldout, found, location, claim
-    except ValueError as error:
-        if claim is not None:  # a refused start leaves the folder as it was
+    except BaseException as error:  # a refused or failed start leaves the folder as it was
+        if claim is not None:
             files.release(claim)
+        if not isinstance(error, ValueError):
+            raise
         fail(error)
 
 
+def prompts_digest(train_prompts, eval_prompts):
+    """The prompt files' content, hashed: what a continued run must find unchanged."""
+    return hashlib.sha256(json.dumps([train_prompts, eval_prompts]).encode()).hexdigest()[:16]
+
+
 def finished(config, found):
-    """Whether out_dir holds this run, finished: its last checkpoint and its held-out report."""
-    done = found is not None and found["iteration"] >= config.iterations
-    return done and os.path.isfile(os.path.join(config.out_dir, "eval.json"))
+    """Whether out_dir holds this run, finished: its last checkpoint and the held-out report of
+    that checkpoint's iteration (a continuation killed before its report is not finished)."""
+    eval_path = os.path.join(config.out_dir, "eval.json")
+    if found is None or found["iteration"] < config.iterations or not os.path.isfile(eval_path):
+        return False
+    try:
+        report = files.read_json(eval_path, "")
+    except ValueError:  # damaged: report_finished says so
+        return True
+    return not isinstance(report, dict) or report.get("iteration") == found["iteration"]
 
 
 def report_finished(config, found):
@@ -443,9 +476,11 @@ def main(config):
         prompts = train_prompts or backbone.prompts
         heldout = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
         backbone.check_prompts(prompts + heldout[0], config.reward)
-    except ValueError as error:
+    except BaseException as error:  # a refused or failed start leaves the folder as it was
         if claim is not None:
             files.release(claim)
+        if not isinstance(error, ValueError):
+            raise
         fail(error)
     lock, tracker, heldout_gain = (claim or (None,))[0], None, None
     try:
@@ -492,7 +527,8 @@ def main(config):
             print(f"policy: {config.policy}, {size:,} parameters | {world_size} rank(s), "
                   f"{config.contexts // world_size} contexts each")  # fmt: skip
             heldout_gain = paired.heldout_gain(backbone, reward, heldout, config.steps)
-            tracker = track.open_tracker(config.track, config.out_dir, saved(config))
+            start = found["iteration"] if found else 0  # the resume below continues there
+            tracker = track.open_tracker(config.track, config.out_dir, saved(config), start)
 
         # ---------------- resume ----------------
         ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
@@ -594,6 +630,7 @@ def main(config):
                     config=saved(config),
                     rng={"torch": torch.get_rng_state()},
                     metrics=rows,  # a resume writes back a row that a torn line lost
+                    prompts_digest=prompts_digest(train_prompts, eval_prompts),
                 )
                 with files.write_or_exit(ckpt_path):
                     checkpoint.save_checkpoint(ckpt_path, state)
@@ -609,7 +646,7 @@ def main(config):
                 policy_dir = os.path.join(config.out_dir, "policy")
                 checkpoint.save_policy(policy_dir, raw_policy, saved(config), config.iterations)
                 paired.heldout_report(config.out_dir, backbone, reward, raw_policy, *heldout,
-                                      config.reward, config.seed)  # fmt: skip
+                                      config.reward, config.iterations, config.seed)  # fmt: skip
             figure = ", the figure train.png" if config.figure else ""
             print(f"wrote {ckpt_path}, {metrics_path}, eval.json{figure} and policy/ (Hub format) "
                   f"in {config.out_dir}")  # fmt: skip
@@ -669,6 +706,7 @@ def draw_training(config, backbone, policy, heldout):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt again
     sys.stdout.reconfigure(errors="backslashreplace")  # the tables' "±" on any terminal
     CONFIG = parse_config()
     try:

@@ -1,10 +1,7 @@
 """
-Every backbone by name: its model facts (BACKBONES) and where its weights come from (the hub, a
-local folder, or a miniature shipped in this repository), and load_backbone(name), which builds
-the frozen backbone: a diffusers pipeline of families.py or an embedded mixture of mixture.py.
-Missing, gated or incomplete weights end in one line that says how to get them, before anything
-loads (check_files); from_pipeline wraps an already built diffusers pipeline (the tests' tiny
-random ones, miniatures/layouts.py).
+Every backbone by name (BACKBONES) and load_backbone(name), which builds it frozen: a diffusers
+pipeline of families.py or an embedded mixture of mixture.py. check_files says in one line what is
+wrong with missing or damaged weights before anything loads.
 """
 
 import os
@@ -15,8 +12,9 @@ from backbones.families import FluxBackbone, SD3Backbone, SDXLBackbone
 from backbones.mixture import MixtureBackbone
 from store.files import REPOSITORY, check_safetensors, hub_file, read_json
 
-# +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four (digits-xor)
+# +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four; digits-xor's (even, odd)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
+XOR_CLASSES = [[(1.5, 0.02, TOP), (1.0, 0.5, -TOP)], [(1.0, 0.5, TOP), (1.5, 0.02, -TOP)]]
 
 # the diffusers families (families.py), and the pipeline class each loads
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
@@ -29,7 +27,7 @@ PIPELINE_FAMILIES = {pipeline: family for family, pipeline in PIPELINES.items()}
 
 
 def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
-    """Wrap an already built diffusers pipeline (how the tests inject tiny random ones)."""
+    """Wrap an already built diffusers pipeline (the tests' tiny random ones)."""
     family = family or PIPELINE_FAMILIES.get(type(pipe).__name__)
     if family not in FAMILIES:
         raise ValueError(
@@ -39,36 +37,25 @@ def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
     return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)
 
 
-# Model facts per backbone (train.py's PRESETS hold the training configurations). family: the class
-# that runs it; hub_id: its diffusers weights; resolution: the image side; guidance: the true-CFG
-# scale (SD3.5, SD-XL), the distilled guidance embedding (Flux-Dev) or None (no guidance input): the
-# values recommended by the SD3.5 model cards (Medium 4.5, Large 3.5) and the SD-XL and Flux-Dev
-# pipelines' defaults (5.0, 3.5). policy: the size in store.checkpoint.PRESETS.
-REAL = dict(resolution=1024, policy="real")
+def _real(family, hub_id, guidance):
+    return dict(resolution=1024, policy="real", family=family, hub_id=hub_id, guidance=guidance)
+
+
+# Model facts per backbone (train.py's PRESETS hold the training configurations). guidance: the
+# true-CFG scale (SD3.5, SD-XL: their model cards' and pipeline's values), Flux-Dev's distilled
+# guidance embedding, or None (no guidance input). policy: the size in store.checkpoint.PRESETS.
 EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded")
-MINIATURE = dict(
-    hub_id=None,
-    resolution=16,
-    policy="embedded",
-    prompts=("prompts/digit_train.txt", "prompts/digit_heldout.txt"),
-)
+DIGIT_PROMPTS = ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
+MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", prompts=DIGIT_PROMPTS)
 BACKBONES = {
-    "sd35m": dict(
-        REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-medium", guidance=4.5
-    ),
-    "sd35l": dict(
-        REAL, family="sd3", hub_id="stabilityai/stable-diffusion-3.5-large", guidance=3.5
-    ),
-    "sdxl": dict(
-        REAL, family="sdxl", hub_id="stabilityai/stable-diffusion-xl-base-1.0", guidance=5.0
-    ),
-    "flux-dev": dict(REAL, family="flux", hub_id="black-forest-labs/FLUX.1-dev", guidance=3.5),
-    "flux-schnell": dict(
-        REAL, family="flux", hub_id="black-forest-labs/FLUX.1-schnell", guidance=None
-    ),
+    "sd35m": _real("sd3", "stabilityai/stable-diffusion-3.5-medium", 4.5),
+    "sd35l": _real("sd3", "stabilityai/stable-diffusion-3.5-large", 3.5),
+    "sdxl": _real("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", 5.0),
+    "flux-dev": _real("flux", "black-forest-labs/FLUX.1-dev", 3.5),
+    "flux-schnell": _real("flux", "black-forest-labs/FLUX.1-schnell", None),
     # The embedded backbones (MixtureBackbone): (spread, std, shift) per sub-population of a digit
-    # class. digits: one population per class; the best schedule is about the same for all contexts.
-    # Its teacher: 20 RK4 steps, large near t = 1, in float32 (mixture.MixtureBackbone.reference)
+    # class. digits: one population per class, about one best schedule for all contexts; its
+    # teacher (mixture.MixtureBackbone.reference) takes large RK4 steps near t = 1, in float32.
     "digits": dict(
         EMBEDDED,
         populations=[[(1.0, 0.1, 0.0)]] * 10,
@@ -80,27 +67,17 @@ BACKBONES = {
     # digits-noise: every class is a bright sharp half and a dark blurred half; the initial noise
     # says which (a weaker signal than the prompt).
     "digits-noise": dict(EMBEDDED, populations=[[(1.5, 0.02, 0.5), (1.0, 0.5, -0.5)]] * 10),
-    # digits-xor: every class is two halves, one brighter in the top rows (shift +TOP) and one in
-    # the bottom rows (-TOP); the noise's top-bottom contrast says which a trajectory reaches, the
-    # digit's parity says which half is sharp (even: the top-bright one). Neither input alone
-    # predicts the schedule; only the two together do.
-    "digits-xor": dict(
-        EMBEDDED,
-        populations=[[(1.5, 0.02, TOP), (1.0, 0.5, -TOP)], [(1.0, 0.5, TOP), (1.5, 0.02, -TOP)]]
-        * 5,
-    ),
-    # The trained miniatures (miniatures/build.py): the real families' classes with shipped 16x16
-    # digit weights instead of a hub id; they run on a CPU. folder: their save_pretrained folder in
-    # this repository; prompts: (training, held-out) paraphrase files; the reward reads their
-    # pixels. guidance: as a real model's default is chosen, the most realistic 50-step samples of
-    # which at least 95% show the prompted digit (`python -m evidence.miniatures --guidance-sweep`,
-    # docs/RESULTS.md).
+    # digits-xor: every class is a top-bright half (+TOP) and a bottom-bright one (-TOP); the noise
+    # says which a trajectory reaches, the digit's parity which half is sharp (even: top-bright).
+    # Only the two inputs together predict the schedule.
+    "digits-xor": dict(EMBEDDED, populations=XOR_CLASSES * 5),
+    # The trained miniatures (miniatures/build.py): the real families with shipped 16x16 digit
+    # weights in `folder`, run on a CPU. guidance: the most realistic 50-step samples of which at
+    # least 95% show the prompted digit (`python -m evidence.miniatures --guidance-sweep`).
     "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=1.25),
     "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=1.5),
     "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=1.25),
-    # mini-flux distilled for few steps, as FLUX.1-schnell: no guidance input, 4 steps by default
-    # (train.py), no resolution shift (its scheduler's);
-    # `python -m miniatures.build --family flux-schnell`
+    # mini-flux distilled for few steps, as FLUX.1-schnell: no guidance input, no resolution shift
     "mini-flux-schnell": dict(
         MINIATURE, family="flux", folder="miniatures/mini-flux-schnell", guidance=None
     ),
@@ -114,22 +91,25 @@ def update_cost(name, contexts, rollouts, steps, guidance=None):
     """One REINFORCE update in model evaluations and reward calls, as a line to print."""
     spec, samples = BACKBONES[name], contexts * rollouts
     guidance = spec["guidance"] if guidance is None else guidance
-    # true CFG doubles each batch
-    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1
+    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1  # doubles
     return (
         f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} "
         f"model evaluations{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
     )
 
 
-def retrain_command(name):
-    """The command that retrains the miniature `name` (mini-flux-schnell: --family flux-schnell)."""
-    return f"python -m miniatures.build --family {name[len('mini-') :]}"
+def _restore_advice(name):
+    """How to get a shipped miniature back (mini-flux-schnell: --family flux-schnell)."""
+    folder, family = BACKBONES[name]["folder"], name[len("mini-") :]
+    return (
+        f"restore it with `git checkout {folder}`, or retrain it with "
+        f"`python -m miniatures.build --family {family}`"
+    )
 
 
 def locate_weights(name, path=None):
-    """Where from_pretrained loads backbone `name` from: the local diffusers folder `path`, or its
-    hub id once its files are cached or reachable. ValueError in one line saying how to get them."""
+    """Where from_pretrained loads backbone `name` from: the diffusers folder `path`, a shipped
+    miniature or its hub id. ValueError in one line saying how to get them."""
     hub_id, folder = BACKBONES[name]["hub_id"], BACKBONES[name].get("folder")
     if path is None and folder is not None:  # a miniature shipped in this repository
         path = os.path.join(REPOSITORY, folder)
@@ -137,8 +117,7 @@ def locate_weights(name, path=None):
         if not os.path.isfile(os.path.join(REPOSITORY, index)):
             what = index if os.path.isdir(path) else folder  # one file lost, or the whole folder
             raise ValueError(
-                f"{name}: {what} is missing from this checkout; restore it with "
-                f"`git checkout {folder}`, or retrain it with `{retrain_command(name)}`"
+                f"{name}: {what} is missing from this checkout; {_restore_advice(name)}"
             )
     if path is not None:
         if not os.path.isfile(os.path.join(path, "model_index.json")):
@@ -161,15 +140,12 @@ def locate_weights(name, path=None):
 def load_backbone(
     name, path=None, device=None, dtype=None, resolution=None, guidance=None, location=None
 ):
-    """Build a backbone by name, frozen, in eval mode; `path` is a local diffusers folder replacing
-    the hub id. Its files are checked first (check_files), unless the caller did and passes their
-    `location`. Real models load in bfloat16 on CUDA (float32 on CPU). Weights that are incomplete,
-    or that the model classes refuse although every file is whole, end in one line (ValueError)."""
+    """Build a backbone by name, frozen; `path`: a local diffusers folder instead of the hub id.
+    Its files are checked first (check_files) unless the caller passes their `location`. Real
+    models load in bfloat16 on CUDA. Weights that do not load end in one line (ValueError)."""
     spec = BACKBONES[name]
     if spec["family"] == "mixture":
-        return MixtureBackbone(
-            name, spec["populations"], device=device, teacher=spec.get("teacher")
-        )
+        return MixtureBackbone(name, spec["populations"], device, spec.get("teacher"))
     location = location or check_files(name, path)
     import diffusers
 
@@ -196,13 +172,9 @@ def load_backbone(
         raise ValueError(
             f"{name}: {location} does not load ({reason}); pass the folder of a {name} model"
         ) from None
-    return from_pipeline(
-        pipe.to(device),
-        spec["family"],
-        name=name,
-        resolution=resolution or spec["resolution"],
-        guidance=spec["guidance"] if guidance is None else guidance,
-    )
+    resolution = resolution or spec["resolution"]
+    guidance = spec["guidance"] if guidance is None else guidance
+    return from_pipeline(pipe.to(device), spec["family"], name, resolution, guidance)
 
 
 # the files a tokenizer reads its vocabulary from (fast tokenizers, CLIP's BPE, T5's SentencePiece)
@@ -212,10 +184,9 @@ CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_co
 
 
 def check_files(name, path=None):
-    """Where backbone `name` loads from (locate_weights: ValueError in one line when
-    missing), checked before anything loads: the folder holds the pipeline class of the backbone's
-    family, and every component it lists has its configuration and whole weight files. ValueError
-    in one line naming the file, what is wrong and what to do."""
+    """Where backbone `name` loads from (locate_weights), checked before anything loads: the
+    family's pipeline class, every component's configuration and whole weight files. ValueError in
+    one line naming the file, what is wrong and what to do."""
     spec = BACKBONES[name]
     if spec["family"] == "mixture":
         return None
@@ -229,18 +200,15 @@ def check_files(name, path=None):
             return location  # from_pretrained downloads it
         folder = os.path.dirname(index)
     if path is None and spec.get("folder"):
-        advice = (
-            f"restore it with `git checkout {spec['folder']}`, or retrain it with "
-            f"`{retrain_command(name)}`"
-        )
+        advice = _restore_advice(name)
     elif path is not None:
         advice = "download the model again, or pass another --model-path"
     else:
         advice = f"delete {location} from the hub cache and run again to download it afresh"
     index = read_json(os.path.join(folder, "model_index.json"), advice)
     wanted = PIPELINES[spec["family"]]
-    if not isinstance(index, dict) or index.get("_class_name") != wanted:
-        held = index.get("_class_name") if isinstance(index, dict) else None
+    held = index.get("_class_name") if isinstance(index, dict) else None
+    if held != wanted:
         raise ValueError(
             f"{folder} holds a {held}, not the {wanted} that {name} runs; pass the folder of "
             f"a {spec['family']} model"
@@ -266,8 +234,7 @@ def check_files(name, path=None):
 
 
 def check_trained_on(config, source):
-    """ValueError in one line unless the checkpoint `source` names a backbone of BACKBONES (a
-    policy folder's config.json can be edited by hand)."""
+    """ValueError in one line unless the checkpoint `source` names a backbone of BACKBONES."""
     if config.get("backbone") not in BACKBONES:
         raise ValueError(
             f'{source}: "backbone" is {config.get("backbone")!r}, not a backbone here; restore '
@@ -289,7 +256,7 @@ def trained_backbone(config, device, location=None):
 
 
 def check_device(name):
-    """The torch.device of a --device flag (None: cuda when available, else cpu). ValueError in one
+    """The torch.device of a --device flag (None: cuda when available, else cpu); ValueError in one
     line for a name that is not a device here."""
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,26 +1,34 @@
 """
-The diffusers backbones: Stable Diffusion 3 / 3.5, FLUX.1 and Stable Diffusion XL, the pipeline's
-frozen components driven by rollout.run_schedule, so that a schedule runs exactly as given; with
-`default_times(L)` each reproduces its pipeline's latents (tests/test_rollout_diffusers.py).
+The diffusers backbones (SD3 / 3.5, FLUX.1, SD-XL): a pipeline's frozen components driven by
+rollout.run_schedule; with `default_times(L)` each reproduces its pipeline's latents
+(tests/test_rollout_diffusers.py).
 """
 
 import contextlib
 import inspect
 import math
+import warnings
 
 import torch
 
+from prompts import shown
 from rollout import Backbone, check_times, run_schedule
+
+# SD-XL's EulerDiscreteScheduler calls np.array on a tensor, which numpy 2 flags on every call:
+# harmless, and fatal under python -W error
+warnings.filterwarnings(
+    "ignore", "__array__ implementation doesn't accept a copy", DeprecationWarning, "diffusers"
+)
 
 # the rewards that score named words of the prompt (the digit, the quoted text, the objects)
 PROMPT_REWARDS = ("digit", "preference", "ocr", "geneval")
-# pixels per VAE decode call: four 1024^2 images (memory-hungry), a whole batch of small ones
+# pixels per VAE decode call: four 1024^2 images, a whole batch of small ones
 DECODE_PIXELS = 4 * 1024**2
 
 
 class PipelineBackbone(Backbone):
-    """What the three families share. Each sets `vae_input(latents)` (latent -> VAE input) and
-    `hidden_layers`, its denoiser's (first, last, time embedding) modules."""
+    """What the three families share. Each sets `vae_input(latents)` and `hidden_layers`, its
+    denoiser's (first, last, time embedding) modules."""
 
     cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
 
@@ -37,8 +45,8 @@ class PipelineBackbone(Backbone):
             raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {side}")
 
     def check_prompts(self, prompts, reward=None):
-        """A prompt longer than every text encoder's window loses its end: refused (ValueError)
-        when `reward` scores the prompt's words, else reported."""
+        """A prompt longer than every text encoder's window loses its end: ValueError when `reward`
+        scores the prompt's words, else a note."""
         names, cut = ("tokenizer", "tokenizer_2", "tokenizer_3"), []
         tokenizers = [getattr(self.pipe, name, None) for name in names]
         tokenizers = [tokenizer for tokenizer in tokenizers if tokenizer is not None]
@@ -56,7 +64,7 @@ class PipelineBackbone(Backbone):
         prompt, count, window = cut[0]
         what = (
             f"{len(cut)} prompt(s) are longer than the text encoders' window, so their end is cut "
-            f"(e.g. {prompt!r}: {count} tokens, the window {window})"
+            f"(e.g. {shown(prompt)}: {count} tokens, the window {window})"
         )
         if reward in PROMPT_REWARDS:
             raise ValueError(
@@ -67,22 +75,16 @@ class PipelineBackbone(Backbone):
     @contextlib.contextmanager
     def hidden_states(self):
         """Forward hooks on `hidden_layers`; yields read() -> (features (N, 2D, h, w), embedding
-        (N, E)) float32 of the last model call: the image features entering the first block and
-        leaving the last norm, on the token grid, side by side, and the timestep embedding. As
-        TPDM's time predictor reads them (its src/models/stable_diffusion_3/transformer_sd3.py;
-        modeling_sd3_pnt.py guides them with the prediction's CFG formula, as here)."""
-        captured = {}
+        (N, E)) float32 of the last model call, CFG-guided: what TPDM's time predictor reads."""
+        captured, modules = {}, [self.model.get_submodule(name) for name in self.hidden_layers]
 
-        def keep(name):
-            return lambda module, inputs, output: captured.__setitem__(name, output)
+        def keep(module, inputs, output):
+            captured[module] = output
 
-        handles = [
-            self.model.get_submodule(name).register_forward_hook(keep(name))
-            for name in self.hidden_layers
-        ]
+        handles = [module.register_forward_hook(keep) for module in modules]
 
         def read():
-            first, last, time = (self.guide(captured[name].float()) for name in self.hidden_layers)
+            first, last, time = (self.guide(captured[module].float()) for module in modules)
             return torch.cat([_token_grid(first), _token_grid(last)], dim=1), time
 
         try:
@@ -105,8 +107,8 @@ class PipelineBackbone(Backbone):
         return [torch.cat([cond["negative_" + key], cond[key]]) for key in keys]
 
     def text_cond(self, prompts, masks, embeds, uncond, pooled, uncond_pooled, **extra):
-        """cond from encode_prompt's outputs; text_mask (N, S) True = a real token: every token
-        of precomputed embeddings (prompts None), else the _token_mask of each of `masks`."""
+        """cond from encode_prompt's outputs; text_mask (N, S) True = a real token (all of them for
+        precomputed embeddings, prompts None)."""
         if prompts is None:
             mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
         else:
@@ -145,8 +147,7 @@ def _call_default(pipe, argument):
 
 
 def _text_length(pipe, t5_tokenizer):
-    """The T5 sequence length: the pipeline's default max_sequence_length, or its T5 tokenizer's
-    model_max_length when shorter (the miniatures')."""
+    """The pipeline's default max_sequence_length, or its T5 tokenizer's when shorter."""
     default = _call_default(pipe, "max_sequence_length")
     return min(default, t5_tokenizer.model_max_length) if t5_tokenizer is not None else default
 
@@ -183,26 +184,18 @@ class SD3Backbone(PipelineBackbone):
         self.text_length = _text_length(pipe, pipe.tokenizer_3)
         config = self.model.config
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        # TPDM's layers: the patch embedding, the output norm, the time-and-pooled-text embedding
-        self.hidden_layers = ("pos_embed", "norm_out", "time_text_embed")
+        self.hidden_layers = ("pos_embed", "norm_out", "time_text_embed")  # TPDM's
         self.policy_dims = _transformer_dims(config, config.in_channels)
 
     @torch.no_grad()
     def encode_prompts(self, prompts, max_sequence_length=None, **options):
         """The pipeline's encode_prompt; `options` as its __call__ takes them."""
         pipe, length = self.pipe, max_sequence_length or self.text_length
-        prompt_3 = options.pop("prompt_3", None)  # T5's own prompt, whose tokens the mask counts
         clip = (pipe.tokenizer, prompts, pipe.tokenizer_max_length)
-        t5 = (pipe.tokenizer_3, prompt_3 or prompts, length)
-        outputs = pipe.encode_prompt(
-            prompt=prompts,
-            prompt_2=options.pop("prompt_2", None),
-            prompt_3=prompt_3,
-            device=self.device,
-            do_classifier_free_guidance=self.cfg,
-            max_sequence_length=length,
-            **options,
-        )
+        t5 = (pipe.tokenizer_3, options.get("prompt_3") or prompts, length)  # T5's own prompt
+        options = dict(prompt_2=None, prompt_3=None) | options  # SD3's required arguments
+        options.update(device=self.device, do_classifier_free_guidance=self.cfg)
+        outputs = pipe.encode_prompt(prompt=prompts, max_sequence_length=length, **options)
         return self.text_cond(prompts, (clip, t5), *outputs)
 
     def default_times(self, steps):
@@ -248,7 +241,6 @@ class FluxBackbone(PipelineBackbone):
         self.latent_size = size = self.resolution // pipe.vae_scale_factor  # unpacked side
         self.latent_channels = config.in_channels // 4
         self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
-        # as SD3's (positions are rotary, so the token embedding comes first)
         self.hidden_layers = ("x_embedder", "norm_out", "time_text_embed")
         self.policy_dims = _transformer_dims(config, self.latent_channels)
 
@@ -266,16 +258,13 @@ class FluxBackbone(PipelineBackbone):
         size = self.latent_size
         return self.pipe._pack_latents(latents, latents.shape[0], self.latent_channels, size, size)
 
-    def unpack(self, tokens):
-        side = self.resolution
-        return self.pipe._unpack_latents(tokens, side, side, self.pipe.vae_scale_factor)
-
     def sample_noise(self, n, generator=None):
         noise = torch.randn((n,) + self.latent_shape, generator=generator)
         return self.pack(noise).to(self.device)  # (N, tokens, 4 C)
 
-    def as_image(self, latents):
-        return self.unpack(latents)
+    def as_image(self, tokens):
+        side = self.resolution
+        return self.pipe._unpack_latents(tokens, side, side, self.pipe.vae_scale_factor)
 
     def default_times(self, steps):
         # FluxPipeline: sigmas linspace(1, 1/N, N), shifted by mu(image tokens) with the config's
@@ -318,14 +307,13 @@ class FluxBackbone(PipelineBackbone):
 
     def vae_input(self, latents):
         config = self.pipe.vae.config
-        return self.unpack(latents) / config.scaling_factor + config.shift_factor
+        return self.as_image(latents) / config.scaling_factor + config.shift_factor
 
 
 class SDXLBackbone(PipelineBackbone):
-    """Stable Diffusion XL (discrete-time, epsilon prediction) integrated as the Euler sampler does:
-    the state is x = x_0 + sigma * noise, the model sees x / sqrt(sigma^2 + 1) at timestep t * 999,
-    dx / dsigma = predicted noise, sigma(t) interpolated linearly in the model's noise table,
-    sigma(0) = 0. add_time_ids (size, crop, target size) ride in cond."""
+    """Stable Diffusion XL (epsilon prediction) integrated as the Euler sampler does: x = x_0 +
+    sigma * noise, the model sees x / sqrt(sigma^2 + 1) at timestep t * 999, dx / dsigma = the
+    predicted noise, sigma(t) interpolated in the noise table, sigma(0) = 0."""
 
     def __init__(self, pipe, name="sdxl", resolution=None, guidance=None):
         multiple = pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
@@ -343,7 +331,6 @@ class SDXLBackbone(PipelineBackbone):
         self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigmas
         unet = self.model.config
         self.latent_shape = (unet.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        # the UNet's counterparts of SD3's layers (both maps at the latent's resolution)
         self.hidden_layers = ("conv_in", "conv_norm_out", "time_embedding")
         self.policy_dims = dict(
             latent_channels=unet.in_channels,
@@ -381,8 +368,7 @@ class SDXLBackbone(PipelineBackbone):
         return self.text_cond(prompts, (clip,), *outputs, time_ids=time_ids)
 
     def default_times(self, steps):
-        # the pipeline's EulerDiscreteScheduler spacing ("leading" for SD-XL, so t_0 < 1), then
-        # the final sigma 0
+        # the pipeline's EulerDiscreteScheduler spacing ("leading" for SD-XL: t_0 < 1), then 0
         scheduler = type(self.pipe.scheduler).from_config(self.pipe.scheduler.config)
         scheduler.set_timesteps(steps)
         last = scheduler.config.num_train_timesteps - 1

@@ -1,8 +1,7 @@
 """
-The embedded backbones (digits, digits-prompt, digits-noise, digits-xor in backbones/__init__.py):
-class-conditional Gaussian mixtures over scikit-learn's 8x8 digits whose flow is closed-form, with
-the interface of rollout.Backbone. Their teacher is an accurate RK4 solve, so the best schedule of
-a set of contexts can be computed (evidence/ablation.py's oracles).
+The embedded backbones (digits, digits-prompt, digits-noise, digits-xor): class-conditional Gaussian
+mixtures over scikit-learn's 8x8 digits with a closed-form flow, so that the best schedule of a set
+of contexts can be computed (evidence/ablation.py's oracles).
 """
 
 import torch
@@ -15,10 +14,8 @@ DIGIT_VOCAB = ["<pad>", "a", "handwritten"] + [str(d) for d in range(10)]
 
 
 class MixtureBackbone(Backbone):
-    """The same code path as the real models (prompts -> token embeddings, noise -> run_schedule
-    -> latents -> decode -> reward) with a known optimum, trained in a minute on a CPU.
-
-    Data: scikit-learn's 1,797 8x8 digits, pixels 0..16 rescaled to [-1, 1]. For "a handwritten
+    """The real models' code path (prompts -> embeddings, noise -> run_schedule -> decode) with a
+    known optimum. Data: scikit-learn's 8x8 digits, pixels rescaled to [-1, 1]. For "a handwritten
     d", with y_i the images of class d and m_d their mean, each sub-population (spread k, std s,
     shift b: a number or a (64,) pattern) of `populations[d]` puts one component N(mu_i, s^2 I) at
     mu_i = m_d + k (y_i - m_d) + b for every y_i; all components of a class weigh the same.
@@ -30,7 +27,7 @@ class MixtureBackbone(Backbone):
     with posterior weights w = softmax_m(-|x - (1 - t) mu_m|^2 / (2 v_m) - (d/2) log v_m), d = 64.
     """
 
-    # the teacher's RK4 solve (reference); a backbone's row may set them (teacher=)
+    # the teacher's RK4 solve (reference); a BACKBONES row may set them (teacher=)
     reference_steps, reference_power, reference_dtype = 64, 1.0, torch.float64
 
     def __init__(self, name, populations, device=None, teacher=None):
@@ -54,8 +51,8 @@ class MixtureBackbone(Backbone):
             centres = [mean + spread * (members - mean) + shift for spread, _, shift in groups]
             stds = [torch.full((len(members),), float(std)) for _, std, _ in groups]
             classes.append((torch.cat(centres), torch.cat(stds)))
-        # padded per class to the largest, so one batched matmul gives every sample the logits of
-        # its own class only; padding has log-weight -1e30 (and a harmless std of 1)
+        # padded per class to the largest, so one batched matmul gives every sample its own
+        # class's logits; padding has log-weight -1e30 (and a harmless std of 1)
         size = max(len(centres) for centres, _ in classes)
         self.centres = torch.zeros(10, size, 64, dtype=torch.float64)
         self.variances = torch.ones(10, size, dtype=torch.float64)  # s_m^2
@@ -82,16 +79,12 @@ class MixtureBackbone(Backbone):
         self.check_prompts(prompts)
         tokens = [[DIGIT_VOCAB.index(word) for word in prompt.split()] + [0] for prompt in prompts]
         ids = torch.tensor(tokens)  # (N, S), ending in the padding token 0
-        text_mask = ids != 0  # (N, S) True = token
+        mask = ids != 0  # (N, S) True = token
         text = self.word_embeddings[ids] + self.position_embeddings  # (N, S, D)
-        pooled = (text * text_mask[..., None]).sum(1) / text_mask.sum(1, keepdim=True)
+        pooled = (text * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
         label = torch.tensor([self.prompts.index(prompt) for prompt in prompts])
-        return dict(
-            prompt_embeds=text.to(self.device),
-            text_mask=text_mask.to(self.device),
-            pooled_prompt_embeds=pooled.to(self.device),
-            label=label.to(self.device),
-        )
+        cond = dict(prompt_embeds=text, text_mask=mask, pooled_prompt_embeds=pooled, label=label)
+        return {key: value.to(self.device) for key, value in cond.items()}
 
     def default_times(self, steps):
         return torch.linspace(1.0, 0.0, steps + 1)
@@ -106,7 +99,7 @@ class MixtureBackbone(Backbone):
 
     def velocity(self, state, t, mixture):
         """Exact E[noise - x_0 | x_t = state] at per-sample times t (N,), in the dtype of `mixture`
-        (float64 for sampling: the sharp mixtures' logits need it). Differentiable in state, t."""
+        (float64: the sharp mixtures' logits need it). Differentiable in state and t."""
         centres, norms, variances, log_weights = mixture
         x = state.reshape(state.shape[0], 64).to(centres.dtype)
         t = t.to(centres.dtype)[:, None]  # (N, 1)
@@ -135,9 +128,7 @@ class MixtureBackbone(Backbone):
     @torch.no_grad()
     def reference(self, noise, cond):
         """Classical RK4 from t = 1 to 0 on the grid t_k = 1 - (k / steps) ** power, in
-        reference_dtype. `digits` (wide components) takes fewer, larger steps near t = 1 in float32
-        (tests/test_rollout_digits.py bounds the error); with fewer steps the sharp mixtures'
-        trajectories can switch components."""
+        reference_dtype (tests/test_rollout_digits.py bounds its error)."""
         steps, power, dtype = self.reference_steps, self.reference_power, self.reference_dtype
         fraction = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64, device=self.device)
         grid = (1.0 - fraction**power).to(dtype)

@@ -7,14 +7,13 @@ A trained schedule inside a stock diffusers pipeline.
     generator = torch.Generator("cuda").manual_seed(0)
     images = generate(pipe, policy, "a red fox in fresh snow", generator=generator).images
 
-generate() draws the noise as the pipeline does, asks the policy for each noise and prompt's
-schedule and samples them in one batch with rollout.py's loop, at the guidance the policy was
-trained with; it returns the pipeline's own output. To run a schedule in the pipeline itself,
-install learned_scheduler(backbone, times) as pipe.scheduler: its times run as given, no shift and
-no final 0, so sampling ends at the learned stop margin t_L (tests/test_pipeline.py checks both
-give the same latents). schedule_json() exports a global policy's one schedule for other tools.
+generate() samples every noise and prompt with the policy's schedule in one batch (rollout.py's
+loop) and returns the pipeline's own output. learned_scheduler(backbone, times), installed as
+pipe.scheduler, runs the times in the pipeline itself (no shift, no final 0: sampling ends at the
+stop margin t_L). schedule_json() exports a global policy's schedule for other tools.
 """
 
+import contextlib
 import importlib
 import inspect
 
@@ -25,11 +24,12 @@ from diffusers.utils.torch_utils import randn_tensor
 import backbones
 from backbones import families
 from policy import mean_increments, times_from_increments
+from prompts import shown
 
 
 class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
-    """Flow matching with given times (L+1,): the model runs at t_0..t_{L-1}, Euler steps go to
-    t_1..t_L; what the pipeline asks set_timesteps for (steps, sigmas, a shift mu) is ignored."""
+    """Flow matching with given times (L+1,); what the pipeline asks set_timesteps for (steps,
+    sigmas, a shift mu) is ignored."""
 
     def install(self, times):
         self.learned = torch.as_tensor(times, dtype=torch.float32).cpu()
@@ -91,7 +91,6 @@ TEXT = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negativ
 TEXT += ("clip_skip", "max_sequence_length")
 EMBEDS = ("prompt_embeds", "pooled_prompt_embeds")
 EMBEDS += ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
-REFUSED = ("timesteps", "sigmas")  # the schedule is the policy's
 # what each family's pipeline returns
 OUTPUTS = {
     "sd3": ("stable_diffusion_3.pipeline_output", "StableDiffusion3PipelineOutput"),
@@ -100,22 +99,25 @@ OUTPUTS = {
 }
 
 
-def _module_state(pipe):
+@contextlib.contextmanager
+def _left_as_found(pipe):
+    """Restores what wrapping a pipeline changes: modules' modes, grad flags, the progress bar."""
     modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
-    return [(m, m.training, [p.requires_grad for p in m.parameters()]) for m in modules]
-
-
-def _restore(state, pipe, progress):
-    for module, training, grads in state:
-        module.train(training)
-        for parameter, flag in zip(module.parameters(), grads):
-            parameter.requires_grad_(flag)
-    pipe._progress_bar_config = progress
+    state = [(m, m.training, [p.requires_grad for p in m.parameters()]) for m in modules]
+    progress = dict(getattr(pipe, "_progress_bar_config", {}))
+    try:
+        yield
+    finally:
+        for module, training, grads in state:
+            module.train(training)
+            for parameter, flag in zip(module.parameters(), grads):
+                parameter.requires_grad_(flag)
+        pipe._progress_bar_config = progress
 
 
 def trained_guidance(policy):
-    """The guidance a policy was trained at (a schedule is learned for one): its training
-    --guidance, else its backbone's default; None when neither is known or the model has none."""
+    """The guidance a policy's schedule was learned at: its training --guidance, else its
+    backbone's default, else None."""
     guidance = (policy.training_config or {}).get("guidance")
     if guidance is None:
         guidance = backbones.BACKBONES.get(policy.backbone, {}).get("guidance")
@@ -126,10 +128,10 @@ def trained_guidance(policy):
 def generate(
     pipe, policy, prompt=None, num_images_per_prompt=1, generator=None, latents=None, **pipe_kwargs
 ):
-    """What pipe(prompt, ...) returns, every image sampled with the schedule the policy proposes
-    for its noise and prompt (the Dirichlet mean). pipe_kwargs: TEXT and EMBEDS, height = width,
-    output_type, return_dict, num_inference_steps (the policy's L), guidance_scale (default:
-    trained_guidance). The pipeline is left as found (modules' modes, grad flags, progress bar)."""
+    """What pipe(prompt, ...) returns, each image sampled with the policy's schedule (the
+    Dirichlet mean) for its noise and prompt. pipe_kwargs: TEXT, EMBEDS, height = width,
+    output_type, return_dict, num_inference_steps, guidance_scale (default: trained_guidance).
+    The pipeline is left as found (modules' modes, grad flags, progress bar)."""
     if policy.pipeline_refusal:
         raise ValueError(policy.pipeline_refusal)
     family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
@@ -139,15 +141,14 @@ def generate(
             "diffusers pipeline runs: sample it with sample.py"
         )
     prompts = [prompt] if isinstance(prompt, str) else prompt
-    if "prompt_embeds" not in pipe_kwargs and (
-        not isinstance(prompts, (list, tuple))
-        or not prompts
-        or not all(isinstance(text, str) for text in prompts)
-    ):
-        raise ValueError(f"prompt takes a string or a non-empty list of strings, got {prompt!r}")
+    strings = isinstance(prompts, (list, tuple)) and all(isinstance(text, str) for text in prompts)
+    if "prompt_embeds" not in pipe_kwargs and not (strings and prompts):
+        raise ValueError(
+            f"prompt takes a string or a non-empty list of strings, got {shown(prompt)}"
+        )
     if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
         raise ValueError(f"num_images_per_prompt must be at least 1, got {num_images_per_prompt!r}")
-    for key in REFUSED:
+    for key in ("timesteps", "sigmas"):
         if key in pipe_kwargs:
             raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
     steps = pipe_kwargs.pop("num_inference_steps", policy.steps)
@@ -155,9 +156,8 @@ def generate(
         raise ValueError(
             f"this policy was trained for L={policy.steps} steps, not num_inference_steps={steps}"
         )
-    guidance = pipe_kwargs.pop("guidance_scale", None)
-    if guidance is None:  # the guidance it was trained with, not the pipeline's default
-        guidance = trained_guidance(policy)
+    guidance = pipe_kwargs.pop("guidance_scale", None)  # default: not the pipeline's
+    guidance = trained_guidance(policy) if guidance is None else guidance
     height = pipe_kwargs.pop("height", None) or pipe.default_sample_size * pipe.vae_scale_factor
     if pipe_kwargs.pop("width", height) != height:
         raise ValueError("the learned schedules are trained on square images: pass height == width")
@@ -170,8 +170,7 @@ def generate(
             f"no {', '.join(others)}; install learned_scheduler(backbone, times) as pipe.scheduler "
             "and call the pipeline yourself"
         )
-    state, progress = _module_state(pipe), dict(getattr(pipe, "_progress_bar_config", {}))
-    try:
+    with _left_as_found(pipe):
         backbone = backbones.from_pipeline(pipe, resolution=height, guidance=guidance)
         if family and not isinstance(backbone, backbones.FAMILIES[family]):
             raise ValueError(
@@ -203,8 +202,6 @@ def generate(
             images = pipe.image_processor.postprocess(
                 backbone.decode_raw(images), output_type=output_type
             )
-    finally:
-        _restore(state, pipe, progress)
     if not return_dict:
         return (images,)
     module, name = OUTPUTS[backbones.PIPELINE_FAMILIES[type(pipe).__name__]]
@@ -213,8 +210,8 @@ def generate(
 
 
 def schedule_json(policy, backbone):
-    """A global policy's schedule (its Dirichlet mean) for other tools: its times (L+1,), the sigmas
-    they stand for, and the timesteps the model sees."""
+    """A global policy's schedule (its Dirichlet mean) for other tools: times (L+1,), sigmas and
+    the timesteps the model sees."""
     if policy.pipeline_refusal:
         raise ValueError(policy.pipeline_refusal)
     if policy.config["kind"] != "global":

@@ -1,39 +1,20 @@
 """
-The comparator TPDM ("Schedule On the Fly", Ye et al., CVPR 2025, arXiv 2412.01243; the paper's
-"TPDM-style PPO" row): a step-wise policy that picks each next time from the sampler's state,
-trained with PPO (below, as TPDM's trainer takes it). Its settings follow TPDM's public code
-(github.com/maple-research-lab/TPDM); TPDM below and README say which file each comes from;
-docs/COMPARATOR.md what differs.
-
-At step l, after the model call at t_l, the policy reads what the sampler has there and draws the
-decay rate of the next time from a Beta:
+The comparator TPDM ("Schedule On the Fly", Ye et al., CVPR 2025, arXiv 2412.01243): a step-wise
+policy that picks each next time from the sampler's state, trained with PPO as TPDM's trainer
+takes it, with the settings of TPDM's public code (github.com/maple-research-lab/TPDM; TPDM below
+and README name each file, docs/COMPARATOR.md what differs). After the model call at t_l:
 
     t_{l+1} = r_l t_l,  r_l ~ Beta(alpha_l, beta_l),  alpha_l = 1 + exp(a_l),  beta_l = 1 + exp(b_l)
 
-so a schedule of L steps costs exactly L model calls, and L policy calls where the single-pass
-policy (policy.py) needs one. The last rate sets t_L > 0, the same learnable stop margin as the
-Dirichlet policy's. The log-probability of a schedule is the sum of the L Beta log-densities, each
-given the state the rate was drawn in; PPO and the REINFORCE update of train.py both use it.
-
-What it reads (rollout.run_schedule's `decide`), through the same network as the instance-level
-policy (policy.SchedulePolicy.encode; the time t_l and the step index join the pooled prompt
-embedding that modulates the feature tokens, and the tokens cross-attend to the prompt), one of:
-- inputs="hidden", TPDM's (its src/models/stable_diffusion_3/modeling_sd3_pnt.py): the denoiser's
-  own hidden states, read by forward hooks (backbones.families.PipelineBackbone.hidden_states):
-  the image features entering its first block and leaving its last normalisation, as a (2 D, h, w)
-  map, and its timestep embedding, which joins the pooled embedding; CFG-combined as the
-  prediction is.
-- inputs="sampler": the state at unit scale and the model's prediction of the clean sample
-  (2 C channels), what every backbone exposes alike (the embedded mixtures have no hidden states).
-
-Initialisation: init="tpdm" sets every step's logits to TPDM's head bias (a, b) = (2.5, 1.0)
-(scripts/launch_sd3_train.sh --init_alpha 2.5 --init_beta 1.0): Beta(13.2, 3.7), mean rate 0.78,
-mode 0.82. Otherwise as the Dirichlet policy's: the Beta means give that policy's initial mean
-schedule, with sum(alpha, beta) = concentration (raised where a rate is within 2 / concentration of
-0 or 1, so that alpha and beta are both at least 2, as 1 + exp(.) needs them above 1).
-
-At inference (no draws) the rate is the Beta's mode (alpha - 1) / (alpha + beta - 2) for
-inference="mode", TPDM's (modeling_sd3_pnt.py, `predict`), or its mean for inference="mean".
+so L steps cost L model calls and L policy calls, t_L > 0 is the learnable stop margin, and log pi
+is the sum of the L Beta log-densities. The network is policy.SchedulePolicy.encode's, with t_l
+and the step joining the pooled prompt embedding; it reads (rollout.run_schedule's `decide`):
+- inputs="hidden", TPDM's (src/models/stable_diffusion_3/modeling_sd3_pnt.py): the denoiser's
+  hidden states and timestep embedding (backbones.families.PipelineBackbone.hidden_states);
+- inputs="sampler": the state and the prediction of the clean sample (2 C channels).
+init="tpdm" starts every step at TPDM's head bias (a, b) = (2.5, 1.0) (scripts/launch_sd3_train.sh
+--init_alpha 2.5 --init_beta 1.0), any other init at the Dirichlet policy's initial mean schedule.
+At inference the rate is the Beta's mode, TPDM's (modeling_sd3_pnt.py, `predict`), or its mean.
 """
 
 import math
@@ -59,8 +40,7 @@ TPDM_LOGITS = (2.5, 1.0)  # TPDM's head bias (a, b): alpha = 1 + e^2.5, beta = 1
 
 
 def time_features(time, step, steps):
-    """(N,) times and step indices -> (N, 2 FREQUENCIES + steps): Fourier features of t_l and the
-    one-hot step."""
+    """(N,) times and step indices -> (N, 2 FREQUENCIES + steps): Fourier features, one-hot step."""
     angles = time.float()[:, None] * math.pi * 2.0 ** torch.arange(FREQUENCIES, device=time.device)
     one_hot = F.one_hot(step.long(), steps).float()
     return torch.cat([angles.sin(), angles.cos(), one_hot], dim=-1)
@@ -68,7 +48,8 @@ def time_features(time, step, steps):
 
 def initial_rates(steps, init, init_times, concentration, stop_margin):
     """(L, 2) float64 logits (a_l, b_l) whose Beta means r_l = t_{l+1} / t_l give the Dirichlet
-    policy's initial mean schedule (policy.initial_logits: same default, same stop margin)."""
+    policy's initial mean schedule (policy.initial_logits), with alpha + beta = concentration
+    raised so that both are at least 2."""
     bias = initial_logits(steps, init, init_times, concentration, stop_margin)
     times = times_from_increments(mean_increments(F.softplus(bias) + ALPHA_MIN))
     rate = times[1:] / times[:-1]  # (L,)
@@ -77,18 +58,10 @@ def initial_rates(steps, init, init_times, concentration, stop_margin):
     return torch.stack([alpha - 1, beta - 1], dim=-1).log()
 
 
-def mode_increments(parameters):
-    """Beta parameters (N, 2) -> its mode as the pair (r, 1 - r) (N, 2), floored like
-    policy.mean_increments: (alpha - 1) / (alpha + beta - 2), both above 1 here."""
-    return mean_increments(parameters - 1.0)
-
-
 class StepwisePolicy(SchedulePolicy):
     """(denoiser features, t_l, step l, prompt) -> Beta parameters (alpha_l, beta_l) (N, 2),
-    float32. latent_channels is the backbone's C (inputs="sampler" reads 2 C: the state and the
-    prediction); feature_channels and time_dim, the hidden states' channels and the timestep
-    embedding's width (inputs="hidden"); `arguments`, the instance-level policy's others
-    (SchedulePolicy: the network's sizes, the start, what it was trained for), init="tpdm" too."""
+    float32. latent_channels is the backbone's C; feature_channels and time_dim, the hidden
+    states' channels and timestep-embedding width (inputs="hidden"); `arguments`, the base's."""
 
     def __init__(
         self,
@@ -102,56 +75,44 @@ class StepwisePolicy(SchedulePolicy):
         inference="mean",
         **arguments,
     ):
-        if inputs not in ("sampler", "hidden") or inference not in ("mean", "mode"):
-            wanted = "inputs sampler | hidden, inference mean | mode"
-            raise ValueError(f"{wanted}, got {inputs}, {inference}")
+        if inputs not in INPUTS or inference not in INFERENCE:
+            raise ValueError(f"inputs {INPUTS}, inference {INFERENCE}: got {inputs}, {inference}")
         if inputs == "hidden" and not (feature_channels and time_dim):
-            raise ValueError('inputs="hidden" needs feature_channels and time_dim')
-        # a policy folder's config.json names the kind beside the arguments, and from_pretrained
-        # hands every key of it to a constructor that takes **arguments
-        arguments.pop("kind", None)
-        tpdm = arguments.get("init") == "tpdm"
-        if tpdm:  # the rates below replace the Dirichlet start
-            arguments = dict(arguments, init="uniform")
-        extra = 2 * FREQUENCIES + steps  # time and step join the pooled prompt embedding
-        channels, pooled = 2 * latent_channels, (pooled_dim or 0) + extra
+            raise ValueError('inputs="hidden" needs a backbone with hidden states to read')
+        arguments.pop("kind", None)  # a policy folder's config.json names it beside the arguments
+        init = arguments.pop("init", "uniform")  # "tpdm": the rates below replace the start
+        pooled = (
+            (pooled_dim or 0) + 2 * FREQUENCIES + steps
+        )  # time and step join the pooled embedding
+        channels = 2 * latent_channels
         if inputs == "hidden":
             channels, pooled = feature_channels, pooled + time_dim
-        super().__init__(steps, channels, text_dim, pooled, **arguments)
-        start = dict(self.config)  # the Dirichlet policy's start, whose mean schedule rates follow
+        start = "uniform" if init == "tpdm" else init
+        super().__init__(steps, channels, text_dim, pooled, init=start, **arguments)
         self.config.update(kind="stepwise", latent_channels=latent_channels, pooled_dim=pooled_dim)
-        self.config.update(init="tpdm" if tpdm else start["init"], inputs=inputs)
-        self.config.update(inference=inference, feature_channels=feature_channels)
-        self.config.update(time_dim=time_dim)
+        self.config.update(init=init, inputs=inputs, inference=inference)
+        self.config.update(feature_channels=feature_channels, time_dim=time_dim)
         self.inputs, self.inference = inputs, inference
         self.head[-1] = nn.Linear(self.head[-1].in_features, 2)
-        with torch.no_grad():
-            # near the initial rates for all inputs: these logits act on log(alpha - 1), so a tenth
-            # of the Dirichlet head's 0.01 (tests/test_stepwise.py checks the initial mean times)
-            self.head[-1].weight.normal_(0.0, 0.001)
-            self.head[-1].bias.zero_()
         self.rate_logits = nn.Parameter(torch.empty(steps, 2))  # (L, 2): a_l, b_l at the start
-        if tpdm:
+        if init == "tpdm":
             rates = torch.tensor(TPDM_LOGITS).expand(steps, 2)
         else:
             names = ("init", "init_times", "concentration", "stop_margin")
-            rates = initial_rates(steps, *(start[name] for name in names))
-        with (
-            torch.no_grad()
-        ):  # copied: on any default device (evidence/bench.py builds it on "meta")
+            rates = initial_rates(steps, *(self.config[name] for name in names))
+        with torch.no_grad():  # copied: on any default device (evidence/bench.py builds on "meta")
+            # these logits act on log(alpha - 1): a tenth of the Dirichlet head's 0.01
+            self.head[-1].weight.normal_(0.0, 0.001)
+            self.head[-1].bias.zero_()
             self.rate_logits.copy_(rates)
 
     @classmethod
     def for_backbone(cls, steps, backbone_dims, inputs="sampler", **options):
-        """Built for what a backbone gives (Backbone.policy_dims): its latent and text widths, and
-        for inputs="hidden" its denoiser's hidden-state channels and timestep-embedding width."""
+        """Built for what a backbone gives (Backbone.policy_dims), hidden-state sizes included."""
         keys = ["latent_channels", "text_dim", "pooled_dim"]
         if inputs == "hidden":  # the denoiser's hidden states (backbones/families.py)
-            if "feature_channels" not in backbone_dims:
-                raise ValueError("this backbone has no hidden states a policy could read")
             keys += ["feature_channels", "time_dim"]
-        dims = {key: backbone_dims.get(key) for key in keys}
-        return cls(steps, inputs=inputs, **dims, **options)
+        return cls(steps, inputs=inputs, **{key: backbone_dims.get(key) for key in keys}, **options)
 
     pipeline_refusal = (
         "a step-wise policy (TPDM) picks each time from the sampler's state inside the loop, "
@@ -177,19 +138,15 @@ class StepwisePolicy(SchedulePolicy):
         # latent (N, 2C, H, W) or the hidden states (N, 2D, h, w); time (N,) t_l; step: an int or
         # (N,) step indices; embedding (N, E): the denoiser's timestep embedding (inputs="hidden")
         step = torch.as_tensor(step, device=latent.device).expand(len(latent))
-        extra = [time_features(time.to(latent.device), step, self.steps)]
-        if embedding is not None:
-            extra.insert(0, embedding.float())
-        if pooled is not None:
-            extra.insert(0, pooled.float())
-        pooled = torch.cat(extra, dim=-1)
+        given = [value.float() for value in (pooled, embedding) if value is not None]
+        pooled = torch.cat([*given, time_features(time.to(latent.device), step, self.steps)], -1)
         logits = self.head(self.encode(latent, text, text_mask, pooled)) + self.rate_logits[step]
         return 1.0 + logits.clamp(max=30.0).exp()  # (N, 2) alpha, beta; exp(30) keeps it finite
 
 
 def beta_log_prob(parameters, pair):
-    """log Beta(r | alpha, beta): parameters (N, 2), pair (N, 2) = (r, 1 - r) -> (N,). A Beta is
-    the Dirichlet of two components, so policy.log_prob gives it (float64, floored at TAU_FLOOR)."""
+    """log Beta(r | alpha, beta): parameters (N, 2), pair (N, 2) = (r, 1 - r) -> (N,); the
+    Dirichlet of two components (policy.log_prob)."""
     return log_prob(parameters, pair[:, None, :])[:, 0]
 
 
@@ -201,12 +158,9 @@ def start_times(count, steps):
 
 
 class Stepper:
-    """run_schedule's `decide` for a step-wise policy: at each step, the Beta parameters for these
-    samples, a rate r_l (the policy's deterministic one, its mode or mean, or one draw per sample),
-    and a record of everything the update recomputes (`record()`). draws: None (deterministic), a
-    generator (one draw per sample from it), or one generator per sample (train.py: a sample's
-    draws do not depend on the batch). Sample inside `with stepper:`, which holds the forward hooks
-    that read the denoiser's hidden states for a policy with inputs="hidden"."""
+    """run_schedule's `decide` for a step-wise policy: a rate r_l at each step, deterministic when
+    draws is None, else drawn from one generator or one per sample, recorded for the update. Sample
+    inside `with stepper:`, which holds the hooks that read the denoiser's hidden states."""
 
     def __init__(self, policy, backbone, cond, draws=None):
         self.policy, self.backbone, self.cond, self.draws = policy, backbone, cond, draws
@@ -240,10 +194,10 @@ class Stepper:
             image = self.backbone.as_image  # Flux: its packed tokens as an image
             inputs = dict(latent=torch.cat([image(state), image(estimate)], dim=1).float())
         parameters = self.policy(**inputs, **self.prompt, time=t, step=step)  # (N, 2)
-        if self.draws is None:
-            deterministic = mode_increments if self.policy.inference == "mode" else mean_increments
-            pair = deterministic(parameters)
-        else:  # one generator, or one per sample
+        if self.draws is None:  # the mode (alpha - 1) / (alpha + beta - 2), or the mean
+            mode = self.policy.inference == "mode"
+            pair = mean_increments(parameters - 1.0 if mode else parameters)
+        else:
             pair = sample_increments(parameters, 1, self.draws)[:, 0]
         chosen = (t.float() * pair[:, 0]).to(t.dtype)  # t_{l+1} = r_l t_l
         for key, value in zip(self.steps, (*inputs.values(), t, parameters, pair, chosen)):
@@ -257,8 +211,7 @@ class Stepper:
     def record(self):
         """What trajectory_log_prob needs, per sample: latent (N, L, 2C, H, W) or the hidden
         states (N, L, 2D, h, w) with the timestep embedding (N, L, E), time (N, L), pair (N, L, 2),
-        the prompt inputs; and times (N, L+1), parameters (N, L, 2) and the log-probability of the
-        schedule when drawn (N,)."""
+        the prompt inputs; and times (N, L+1), parameters (N, L, 2) and log pi when drawn (N,)."""
         stacked = {key: torch.stack(value, dim=1) for key, value in self.steps.items()}
         stacked.pop("next")
         logp = beta_log_prob(stacked["parameters"].flatten(0, 1), stacked["pair"].flatten(0, 1))
@@ -268,9 +221,8 @@ class Stepper:
 
 @torch.no_grad()
 def sample(policy, backbone, noise, cond, draws=None):
-    """(times (N, L+1), latents) of these contexts sampled with a step-wise policy: its
-    deterministic rate at each step (the Beta mode or mean), or draws (a generator, or one per
-    sample) as Stepper takes them."""
+    """(times (N, L+1), latents) of these contexts sampled with a step-wise policy, its draws as
+    Stepper takes them."""
     with Stepper(policy, backbone, cond, draws) as stepper:
         latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
     return stepper.times(), latents
@@ -282,51 +234,41 @@ def join_records(records):
 
 
 def trajectory_log_prob(policy, record, index=slice(None)):
-    """log pi(schedule) of the samples `index` of a record (Stepper.record), recomputed with
-    gradients: the sum over the L steps of the Beta log-density of each rate, given the state it was
-    drawn in. One policy call over all (sample, step) pairs (DDP takes one forward per backward)."""
+    """log pi(schedule) (count,) of the samples `index` of a record (Stepper.record), with
+    gradients: one policy call over all (sample, step) pairs (DDP: one forward per backward)."""
     picked = {key: value[index] for key, value in record.items()}
     count, steps = picked["time"].shape
 
-    def per_step(value):  # the inputs of a sample, repeated for each of its steps
+    def per_step(value):  # a sample's input, repeated for each of its steps
         return None if value is None else value.repeat_interleave(steps, 0)
 
-    embedding = picked.get("embedding")  # the denoiser's timestep embedding (inputs="hidden")
-    parameters = policy(
-        latent=picked["latent"].flatten(0, 1),
-        embedding=None if embedding is None else embedding.flatten(0, 1),
-        text=per_step(picked["text"]),
-        text_mask=per_step(picked["text_mask"]),
-        pooled=per_step(picked.get("pooled")),
-        time=picked["time"].flatten(),
-        step=torch.arange(steps, device=picked["time"].device).repeat(count),
-    )
+    prompt = {key: per_step(picked.get(key)) for key in ("text", "text_mask", "pooled")}
+    states = {key: picked[key].flatten(0, 1) for key in ("latent", "embedding") if key in picked}
+    step = torch.arange(steps, device=picked["time"].device).repeat(count)
+    parameters = policy(**states, **prompt, time=picked["time"].flatten(), step=step)
     return beta_log_prob(parameters, picked["pair"].flatten(0, 1)).view(count, steps).sum(1)
 
 
 class StepwiseRollouts:
-    """K schedules per context from a step-wise policy, each time drawn inside the sampling loop
-    (Stepper), and their log-probability: the interface policy.DirichletRollouts describes, for
-    train.py's loop. Each sample draws from its own generator, seeded from its context's: its
-    schedule does not depend on how the batch is split into parts."""
+    """K schedules per context from a step-wise policy, drawn inside the sampling loop (Stepper):
+    the interface policy.DirichletRollouts describes. Each sample draws from its own generator,
+    seeded from its context's, so its schedule does not depend on how the batch is split."""
 
     def __init__(self, policy, backbone, noise, cond, generators, rollouts):
         seeds = torch.cat([torch.randint(2**62, (rollouts,), generator=g) for g in generators])
         self.draws = [torch.Generator().manual_seed(seed) for seed in seeds.tolist()]
-        # the module itself (DDP wraps it for the update): sampling needs no gradients
-        self.policy = getattr(policy, "module", policy)
+        self.policy = getattr(policy, "module", policy)  # not DDP's: sampling takes no gradients
         self.backbone, self.records = backbone, []
 
     def sample(self, part, noise, cond):
-        draws = [self.draws[i] for i in part]
-        with Stepper(self.policy, self.backbone, cond, draws) as stepper:  # hooks, if it reads any
-            times = start_times(len(noise), self.policy.steps)  # t_0 = 1, the rest chosen
+        times = start_times(len(noise), self.policy.steps)  # t_0 = 1, the rest chosen
+        with Stepper(self.policy, self.backbone, cond, [self.draws[i] for i in part]) as stepper:
             latents = self.backbone.sample(noise, cond, times, stepper)
         self.records.append(stepper.record())
         return latents
 
     def record(self):
-        """The records of every part sampled (Stepper.record), joined into one."""
+        """The records of every part sampled, joined into one."""
         if len(self.records) > 1:
             self.records = [join_records(self.records)]
         return self.records[0]
@@ -344,15 +286,12 @@ class StepwiseRollouts:
         return self.record()["times"][:, -1].mean()
 
     def log_prob(self, policy, index=slice(None)):
-        """The sum of the L Beta log-densities of the samples `index`, recomputed with gradients
-        from the recorded states (trajectory_log_prob)."""
         return trajectory_log_prob(policy, self.record(), index)
 
 
 # -----------------------------------------------------------------------------
-# PPO as TPDM's trainer takes it (github.com/maple-research-lab/TPDM, src/train/rloo_trainer.py on
-# TRL 0.11's RLOO trainer), the update of `train.py --optimizer ppo`, and the settings of TPDM's own
-# code, which that flag makes the defaults (TPDM below; README names each file).
+# PPO as TPDM's trainer takes it (src/train/rloo_trainer.py, on TRL 0.11's RLOO trainer): the update
+# of `train.py --optimizer ppo`, and TPDM's settings, which that flag makes the defaults.
 
 FLAGS = "the comparator TPDM (comparator/tpdm.py): with --policy stepwise and --optimizer ppo"
 
@@ -374,25 +313,19 @@ class Settings:
     ppo_clip: float = field(default=0.2, metadata=dict(help="ppo: the ratio's clip range epsilon"))
 
 
-# What --optimizer ppo makes the defaults, TPDM's own settings: RLOO advantages over the K rollouts,
-# not normalised (src/train/rloo_trainer.py); Adam(0.9, 0.99), eps 1e-5, no weight decay, a
-# constant rate (scripts/launch_sd3_train.sh; AdamW with weight decay 0 is Adam).
+# TPDM's settings: unnormalised RLOO advantages (src/train/rloo_trainer.py); Adam(0.9, 0.99), eps
+# 1e-5, no weight decay, a constant rate (scripts/launch_sd3_train.sh)
 TPDM = dict(baseline="rloo", weight_decay=0.0, lr_decay="constant", adam_beta2=0.99, adam_eps=1e-5)
-# ... and for the step-wise policy its head bias (2.5, 1.0), the hidden states as inputs and the
-# Beta's mode at inference (src/models/stable_diffusion_3/modeling_sd3_pnt.py); another policy keeps
-# its own defaults for them
+# ... and the step-wise policy's head bias, inputs and inference (modeling_sd3_pnt.py)
 TPDM_STEPWISE = dict(init="tpdm", policy_inputs="hidden", inference="mode")
-# PPO takes ppo_epochs x ppo_minibatches Adam steps per batch. TPDM's lr (1e-6 for SD3's 2-conv
-# head) does not transfer to this network and budget; the backbone's REINFORCE rate times this
-# factor is the default, not tuned for TPDM's settings: evidence/comparator_study.py tunes --lr on
-# training contexts (docs/COMPARATOR.md)
+# TPDM's lr (1e-6 for SD3's head) does not transfer to this network: the backbone's REINFORCE rate
+# times this factor, not tuned (evidence/comparator_study.py tunes --lr; docs/COMPARATOR.md)
 LR_FACTOR = 1 / 30
 
 
 def ppo_preset(preset, policy, family):
     """The values --optimizer ppo puts over a backbone's preset (train.PRESETS): TPDM's settings
-    and learning rate; the hidden states only where the backbone has a denoiser (an exact mixture
-    has none, so its step-wise policy reads the sampler's state)."""
+    and lr; the sampler's state as inputs on an exact mixture, which has no hidden states."""
     values = dict(TPDM, lr=preset["lr"] * LR_FACTOR)
     if policy == "stepwise":
         values.update(TPDM_STEPWISE)
@@ -402,16 +335,13 @@ def ppo_preset(preset, policy, family):
 
 
 def check(config, settings, spec):
-    """ValueError in one line for a step-wise setting given to another policy, or hidden states
-    asked of a backbone with none (an exact mixture)."""
-    chosen = dict(init=config.init, policy_inputs=settings.policy_inputs)
-    chosen.update(inference=settings.inference)
-    for key, value in TPDM_STEPWISE.items():
-        if config.policy != "stepwise" and chosen[key] == value:
-            flag = "--" + key.replace("_", "-")
-            raise ValueError(
-                f"{flag} {value} is the step-wise policy's, not the {config.policy} policy's"
-            )
+    """ValueError in one line for a step-wise setting given to another policy, hidden states asked
+    of an exact mixture, or a PPO setting out of bounds."""
+    chosen = dict(vars(settings), init=config.init)
+    key = next((key for key, value in TPDM_STEPWISE.items() if chosen[key] == value), None)
+    if key and config.policy != "stepwise":
+        flag = f"--{key.replace('_', '-')} {TPDM_STEPWISE[key]}"
+        raise ValueError(f"{flag} is the step-wise policy's, not the {config.policy} policy's")
     if settings.policy_inputs == "hidden" and spec["family"] == "mixture":
         raise ValueError(
             f"--policy-inputs hidden reads a denoiser's hidden states; {config.backbone} is an "
@@ -426,8 +356,7 @@ def check(config, settings, spec):
 
 
 def policy_options(config, settings):
-    """The step-wise policy's constructor options of a run (store.checkpoint.make_policy); none
-    for another policy."""
+    """The step-wise policy's constructor options of a run (store.checkpoint.make_policy)."""
     if config.policy != "stepwise":
         return {}
     options = dict(inputs=settings.policy_inputs, inference=settings.inference)
@@ -435,11 +364,9 @@ def policy_options(config, settings):
 
 
 def ppo_objective(logp, logp_old, advantages, clip):
-    """PPO's clipped surrogate loss (Schulman et al. 2017), to minimise, and the fraction of
-    samples whose ratio was clipped:
+    """PPO's clipped surrogate loss (Schulman et al. 2017), to minimise, and the fraction clipped:
         -mean(min(rho A, clip(rho, 1 - eps, 1 + eps) A)),   rho = exp(log pi - log pi_old)
-    one ratio per schedule (the whole trajectory's log-probability; its only reward is the final
-    image's)."""
+    one ratio per schedule (its only reward is the final image's)."""
     ratio = (logp - logp_old.detach()).exp()
     clipped = ratio.clamp(1.0 - clip, 1.0 + clip)
     loss = -torch.minimum(ratio * advantages, clipped * advantages).mean()
@@ -447,21 +374,16 @@ def ppo_objective(logp, logp_old, advantages, clip):
 
 
 def ppo_update(settings, seed, iteration, rollouts, policy, advantages, step):
-    """PPO's update on one batch of rollouts, as TPDM's trainer takes it (train.py's `update`):
-    settings.ppo_epochs passes, each over a fresh shuffle (seeded by the run's seed and the
-    iteration) cut into settings.ppo_minibatches, one step each on the clipped objective against
-    log pi as drawn (rollouts.logp). advantages (N,): r - b; step(loss) takes one optimiser step
-    and returns the gradient norm. Returns the last loss and gradient norm, and the fraction of
-    ratios clipped over the last pass."""
+    """PPO's update on one batch (train.py's `update`): ppo_epochs passes over a shuffle seeded by
+    the run's seed and iteration, one step(loss) per minibatch against log pi as drawn; advantages
+    (N,) r - b. Returns the last loss and grad norm, and the fraction clipped in the last pass."""
     shuffle = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
     for _ in range(settings.ppo_epochs):
         order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
         clipped = []
         for index in order.chunk(settings.ppo_minibatches):
-            logp = rollouts.log_prob(policy, index)
-            loss, fraction = ppo_objective(
-                logp, rollouts.logp[index], advantages[index], settings.ppo_clip
-            )
+            logp, logp_old = rollouts.log_prob(policy, index), rollouts.logp[index]
+            loss, fraction = ppo_objective(logp, logp_old, advantages[index], settings.ppo_clip)
             grad_norm = step(loss)
             clipped.append(fraction * len(index))
     return loss, grad_norm, (sum(clipped) / len(advantages)).item()

@@ -1,39 +1,41 @@
 """
-Prompt lists and held-out contexts.
-
-A context is a prompt and the seed of its initial noise. Training draws its contexts afresh every
-iteration (context_seed); evaluation uses fixed held-out contexts, the same noise for every method,
-so that differences between methods are paired.
+Prompt lists and contexts. A context is a prompt and the seed of its initial noise: training draws
+them afresh every iteration (context_seed); evaluation uses fixed held-out contexts, the same noise
+for every method, so that differences between methods are paired.
 
 Prompt files: a .txt with one prompt per line, a .json list of prompts or of records with a "prompt"
-field (HPDv2's train.json), or a .jsonl of such records (the files in prompts/). A relative path is
-looked up in the current folder, then in this repository, so the shipped prompts/ files are found
-from anywhere. The real backbones train on prompts/train.jsonl and report on prompts/heldout.jsonl
-(HPDv2's four styles, written for this project), or on the OCR and GenEval sets for those rewards,
-unless told otherwise; "hpdv2" means HPDv2's own training prompts, from the hub. A .jsonl record's
-"style" or "tag" is its group: evaluate.py reports a table per group.
+(HPDv2's train.json), or a .jsonl of such records, whose "style" or "tag" is its group. A relative
+path is looked up in the current folder, then in this repository; "hpdv2" means HPDv2's training
+prompts, from the hub.
 """
 
 import argparse
 import json
 import os
+import reprlib
 
 import torch
 
 from store.files import REPOSITORY, hub_file
 
-# (train, held out) per reward: text rendering for OCR, GenEval's templates, else HPDv2's styles
+# (train, held out) per reward with its own prompts (the others: train.py's prompts/train.jsonl)
 SHIPPED = {
     "ocr": ("prompts/ocr_train.jsonl", "prompts/ocr_heldout.jsonl"),
     "geneval": ("prompts/geneval_train.jsonl", "prompts/geneval_heldout.jsonl"),
 }
-DEFAULT = ("prompts/train.jsonl", "prompts/heldout.jsonl")
 HPDV2 = "zhwang/HPDv2"  # the hub dataset: train.json, benchmark/<style>.json
 HPDV2_STYLES = ("anime", "concept-art", "paintings", "photo")
 HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds training draws
-# the noise seeds of tuning contexts (training prompts, for choosing settings) start here: apart
-# from the held-out seeds a table reports and from the seeds training draws
+# tuning contexts' noise seeds (training prompts, for choosing settings): apart from both
 TUNING_SEED = 2 * 10**6
+
+
+QUOTED = reprlib.Repr()  # how a message quotes a prompt: repr, a long one cut in the middle
+QUOTED.maxstring = 80
+
+
+def shown(prompt):
+    return QUOTED.repr(prompt)
 
 
 def _hpdv2_file(filename):
@@ -47,26 +49,23 @@ def _hpdv2_file(filename):
 
 
 def load_prompt_file(path):
-    """The prompts of a file (see the module docstring), or of HPDv2's training set for "hpdv2".
+    """The prompts of a file (see the module docstring), or of HPDv2's training set for "hpdv2";
     ValueError in one line naming the file for anything that is not a list of prompts."""
     if path == "hpdv2":
         path = _hpdv2_file("train.json")
-    elif (
-        not os.path.isabs(path)
-        and not os.path.exists(path)
-        and os.path.isfile(os.path.join(REPOSITORY, path))
-    ):
+    elif not os.path.exists(path) and os.path.isfile(os.path.join(REPOSITORY, path)):
         path = os.path.join(REPOSITORY, path)
     if os.path.isdir(path):
         raise ValueError(f"prompt file {path} is a folder; pass a .txt, .json or .jsonl file in it")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):  # a pipe (<(...), /dev/stdin) exists, and is read as a file
         raise ValueError(f"prompt file {path} does not exist")
+    kind = os.path.splitext(path)[1].lower()  # .JSON is JSON
     try:
         # utf-8-sig: a byte-order mark, as some editors write, is not part of the first prompt
         with open(path, encoding="utf-8-sig") as handle:
-            if path.endswith(".json"):
+            if kind == ".json":
                 records = json.load(handle)
-            elif path.endswith(".jsonl"):
+            elif kind == ".jsonl":
                 records = [json.loads(line) for line in handle if line.strip()]
             else:
                 records = list(handle)
@@ -98,8 +97,8 @@ def load_prompt_file(path):
 
 
 def prompt_groups(path):
-    """Per prompt of a .jsonl file its "style" or "tag" (None where a record has neither), in
-    load_prompt_file's order; None for other files."""
+    """Per prompt of a .jsonl file its "style" or "tag" (or None), in load_prompt_file's order;
+    None for other files."""
     if not path or not path.endswith(".jsonl"):
         return None
     path = path if os.path.exists(path) else os.path.join(REPOSITORY, path)
@@ -136,9 +135,8 @@ def load_hpdv2(folder=None):
 
 
 def context_seed(seed, iteration, context):
-    """The noise seed of a training context: every context of every iteration has its own, so the
-    batch a rank sees depends on neither the number of ranks nor on a resume. Offset by 2**32 to
-    stay clear of the held-out seeds."""
+    """The noise seed of a training context, its own for every context of every iteration (the same
+    for any number of ranks and across a resume); offset by 2**32 from the held-out seeds."""
     return 2**32 + (seed * 1_000_003 + iteration) * 65_536 + context
 
 

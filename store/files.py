@@ -1,10 +1,8 @@
 """
-Files on disk and on the Hugging Face Hub: this checkout's root (where the shipped miniatures,
-reward models and prompt sets are found), a Hub file from the local cache or downloaded, a JSON or
-safetensors file checked whole before anything loads it, and a run folder's files written
-atomically (a kill never leaves a torn file; a full disk or read-only storage ends in one line that
-keeps the last good file), held by one writer at a time, and its metrics.jsonl read back whatever a
-kill left of it.
+Files on disk and on the Hugging Face Hub: this checkout's root, a Hub file from the local cache or
+downloaded, JSON and safetensors files checked whole before anything loads them, and a run folder:
+written atomically (a full disk or read-only storage ends in one line that keeps the last good
+file), held by one writer at a time, and its metrics.jsonl read back whatever a kill left of it.
 """
 
 import contextlib
@@ -12,32 +10,29 @@ import errno
 import json
 import os
 import shutil
+import signal
 
 # this checkout's root: the shipped miniatures, reward models and prompt sets are found from it
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def hub_file(repo, filename, missing, repo_type=None):
-    """A file of a hub repository from the local cache, else downloaded. When it is neither cached
-    nor reachable: ValueError(`missing` + why) at once. The metadata request is made without
-    retries (huggingface_hub's fast fallback), not after hf_hub_download's five."""
-    from huggingface_hub import (
-        get_hf_file_metadata,
-        hf_hub_download,
-        hf_hub_url,
-        try_to_load_from_cache,
-    )
+    """A file of a hub repository from the local cache, else downloaded; ValueError(`missing` +
+    why) at once when neither works (one metadata request, not hf_hub_download's five retries)."""
+    import huggingface_hub as hub
 
     try:
-        cached = try_to_load_from_cache(repo, filename, repo_type=repo_type)
+        cached = hub.try_to_load_from_cache(repo, filename, repo_type=repo_type)
     except ValueError:  # not a repository id at all: a local path that does not exist, say
         raise ValueError(f"{missing} (no such folder, and not a hub repository id)") from None
     if isinstance(cached, str):
         return cached
     try:
-        get_hf_file_metadata(hf_hub_url(repo, filename, repo_type=repo_type))
-        return hf_hub_download(repo, filename, repo_type=repo_type)
+        hub.get_hf_file_metadata(hub.hf_hub_url(repo, filename, repo_type=repo_type))
+        return hub.hf_hub_download(repo, filename, repo_type=repo_type)
     except Exception as error:  # offline, unreachable, gated, missing: all mean "not available"
+        if os.path.isdir(repo.split("/")[0]):  # more likely a local path with a typo than a hub id
+            raise ValueError(f"{missing} (no such folder: {os.path.abspath(repo)})") from None
         reason = str(error).splitlines()[0] if str(error) else type(error).__name__
         raise ValueError(f"{missing} (not in the local cache: {reason})") from None
 
@@ -54,9 +49,8 @@ def read_json(path, advice):
 
 
 def check_safetensors(path, advice):
-    """ValueError in one line unless `path` is a whole safetensors file, as safetensors itself
-    opens it: the header parses and the tensors' data fills the file (a truncated or random file
-    fails). Reads the header only, so it is cheap for a model of any size."""
+    """ValueError in one line unless `path` is a whole safetensors file, as safetensors opens it
+    (reads the header only: cheap for a model of any size)."""
     from safetensors import SafetensorError, safe_open
 
     try:
@@ -73,7 +67,7 @@ class WriteFailed(ValueError):
 
 def write_failed(path, error, needed=None, then=None):
     """The one line that ends a run whose write failed: which folder, why, and (disk full) how much
-    free space the write needs."""
+    space the write needs."""
     folder = os.path.dirname(os.path.abspath(path))
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(folder).free
@@ -91,10 +85,10 @@ def write_failed(path, error, needed=None, then=None):
     return WriteFailed(f"could not write {path}: {error.strerror or error}")
 
 
-def write_bytes_atomic(path, data):
-    """Written to a temporary file, then renamed: a kill never leaves a corrupt file. A write that
-    fails (disk full, read-only storage) removes its temporary file, leaves the earlier file as it
-    was and raises ValueError in one line (write_failed)."""
+def write_bytes_atomic(path, data, then=None):
+    """Written to <path>.tmp, then renamed: a kill never leaves a torn file. A failed write removes
+    the temporary file, keeps the earlier file and raises WriteFailed (write_failed; `then`: what to
+    do once space is freed)."""
     try:
         with open(path + ".tmp", "wb") as file:
             file.write(data)
@@ -102,20 +96,31 @@ def write_bytes_atomic(path, data):
     except OSError as error:
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
-        raise write_failed(path, error, len(data)) from None
+        raise write_failed(path, error, len(data), then) from None
 
 
-def write_lines_atomic(path, lines):
-    write_bytes_atomic(path, "".join(lines).encode())
+def write_lines_atomic(path, lines, then=None):
+    write_bytes_atomic(path, "".join(lines).encode(), then)
 
 
-def write_json_atomic(path, data):
-    write_lines_atomic(path, [json.dumps(data)])
+def write_json_atomic(path, data, then=None):
+    write_lines_atomic(path, [json.dumps(data)], then)
+
+
+@contextlib.contextmanager
+def write_or_exit(path=None):
+    """A write to a run folder that fails (write_failed) ends in one line: SystemExit "error: "."""
+    try:
+        yield
+    except WriteFailed as error:
+        raise SystemExit(f"error: {error}") from None
+    except OSError as error:
+        raise SystemExit(f"error: {write_failed(error.filename or path, error)}") from None
 
 
 def check_writable(folder, flag="--out-dir"):
-    """ValueError in one line unless `folder` is, or can be made, a folder this user writes to;
-    creates nothing (the nearest existing ancestor is what is checked)."""
+    """ValueError unless `folder` is, or can be made, a folder this user writes to (creates
+    nothing: the nearest existing ancestor is checked)."""
     if not folder:
         raise ValueError(f"{flag} is empty; pass a folder, or drop {flag} for the default")
     parent = os.path.abspath(folder)
@@ -132,11 +137,31 @@ def check_writable(folder, flag="--out-dir"):
         raise ValueError(f"{flag} {folder} is {what}; pass a folder this user can write")
 
 
+# -----------------------------------------------------------------------------
+def interrupt_quietly(program):
+    """Ctrl-C while a program's libraries import (torch and diffusers take seconds): one line and
+    exit 130 at once, not a traceback from an import cut halfway. Nothing is written yet. The
+    program sets signal.default_int_handler back before its main()."""
+
+    def interrupted(*_):
+        os.write(2, f"{program}: interrupted while starting: nothing was written\n".encode())
+        os._exit(130)
+
+    signal.signal(signal.SIGINT, interrupted)
+
+
+# a run folder: one writer, our marker, what a kill left
+
+# The marker of an output folder: the program that took it. A program writes, replaces or deletes
+# only the files it writes, and only in a folder whose marker names it.
+MARKER = "written-by.json"
+# what train.py writes into a run folder
+RUN_FILES = "ckpt.pt metrics.jsonl eval.json train.png policy snapshots tensorboard wandb".split()
+
+
 def lock_run(out_dir):
-    """One writer per run folder: an exclusive flock on out_dir/run.lock, held while this process
-    lives and released by the operating system when it ends, however it ends (a killed run never
-    blocks the next). ValueError in one line, naming the holder's PID, if another process holds it.
-    Returns the open lock file: keep it referenced."""
+    """One writer per run folder: a flock on out_dir/run.lock, released however the process ends;
+    ValueError naming the holder's PID if taken. Returns the open lock file: keep it referenced."""
     import fcntl
 
     os.makedirs(out_dir, exist_ok=True)
@@ -151,62 +176,40 @@ def lock_run(out_dir):
             f"{out_dir} is in use by another run (PID {holder}); wait for it to end, or pass "
             "another --out-dir"
         ) from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
+    handle.truncate(0)
+    print(os.getpid(), file=handle, flush=True)
     return handle
 
 
-# The marker of an output folder: the program that took it. A folder is a program's only if it
-# carries this file with its name; the program writes, replaces or deletes only the files it writes.
-MARKER = "written-by.json"
-# what train.py writes into a run folder
-RUN_FILES = (
-    "ckpt.pt",
-    "metrics.jsonl",
-    "eval.json",
-    "train.png",
-    "policy",
-    "snapshots",
-    "tensorboard",
-    "wandb",
-)
-
-
-def claim_folder(out_dir, program, outputs, flag="--out-dir"):
-    """Take out_dir for `program` (train.py, sample.py, evaluate.py) before anything reads its
-    state: the lock first (lock_run: one writer at a time), then the marker. A folder with our
-    marker is ours; one without it is taken (and marked) only if it holds none of `outputs`, the
-    names we write, so that a user's files are never overwritten. ValueError in one line otherwise,
-    and the folder is left as it was. Returns the claim for `release`: (lock, out_dir, what this
-    call added: the folder, or the lock and marker files)."""
+def claim_folder(out_dir, program, outputs):
+    """Take out_dir for `program` before anything reads its state: the lock, then the marker. A
+    folder without our marker is taken only if it holds none of `outputs` (a user's files are never
+    overwritten); else ValueError, the folder left as it was. Returns the claim for `release`."""
     top = os.path.abspath(out_dir)  # the outermost folder this call will make, if any
     while not os.path.exists(os.path.dirname(top)):
         top = os.path.dirname(top)
-    added = [top] if not os.path.exists(top) else []
     lock_path, marker = os.path.join(out_dir, "run.lock"), os.path.join(out_dir, MARKER)
-    added += [] if added or os.path.exists(lock_path) else [lock_path]
-    lock = lock_run(out_dir)
-    claim = (lock, out_dir, added)
+    added = [path for path in (lock_path, marker) if not os.path.exists(path)]
+    if not os.path.exists(top):
+        added = [top]
+    claim = (lock_run(out_dir), out_dir, added)
     try:
         if os.path.isfile(marker):
-            owner = read_json(marker, f"move it away, or pass another {flag}")
-            if not isinstance(owner, dict) or owner.get("program") != program:
-                held = owner.get("program") if isinstance(owner, dict) else None
+            owner = read_json(marker, "move it away, or pass another --out-dir")
+            held = owner.get("program") if isinstance(owner, dict) else None
+            if held != program:
                 raise ValueError(
-                    f"{flag} {out_dir} holds the outputs of {held}, not of {program} ({MARKER}); "
-                    f"pass another {flag}"
+                    f"--out-dir {out_dir} holds the outputs of {held}, not of {program} "
+                    f"({MARKER}); pass another --out-dir"
                 )
             return claim
         clash = [name for name in outputs if os.path.lexists(os.path.join(out_dir, name))]
-        if clash:  # a user's files where we would write our own: never overwritten
+        if clash:
             raise ValueError(
-                f"{flag} {out_dir} holds {', '.join(clash)}, which no run of {program} wrote "
-                f"(there is no {MARKER}); pass another {flag}, or move them away"
+                f"--out-dir {out_dir} holds {', '.join(clash)}, which no run of {program} wrote "
+                f"(there is no {MARKER}); pass another --out-dir, or move them away"
             )
         write_json_atomic(marker, dict(program=program))
-        added += [] if added[:1] == [top] else [marker]
         return claim
     except (ValueError, OSError):
         release(claim)
@@ -214,9 +217,8 @@ def claim_folder(out_dir, program, outputs, flag="--out-dir"):
 
 
 def release(claim):
-    """Let go of a folder whose start was refused: the lock closed, and what the claim added
-    removed (the folder it made, or the lock and marker files it wrote into a user's folder)."""
-    lock, out_dir, added = claim
+    """Let go of a folder whose start was refused: the lock closed, what the claim added removed."""
+    lock, _, added = claim
     lock.close()
     for path in added:
         if os.path.isdir(path):
@@ -226,9 +228,8 @@ def release(claim):
 
 
 def metric_rows(path):
-    """The rows of metrics.jsonl and how many lines were torn (a kill during an append leaves at
-    most the last one unfinished; damage, any): those are skipped, not fatal, as every checkpoint
-    carries the rows up to its iteration."""
+    """The rows of metrics.jsonl and how many lines were torn (a kill during an append, or damage):
+    those are skipped, as every checkpoint carries the rows up to its iteration."""
     rows, torn = [], 0
     with open(path, errors="replace") as file:
         for line in file:
@@ -244,10 +245,9 @@ def metric_rows(path):
 
 
 def start_run(out_dir, fresh):
-    """A run folder taken (claim_folder) is readied for its run: what a write of ours cut short
-    (write_bytes_atomic's <name>.tmp) is removed, and a fresh run (no checkpoint) finding a
-    metrics.jsonl finds what a run that failed before its first checkpoint left: it is kept as
-    metrics.jsonl.failed (replacing an older one), with a note, so that two runs' rows never mix."""
+    """Ready a claimed run folder: remove what a write of ours cut short (<name>.tmp); a fresh run
+    finding a metrics.jsonl (of a run that failed before its first checkpoint) moves it to
+    metrics.jsonl.failed, with a note, so that two runs' rows never mix."""
     for name in RUN_FILES:
         if os.path.isfile(os.path.join(out_dir, name + ".tmp")):
             os.remove(os.path.join(out_dir, name + ".tmp"))
@@ -259,15 +259,3 @@ def start_run(out_dir, fresh):
             f"note: {metrics_path} held {len(rows)} row(s) of a run that stopped before its first "
             f"checkpoint; moved to {metrics_path}.failed, this run starts afresh"
         )
-
-
-@contextlib.contextmanager
-def write_or_exit(path=None):
-    """Writes to a run folder: one that fails (disk full, read-only storage) ends in one line
-    (SystemExit "error: ...", write_failed) naming the folder; the last good file stays."""
-    try:
-        yield
-    except WriteFailed as error:
-        raise SystemExit(f"error: {error}") from None
-    except OSError as error:
-        raise SystemExit(f"error: {write_failed(error.filename or path, error)}") from None

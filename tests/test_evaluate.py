@@ -288,13 +288,44 @@ def test_default_contexts_are_those_of_train_table(tmp_path, digits_run, ckpt):
     assert means["learned"] == pytest.approx(table["learned (mean)"]["mean"], rel=1e-3)
 
 
-def test_cli_refuses_scores_of_another_checkpoint_iteration(tmp_path, ckpt):
+def test_scores_are_reused_for_the_same_weights_and_refused_for_others(tmp_path, ckpt):
     out = str(tmp_path / "eval")
     evaluate.main(["--ckpt", ckpt, "--out-dir", out, "--count", "3"])
+    stored = json.loads((tmp_path / "eval" / "scores.json").read_text())
+    # the same weights from policy/ and from another iteration's file: the stored scores hold
+    policy_dir = ckpt.replace("ckpt.pt", "policy")
     checkpoint = torch.load(ckpt, weights_only=False)
-    torch.save({**checkpoint, "iteration": checkpoint["iteration"] + 1}, tmp_path / "newer.pt")
-    with pytest.raises(SystemExit, match="use another --out-dir"):
-        evaluate.main(["--ckpt", str(tmp_path / "newer.pt"), "--out-dir", out, "--count", "3"])
+    torch.save({**checkpoint, "iteration": checkpoint["iteration"] + 1}, tmp_path / "later.pt")
+    for source in (policy_dir, str(tmp_path / "later.pt")):
+        evaluate.main(["--ckpt", source, "--out-dir", out, "--count", "3"])
+        assert json.loads((tmp_path / "eval" / "scores.json").read_text()) == stored
+    # a run trained again into the same folder: other weights, so its old scores are stale
+    weights = {name: value + 1e-3 for name, value in checkpoint["policy"].items()}
+    torch.save({**checkpoint, "policy": weights}, tmp_path / "retrained.pt")
+    with pytest.raises(SystemExit, match="holds 'learned' scores of .*use another --out-dir"):
+        evaluate.main(["--ckpt", str(tmp_path / "retrained.pt"), "--out-dir", out, "--count", "3"])
+    assert json.loads((tmp_path / "eval" / "scores.json").read_text()) == stored
+
+
+def test_evaluate_takes_its_folder_and_leaves_others(tmp_path, ckpt):
+    import fcntl
+
+    out = tmp_path / "eval"
+    out.mkdir()
+    (out / "results.md").write_text("my notes\n")  # a user's file where evaluate.py would write
+    with pytest.raises(SystemExit, match="holds results.md, which no run of evaluate.py wrote"):
+        evaluate.main(["--ckpt", ckpt, "--out-dir", str(out), "--count", "2"])
+    assert sorted(path.name for path in out.iterdir()) == ["results.md"]
+    assert (out / "results.md").read_text() == "my notes\n"
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    with open(busy / "run.lock", "w") as lock:  # another evaluate.py writing there
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit, match="is in use by another run"):
+            evaluate.main(["--ckpt", ckpt, "--out-dir", str(busy), "--count", "2"])
+    assert not (busy / "scores.json").exists()
+    with pytest.raises(SystemExit, match="--global-ckpt .* is a run of --policy instance"):
+        evaluate.main(["--ckpt", ckpt, "--global-ckpt", ckpt, "--count", "2"])
 
 
 def test_cli_per_style_tables_from_an_hpdv2_folder(tmp_path, ckpt):
@@ -449,6 +480,7 @@ def test_bad_evaluate_input_fails_in_one_line_before_loading(
 
 
 def test_a_damaged_score_store_fails_in_one_line_and_is_kept(tmp_path, ckpt):
+    (tmp_path / "written-by.json").write_text('{"program": "evaluate.py"}')  # a folder of ours
     (tmp_path / "scores.json").write_text('{"rows": {')
     with pytest.raises(
         SystemExit, match="scores.json is damaged \\(not JSON: JSONDecodeError\\); move it away"

@@ -125,6 +125,16 @@ def write(name, text):
     return make
 
 
+def evaluate_wrote(text):
+    """A scores.json in a folder evaluate.py took (its marker beside it)."""
+
+    def make(tmp, run):
+        write("eval/written-by.json", '{"program": "evaluate.py"}')(tmp, run)
+        write("eval/scores.json", text)(tmp, run)
+
+    return make
+
+
 def saved(name, value):
     return lambda tmp, run: torch.save(value, tmp / name)
 
@@ -145,6 +155,15 @@ def edited_config(**fields):
         (policy / "config.json").write_text(json.dumps({**config, **fields}))
 
     return policy_copy(edit)
+
+
+def drop_a_tensor(policy):
+    """A policy folder whose model.safetensors lost one tensor (a whole file, one key short)."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(policy / "model.safetensors")
+    weights.pop(sorted(weights)[-1])
+    save_file(weights, policy / "model.safetensors")
 
 
 def unknown_backbone(policy):
@@ -406,14 +425,14 @@ CASES = [
     ),
     (
         "evaluate-scores-list",
-        write("eval/scores.json", "[]"),
+        evaluate_wrote("[]"),
         NONE,
         ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/eval"],
         "eval/scores.json is not a scores.json of evaluate.py; move it away",
     ),
     (
         "evaluate-scores-without-parts",
-        write("eval/scores.json", '{"contexts": []}'),
+        evaluate_wrote('{"contexts": []}'),
         NONE,
         ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/eval"],
         "eval/scores.json is not a scores.json of evaluate.py; move it away",
@@ -516,6 +535,42 @@ CASES = [
         NONE,
         ["evaluate.py", "--ckpt", "{tmp}/policy"],
         r'policy/config.json: "steps" is 7 but its "training_config" says 4',
+    ),
+    (  # a relative path with a typo reads as a hub id user/name: said to be a missing folder
+        "policy-path-typo",
+        policy_copy(lambda folder: None),
+        NONE,
+        ["sample.py", "--ckpt", "policy/polcy"],
+        r"policy/polcy holds no policy saved by train.py .*\(no such folder: .*policy/polcy\)",
+    ),
+    (  # the hub mixin's default (strict=False) would leave the missing tensor random
+        "policy-weights-missing-a-tensor",
+        policy_copy(drop_a_tensor),
+        NONE,
+        ["sample.py", "--ckpt", "{tmp}/policy"],
+        r"policy/config.json does not describe the weights beside it \(.*Missing key",
+    ),
+    (
+        "policy-config-depth-edited",
+        edited_config(depth=3),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/policy"],
+        r"policy/config.json does not describe the weights beside it \(.*Missing key",
+    ),
+    (
+        "policy-config-heads-edited",
+        edited_config(heads=3),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/policy"],
+        r"policy/config.json does not describe the weights beside it \(dim 64 must be a multiple "
+        r"of heads 3\)",
+    ),
+    (
+        "policy-config-training-not-a-mapping",
+        edited_config(training_config=[1, 2]),
+        NONE,
+        ["sample.py", "--ckpt", "{tmp}/policy"],
+        r'policy/config.json: "training_config" is not a mapping; restore the file',
     ),
     (
         "out-dir-of-a-users-files",
@@ -839,6 +894,28 @@ def test_ctrl_c_during_sample_ends_in_one_line_and_writes_nothing(tmp_path, fini
     assert stopped.returncode == 130 and "Traceback" not in stopped.stderr, stopped.stderr[-2000:]
     assert "sample.py: interrupted" in stopped.stderr.strip().splitlines()[-1]
     assert not out.exists()
+
+
+# Ctrl-C as the script starts to import torch (a fresh process: the server has torch imported)
+CTRL_C_AT_IMPORT = """
+import os, runpy, signal, sys
+class CtrlC:
+    def find_spec(self, name, *_):
+        if name == "torch":
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, CtrlC())
+sys.argv = [{script!r}, "--out-dir", {out!r}]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "evaluate.py"])
+def test_ctrl_c_during_the_imports_ends_in_one_line(tmp_path, script):
+    code = CTRL_C_AT_IMPORT.format(script=os.path.join(ROOT, script), out=str(tmp_path / "o"))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV)
+    assert done.returncode == 130, done.stderr[-2000:]
+    assert done.stderr == f"{script}: interrupted while starting: nothing was written\n"
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_users_files_in_out_dir_are_refused_and_left_as_they_were(tmp_path):

@@ -7,6 +7,7 @@ import json
 import pytest
 from PIL import Image
 
+import evaluate
 import sample
 import train
 from store import checkpoint, files
@@ -62,6 +63,19 @@ def test_the_folder_is_locked_before_its_run_is_read(tmp_path, monkeypatch):
     assert read == [str(out)] and not out.exists()  # a refused or released start leaves nothing
 
 
+@pytest.mark.parametrize("error", [RuntimeError("a warning made an error"), KeyboardInterrupt()])
+def test_a_start_that_fails_while_loading_leaves_no_folder(tmp_path, monkeypatch, error):
+    # not only a refusal (ValueError): an error under -W error, or Ctrl-C, while the backbone loads
+    def failing(*_, **__):
+        raise error
+
+    monkeypatch.setattr(train.backbones, "trained_backbone", failing)
+    out = tmp_path / "new" / "d"
+    with pytest.raises(type(error)):
+        train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.fixture(scope="module")
 def ckpt(digits_run):
     return str(digits_run / "ckpt.pt")
@@ -106,3 +120,43 @@ def test_the_grid_draws_at_most_grid_contexts_rows(tmp_path, ckpt):
     assert len(list(out.glob("0*_learned.png"))) == len(seeds)  # every context's images
     # save_figures: 2.5 inches per row at 150 dpi
     assert Image.open(out / "grid.png").height == round(2.5 * sample.GRID_CONTEXTS * 150)
+
+
+def test_a_full_disk_while_writing_the_policy_keeps_the_last_one_whole(tmp_path, monkeypatch):
+    from safetensors import SafetensorError
+
+    import backbones
+
+    dims = backbones.load_backbone("digits").policy_dims
+    policy = checkpoint.make_policy("instance", dims, 4)
+    folder = str(tmp_path / "policy")
+    checkpoint.save_policy(folder, policy, dict(backbone="digits", steps=4), 1)
+    before = {path.name: path.read_bytes() for path in (tmp_path / "policy").iterdir()}
+
+    def full_disk(staging, config):  # the config written, the weights cut short
+        (tmp_path / "policy.tmp").mkdir()
+        (tmp_path / "policy.tmp" / "config.json").write_text("{}")
+        raise SafetensorError("Error while serializing: I/O error: No space left (os error 28)")
+
+    monkeypatch.setattr(policy, "save_pretrained", full_disk)
+    with pytest.raises(files.WriteFailed, match=r"could not write .*policy: the disk is full"):
+        checkpoint.save_policy(folder, policy, dict(backbone="digits", steps=4), 2)
+    after = {path.name: path.read_bytes() for path in (tmp_path / "policy").iterdir()}
+    assert after == before and not (tmp_path / "policy.tmp").exists()
+    assert checkpoint.load_checkpoint(folder)[0]["iteration"] == 1
+
+
+@pytest.mark.parametrize("program", ["sample", "evaluate"])
+def test_sample_and_evaluate_failing_while_loading_leave_no_folder(
+    tmp_path, monkeypatch, ckpt, program
+):
+    module = {"sample": sample, "evaluate": evaluate}[program]
+
+    def failing(*_, **__):
+        raise RuntimeError("a warning made an error")
+
+    monkeypatch.setattr(module.backbones, "trained_backbone", failing)
+    out = tmp_path / "new" / "d"
+    with pytest.raises(RuntimeError):
+        module.main(["--ckpt", ckpt, "--out-dir", str(out)])
+    assert not (tmp_path / "new").exists()

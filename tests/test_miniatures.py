@@ -5,6 +5,8 @@ shipped ones."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -313,3 +315,17 @@ def test_train_runs_a_miniature_in_bfloat16(tmp_path):
     )
     assert torch.load(out / "ckpt.pt", weights_only=True)["config"]["dtype"] == "bfloat16"
     assert (out / "eval.json").is_file() and (out / "policy" / "model.safetensors").is_file()
+
+
+def test_mini_sdxl_runs_under_warnings_as_errors():
+    """diffusers' EulerDiscreteScheduler calls np.array on a tensor, which numpy 2 flags with a
+    DeprecationWarning: under python -W error it must not end a mini-sdxl run."""
+    code = (
+        "import backbones; b = backbones.load_backbone('mini-sdxl', device='cpu');"
+        "print(b.default_times(3).tolist())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", code], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(json.loads(done.stdout)) == 4

@@ -125,11 +125,11 @@ def test_missing_easyocr_names_install_command(monkeypatch):
     with pytest.raises(
         ValueError,
         match=r"^the ocr reward needs easyocr and a matching torchvision \(.*\): "
-        r"pip install -r requirements-hps.txt",
+        r"bash tests/hps_env.sh && \. \.venv-hps/bin/activate",
     ) as error:
         ocr.check_ocr()
     assert "\n" not in str(error.value)
-    with pytest.raises(ImportError, match=r"pip install -r requirements-hps.txt"):
+    with pytest.raises(ImportError, match=r"bash tests/hps_env.sh && \. \.venv-hps/bin/activate"):
         ocr.load_ocr(ImageBackbone())
 
 

@@ -74,3 +74,23 @@ def test_ocr_targets_disjoint():
     train = {r["text"].lower() for r in load("ocr_train.jsonl")}
     heldout = {r["text"].lower() for r in load("ocr_heldout.jsonl")}
     assert train & heldout == set()
+
+
+def test_a_capitalised_json_a_pipe_and_a_long_prompt(tmp_path):
+    import os
+    import threading
+
+    from prompts import load_prompt_file
+    from rewards.digits import digit_of
+
+    (tmp_path / "list.JSON").write_text(json.dumps(["a handwritten 3", "a handwritten 7"]))
+    assert load_prompt_file(str(tmp_path / "list.JSON")) == ["a handwritten 3", "a handwritten 7"]
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)  # as <(...) gives one: a file that exists without being a regular file
+    writer = threading.Thread(target=lambda: fifo.write_text("a handwritten 5\n"))
+    writer.start()
+    assert load_prompt_file(str(fifo)) == ["a handwritten 5"]
+    writer.join()
+    with pytest.raises(ValueError) as error:  # quoted, cut to a line's length
+        digit_of("a handwritten digit " + "and more " * 600)
+    assert len(str(error.value)) < 200 and "..." in str(error.value)

@@ -341,7 +341,7 @@ def test_hps_missing_package(tmp_path, monkeypatch):
     )  # makes `import hpsv2...` fail wherever it is installed
     with pytest.raises(
         ImportError,
-        match=r"pip install -r requirements-hps.txt && pip install --no-deps hpsv2x==1.2.0$",
+        match=r"bash tests/hps_env\.sh && \. \.venv-hps/bin/activate$",
     ) as error:
         rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=str(checkpoint))
     assert "\n" not in str(error.value)
@@ -376,7 +376,7 @@ def test_check_reward_fails_fast_in_one_line(tmp_path):
     try:
         import torchvision  # noqa: F401
     except Exception:  # the core environment: the HPS packages are missing
-        with pytest.raises(ValueError, match="requirements-hps.txt") as error:
+        with pytest.raises(ValueError, match="tests/hps_env.sh") as error:
             rewards.check_reward("hpsv2")
         assert "\n" not in str(error.value)
 

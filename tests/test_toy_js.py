@@ -1,6 +1,7 @@
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 
@@ -27,6 +28,7 @@ from toy_js import (
     oracle_baseline,
     oracle_weight,
     rloo_variance,
+    tie_cells,
     variance_optimal_weight,
 )
 
@@ -39,7 +41,7 @@ def quick_run(tmp_path_factory):
     with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
         results_before = file.read()
     result = subprocess.run(
-        [sys.executable, "toy_js.py", "--quick", "--threads", "1", "--out-dir", str(out_dir)],
+        [sys.executable, "toy_js.py", "--quick", "--out-dir", str(out_dir)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -49,8 +51,30 @@ def quick_run(tmp_path_factory):
     with open(out_dir / "toy_js.json") as file:
         record = json.load(file)
     with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
-        assert file.read() == results_before  # only --record writes the evidence
+        assert file.read() == results_before  # only `python -m evidence.toy_js` writes evidence
     return out_dir, result.stdout, record
+
+
+def test_the_evidence_command_records_what_toy_js_prints(monkeypatch, tmp_path, capsys):
+    import toy_js
+    from evidence import results
+
+    recorded = []
+    monkeypatch.setattr(toy_js, "FULL", toy_js.QUICK)  # the same code path, a few seconds
+    monkeypatch.setattr(results, "record", lambda *args, **kwargs: recorded.append(args))
+    monkeypatch.setattr(sys, "argv", ["evidence.toy_js"])
+    monkeypatch.chdir(tmp_path)  # out/toy_js goes here
+    threads = torch.get_num_threads()
+    try:
+        runpy.run_module("evidence.toy_js", run_name="__main__")
+    finally:
+        torch.set_num_threads(threads)
+    [(name, command, lines)] = recorded
+    assert (name, command) == ("toy_js", "python -m evidence.toy_js")
+    stdout = capsys.readouterr().out
+    assert stdout.startswith("\n".join(lines) + "\n") and "Conclusions:" in lines
+    assert "docs/RESULTS.md (section toy_js)" in stdout.splitlines()[-1]
+    assert (tmp_path / "out" / "toy_js" / "toy_js.json").is_file()
 
 
 def test_quick_run_writes_the_promised_files(quick_run):
@@ -276,3 +300,26 @@ def test_closed_forms_match_simulated_batches(ratio, rollouts, contexts):
         assert abs(simulated - form) < tolerance, (name, simulated, form, tolerance)
         if (rollouts, contexts) == (2, 16) and name in limits:
             assert abs(simulated - limits[name]) > tolerance, name  # finite B is resolved
+
+
+def test_the_plug_in_weight_keeps_less_than_a_star():
+    """Part C's tie table at K = 2: the effective batch over the better of RLOO and XCTX of the
+    plug-in JS, per unit of signal, against JS with a* (eq. 8). At B = 4 the plug-in weight, a
+    noisy estimate of a*, leaves much of a*'s lead at the tie (eq. 9: 14/11, a* within 0.002) and
+    falls below 1 at rho = 0, where cross-context is better; as B grows the estimate converges to
+    a*, so at B = 32 the two are within 4%. Each gap is more than 10 simulated standard errors
+    (2^19 rewards per cell)."""
+    cells = {(c["B"], c["ratio"]): c for c in tie_cells(2**19, torch.Generator().manual_seed(1))}
+
+    def factors(contexts, ratio):
+        c = cells[(contexts, ratio)]
+        better = min(c["form"]["rloo"], c["form"]["xctx"])
+        se = c["standard_error"]["js"] / c["simulated"]["js"] * better / c["js_per_signal"]
+        return effective_batch(ratio, 2, contexts)["best"], better / c["js_per_signal"], se
+
+    ideal, plug_in, se = factors(4, largest_factor_over_best(2, 4)[0])
+    assert ideal == pytest.approx(14 / 11, abs=2e-3) and plug_in < ideal - 10 * se and plug_in > 1
+    _, plug_in, se = factors(4, 0.0)
+    assert plug_in < 1 - 10 * se
+    ideal, plug_in, se = factors(32, largest_factor_over_best(2, 32)[0])
+    assert plug_in < ideal and plug_in > 0.96 * ideal, (ideal, plug_in, se)

@@ -287,6 +287,35 @@ def test_a_killed_run_continues_from_its_checkpoint_without_resume(short_run, tm
     ).is_file()
 
 
+def test_a_continuation_killed_before_its_report_is_not_finished(short_run, tmp_path, capsys):
+    out = copy_of(short_run, tmp_path)
+    report = json.loads((out / "eval.json").read_text())
+    assert report["iteration"] == 3
+    # the report of an earlier segment (iteration 2) beside the checkpoint of iteration 3
+    (out / "eval.json").write_text(json.dumps({**report, "iteration": 2}))
+    train.main(train.parse_config([*SHORT, "--out-dir", str(out)]))
+    printed = capsys.readouterr().out
+    assert "held-out evaluation" in printed and "finished at iteration" not in printed
+    assert json.loads((out / "eval.json").read_text()) == report
+
+
+def test_iterations_below_the_checkpoint_and_edited_prompts_are_refused(short_run, tmp_path):
+    out = copy_of(short_run, tmp_path)
+    with pytest.raises(SystemExit, match="holds iteration 3 of this run, past --iterations 2"):
+        train.check(train.parse_config([*SHORT, "--iterations", "2", "--out-dir", str(out)]), 1)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a handwritten 3\na handwritten 7\n")
+    checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
+    config = dict(checkpoint["config"], prompts=str(prompts))
+    digest = train.prompts_digest(["a handwritten 3"], None)  # the file when the run began
+    torch.save({**checkpoint, "config": config, "prompts_digest": digest}, out / "ckpt.pt")
+    with pytest.raises(SystemExit, match="holds a run on other prompts: a prompt file changed"):
+        train.check(
+            train.parse_config([*SHORT, "--prompts", str(prompts), "--out-dir", str(out)]), 1
+        )
+    assert (out / "ckpt.pt").is_file()
+
+
 def test_a_torn_last_metrics_line_is_dropped_on_resume(short_run, tmp_path, capsys):
     out = copy_of(short_run, tmp_path)
     checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
@@ -397,6 +426,11 @@ def test_threads_above_the_core_count_are_capped(tmp_path, capsys):
         (["--seed", "1"], "holds a run with seed=0, not 1"),
         (["--steps", "8"], "holds a run with steps=4, not 8"),
         (["--eval-contexts", "9"], "holds a run with eval_contexts=4, not 9"),
+        (  # a flag the run was started without: dropping it continues the run
+            ["--reward-checkpoint", "elsewhere"],
+            r"holds a run with reward_checkpoint=None, not 'elsewhere'; .*\(or drop "
+            "--reward-checkpoint to",
+        ),
     ],
 )
 def test_a_run_folder_of_another_run_is_refused(short_run, tmp_path, change, message):
@@ -753,7 +787,7 @@ def test_a_prompt_the_reward_cannot_score_fails_in_one_line(tmp_path, reward, me
 )
 def test_the_ocr_reward_without_its_environment_names_the_install_command(tmp_path, tiny_runs):
     with pytest.raises(
-        SystemExit, match=r"the ocr reward needs easyocr .*: pip install -r requirements-hps.txt"
+        SystemExit, match=r"the ocr reward needs easyocr .*: bash tests/hps_env.sh"
     ) as error:
         train.main(
             train.parse_config(
