@@ -1,0 +1,440 @@
+"""
+James-Stein against RLOO and cross-context at once, where theory says it leads: at the tie.
+
+    python -m evidence.tie_study --jobs 2   # about an hour on 2 cores (its time is recorded)
+
+With the plug-in weight that trains, JS's lead over the better of RLOO and cross-context is
+largest where the two tie, rho = delta^2 / sigma^2 near 1 - 1/(BK) (toy_js Part C: about 1.15x
+their batch at B = 4, K = 2), and below 1 far from it. This study places the test there, states
+its prediction before it runs, and sizes it by a power calculation:
+1. the contexts: mini-sd3, the prompts of two digits, the pair (from PAIRS) whose rho at the flat
+   start, measured on tuning contexts, is nearest the tie;
+2. the rates, in two arms, from one grid (RATES) scored on tuning contexts (the pair's training
+   prompts with noise seeds of their own, prompts.TUNING_SEED) over TUNING_SEEDS; a best rate at
+   the grid's edge widens the grid by one rate on that side. Arm A gives each row its own best
+   rate. Arm B gives all rows the rate where doubling RLOO's batch gains most (the regime study's
+   rule: where the update is most noise-limited);
+3. per arm, the prediction: rho along the JS tuning run at its rate (its snapshots), the plug-in
+   JS's effective batch over RLOO and over cross-context at each (toy_js.bound_cell, simulated),
+   turned into reward by the doubling gain measured in tuning (reward linear in log2 of the
+   batch; none where doubling gains nothing), written to prediction-ARM.json before its pilot;
+4. per arm, a pilot (PILOT_SEEDS) measures the paired spread of JS - the better of RLOO and
+   cross-context; the seed count follows (95%, two-sided, 80% power at the predicted lead;
+   between the pilot's count and --max-seeds, the most where no lead is predicted);
+5. per arm, the main run: rows JS, RLOO, cross-context and RLOO at 2B, paired by seed; the
+   measure chosen before the run is PRIMARY (the area under the held-out curve), the endpoint
+   reported beside it; JS - RLOO and JS - cross-context with Holm-adjusted p-values, and the
+   headline JS - the better of the two (by mean over the seeds).
+Setting: B = 4, K = 2, L = 2, a flat start, 30 iterations. Runs already finished are read, not
+repeated. The report goes to docs/RESULTS.md (section "tie").
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from scipy import stats
+
+import backbones
+import toy_js
+from evidence.regime_study import gains
+from evidence.results import commit, interval, record, run_training
+from policy import sample_increments, times_from_increments
+from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
+from rewards import digit_of, load_reward
+from scoring.paired import policy_schedule, score_methods
+from store.checkpoint import load_checkpoint, make_policy
+from store.files import write_lines_atomic
+
+NAME = "mini-sd3"
+PAIRS = ((2, 8), (2, 3), (3, 8), (1, 7), (4, 9), (0, 6))  # candidate digit pairs, {2, 8} first
+STEPS, CONTEXTS, ROLLOUTS, ITERATIONS, CURVE = 2, 4, 2, 30, 2
+DOUBLED = "rloo at 2B"
+ROWS = ["js", "rloo", "xctx", DOUBLED]
+RATES = (3e-4, 1e-3, 3e-3)  # widened by a factor 3 on the side a best rate sits at
+TUNING_SEEDS, TUNING_CONTEXTS = (100, 101, 102, 103), 128
+VARIANCE_CONTEXTS, VARIANCE_ROLLOUTS = 64, 8  # contexts x rollouts drawn to measure rho
+TRAJECTORY = (0, 10, 20, 30)  # iterations of the JS tuning run at which rho is measured
+PILOT_SEEDS = tuple(range(1000, 1020))
+MAX_SEEDS = 100
+PRIMARY = "area"  # the measure of the headline, chosen before the run
+TIE_REWARDS = 2**20  # simulated rewards per plug-in factor (toy_js.bound_cell)
+
+parser = argparse.ArgumentParser(
+    description="James-Stein against RLOO and cross-context at the tie"
+)
+add = parser.add_argument
+add("--out-dir", default="out/tie-study", help="one folder per training, and the study's files")
+add("--jobs", type=int, default=1, help="trainings run at the same time, one CPU thread each")
+add("--max-seeds", type=int, default=MAX_SEEDS, help="the most seeds the power calculation asks")
+
+
+# -----------------------------------------------------------------------------
+# the measurements
+
+
+def prompt_files(out_dir):
+    return [os.path.join(out_dir, f"prompts-{which}.txt") for which in ("train", "heldout")]
+
+
+def pair_prompts(pair):
+    """The shipped training and held-out prompts of the pair's two digits."""
+    shipped = backbones.BACKBONES[NAME]["prompts"]
+    return [[p for p in load_prompt_file(path) if digit_of(p) in pair] for path in shipped]
+
+
+@torch.no_grad()
+def variances(backbone, reward, policy, prompts, seed):
+    """(sigma^2 within, delta^2 between contexts) of the preference reward under `policy`, on
+    VARIANCE_CONTEXTS contexts of `prompts` (noise seeds from `seed`), VARIANCE_ROLLOUTS each."""
+    prompts, seeds = heldout_contexts(prompts, VARIANCE_CONTEXTS, seed)
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    alpha = policy(**backbone.policy_inputs(noise, cond))
+    tau = sample_increments(alpha, VARIANCE_ROLLOUTS, torch.Generator().manual_seed(0))
+    times = times_from_increments(tau).flatten(0, 1)
+    noise_k = noise.repeat_interleave(VARIANCE_ROLLOUTS, 0)
+    cond_k = {key: value.repeat_interleave(VARIANCE_ROLLOUTS, 0) for key, value in cond.items()}
+    prompts_k = [p for p in prompts for _ in range(VARIANCE_ROLLOUTS)]
+    rewards = reward(backbone.sample(noise_k, cond_k, times), prompts_k, noise_k, cond_k)
+    rewards = rewards.double().view(VARIANCE_CONTEXTS, VARIANCE_ROLLOUTS)
+    sigma2 = rewards.var(1).mean().item()
+    return sigma2, max(0.0, rewards.mean(1).var().item() - sigma2 / VARIANCE_ROLLOUTS)
+
+
+def flat_policy(backbone):
+    torch.manual_seed(0)
+    return make_policy(
+        "instance", backbone.policy_dims, STEPS, init="uniform", concentration=STEPS + 1.0
+    )
+
+
+def choose_pair(out_dir, backbone, reward):
+    """rho at the flat start of each candidate pair on tuning contexts, and the pair nearest the
+    tie (in log rho); kept in pairs.json."""
+    path = os.path.join(out_dir, "pairs.json")
+    if not os.path.isfile(path):
+        policy, measured = flat_policy(backbone), {}
+        for pair in PAIRS:
+            sigma2, delta2 = variances(backbone, reward, policy, pair_prompts(pair)[0], TUNING_SEED)
+            measured["".join(map(str, pair))] = delta2 / sigma2
+        with open(path, "w") as file:
+            json.dump(measured, file)
+    with open(path) as file:
+        measured = json.load(file)
+    tie = toy_js.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
+    best = min(measured, key=lambda pair: abs(math.log(max(measured[pair], 1e-9) / tie)))
+    return measured, tuple(int(digit) for digit in best)
+
+
+def run_folder(out_dir, row, seed, rate):
+    return os.path.join(out_dir, "runs", f"{row.replace(' ', '-')}-lr{rate:g}-s{seed}")
+
+
+def train(out_dir, row, seed, rate, snapshots=False):
+    """One training run (read when finished): its eval.json and metrics rows."""
+    train_file, heldout_file = prompt_files(out_dir)
+    contexts = CONTEXTS * (2 if row == DOUBLED else 1)
+    arguments = ["--backbone", NAME, "--steps", str(STEPS), "--rollouts", str(ROLLOUTS)]
+    arguments += ["--contexts", str(contexts), "--baseline", row.split()[0], "--lr", f"{rate:g}"]
+    arguments += ["--seed", str(seed), "--iterations", str(ITERATIONS)]
+    arguments += ["--ckpt-interval", str(CURVE), "--init", "uniform"]
+    arguments += ["--concentration", str(STEPS + 1), "--prompts", train_file]
+    arguments += ["--eval-prompts", heldout_file] + (["--snapshots"] if snapshots else [])
+    return run_training(run_folder(out_dir, row, seed, rate), arguments)
+
+
+def best_rates(scores, rates):
+    """Each row's rate of highest mean tuning score, {row: rate}, and the means, from
+    {(row, seed, rate): score}."""
+    mean = {
+        (row, rate): statistics.mean(scores[(row, seed, rate)] for seed in TUNING_SEEDS)
+        for row in ROWS
+        for rate in rates
+    }
+    return {row: max(rates, key=lambda rate: mean[(row, rate)]) for row in ROWS}, mean
+
+
+@torch.no_grad()
+def tune(out_dir, pool, backbone, reward):
+    """Every row on the rate grid over TUNING_SEEDS, scored on the tuning contexts; a best rate at
+    an edge widens the grid (once per side). Returns {row: rate}, {(row, rate): mean score}, the
+    grid; kept in tuning.json."""
+    path, scores = os.path.join(out_dir, "tuning.json"), {}
+    if os.path.isfile(path):
+        with open(path) as file:
+            scores = {(row, seed, rate): score for row, seed, rate, score in json.load(file)}
+    contexts = heldout_contexts(
+        load_prompt_file(prompt_files(out_dir)[0]), TUNING_CONTEXTS, TUNING_SEED
+    )
+    rates, widened = list(RATES), set()
+    while True:
+        runs = [(row, seed, rate) for rate in rates for row in ROWS for seed in TUNING_SEEDS]
+        missing = [run for run in runs if run not in scores]
+
+        def trained(run):
+            row, seed, rate = run
+            return train(
+                out_dir, row, seed, rate, snapshots=(row == "js" and seed == TUNING_SEEDS[0])
+            )
+
+        list(pool.map(trained, missing))
+        for run in missing:
+            _, policy = load_checkpoint(os.path.join(run_folder(out_dir, *run), "ckpt.pt"))
+            method = {"learned": policy_schedule(policy, backbone)}
+            scores[run] = (
+                score_methods(backbone, reward, *contexts, method)["learned"].mean().item()
+            )
+        with open(path, "w") as file:
+            json.dump([[*run, score] for run, score in scores.items()], file)
+        chosen, mean = best_rates(scores, rates)
+        edges = {rates[0]: ("low", rates[0] / 3), rates[-1]: ("high", rates[-1] * 3)}
+        wider = [
+            edges[rate]
+            for rate in chosen.values()
+            if rate in edges and edges[rate][0] not in widened
+        ]
+        if not wider:
+            return chosen, mean, rates
+        for side, rate in wider:
+            widened.add(side)
+            rates = sorted(set(rates) | {float(f"{rate:.3g}")})
+
+
+@torch.no_grad()
+def trajectory(out_dir, backbone, reward, rate):
+    """rho along the JS tuning run (seed TUNING_SEEDS[0]), at TRAJECTORY, on tuning contexts."""
+    folder = os.path.join(run_folder(out_dir, "js", TUNING_SEEDS[0], rate), "snapshots")
+    prompts, points = load_prompt_file(prompt_files(out_dir)[0]), {}
+    for iteration in TRAJECTORY:
+        _, policy = load_checkpoint(os.path.join(folder, f"policy-{iteration}.pt"))
+        sigma2, delta2 = variances(backbone, reward, policy, prompts, TUNING_SEED + 10**5)
+        points[iteration] = delta2 / sigma2
+    return points
+
+
+def plug_in_factors(ratio, generator):
+    """The plug-in JS's effective batch per unit of signal over RLOO and over cross-context, and
+    JS with a*'s, at B = CONTEXTS, K = ROLLOUTS (toy_js Part C)."""
+    c = toy_js.bound_cell(ratio, CONTEXTS, ROLLOUTS, TIE_REWARDS, generator)
+    ideal = toy_js.effective_batch(ratio, ROLLOUTS, CONTEXTS)
+    per_signal = c["js_per_signal"]
+    return dict(
+        rloo=c["form"]["rloo"] / per_signal,
+        xctx=c["form"]["xctx"] / per_signal,
+        ideal_rloo=ideal["rloo"],
+        ideal_best=ideal["best"],
+    )
+
+
+def predict(rhos, doubling_gain, generator):
+    """The prediction: per rho point its factors; the leads of JS over RLOO, over cross-context and
+    over the better of the two, doubling_gain (0 if negative) x the mean log2 factor along the
+    trajectory."""
+    points = {iteration: plug_in_factors(rho, generator) for iteration, rho in rhos.items()}
+    slope, lead = max(doubling_gain, 0.0), {}  # a gain from a larger batch only where it has one
+    for name in ("rloo", "xctx"):
+        lead[name] = slope * statistics.mean(math.log2(p[name]) for p in points.values())
+    lead["best"] = min(lead["rloo"], lead["xctx"])
+    return dict(rho=rhos, factors=points, doubling_gain=doubling_gain, lead=lead)
+
+
+def seed_count(spread, lead, smallest, largest, power=0.8):
+    """Seeds for a two-sided 95% paired test to find `lead` with `power`, given the per-seed
+    spread: ((z_0.975 + z_power) spread / lead)^2, rounded up, kept within [smallest, largest]."""
+    if lead <= 0:
+        return largest
+    need = ((stats.norm.ppf(0.975) + stats.norm.ppf(power)) * spread / lead) ** 2
+    return max(smallest, min(largest, math.ceil(need)))
+
+
+def holm(p_values):
+    """Holm's step-down adjustment of {name: p}: {name: adjusted p}."""
+    order = sorted(p_values, key=p_values.get)
+    adjusted, running = {}, 0.0
+    for rank, name in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * p_values[name]))
+        adjusted[name] = running
+    return adjusted
+
+
+def differences(first, second, which):
+    """first - second per seed, on the endpoint (0) or the area (1)."""
+    return [gains(a)[which] - gains(b)[which] for a, b in zip(first, second)]
+
+
+def p_value(values):
+    """Two-sided paired t-test of mean 0."""
+    return float(stats.ttest_1samp(values, 0.0).pvalue)
+
+
+# -----------------------------------------------------------------------------
+# the report
+
+
+def setting_lines(measured, pair, tuning):
+    """The section's head: the setting, the pair, the tuning table and each arm's rates."""
+    chosen, mean, rates, shared = tuning
+    tie = toy_js.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
+    lines = [
+        f"{NAME}, B = {CONTEXTS}, K = {ROLLOUTS}, L = {STEPS}, flat start, {ITERATIONS} "
+        "iterations; held-out gain over the default (endpoint: 256 contexts; area: its mean "
+        f"over the {ITERATIONS // CURVE} checkpoints on the first 32); mean ± 95% Student-t "
+        f"interval; paired by seed. The headline measure, chosen before the run: {PRIMARY}.",
+        "",
+        f"1. The pair: rho = delta^2 / sigma^2 at the flat start on tuning contexts (the tie at "
+        f"{tie:.3f}): "
+        + ", ".join(f"{{{','.join(p)}}} {r:.2f}" for p, r in measured.items())
+        + f"; chosen {{{pair[0]}, {pair[1]}}}.",
+        "",
+        "2. The rates: mean preference reward on tuning contexts over seeds "
+        f"{', '.join(map(str, TUNING_SEEDS))}. Arm A gives each row its best rate; arm B one "
+        f"rate for all, {shared:g}, where doubling RLOO's batch gains most (the regime study's "
+        "rule: RLOO's noisiest point, which favours the less noisy baselines).",
+        "",
+        "| row | " + " | ".join(f"lr {rate:g}" for rate in rates) + " | arm A |",
+        "|---|" + "---|" * (len(rates) + 1),
+    ]
+    for row in ROWS:
+        cells = " | ".join(f"{mean[(row, rate)]:.3f}" for rate in rates)
+        edge = " (grid's edge)" if chosen[row] in (rates[0], rates[-1]) else ""
+        lines.append(f"| {row} | {cells} | {chosen[row]:g}{edge} |")
+    return lines
+
+
+def arm_lines(title, chosen, prediction, pilot, seeds, runs):
+    """One arm: its prediction, pilot and seed count, and the result."""
+    lead, doubling = prediction["lead"], prediction["doubling_gain"]
+    lines = [
+        "",
+        f"### {title}",
+        "",
+        "The prediction, written before the pilot (plug-in JS per unit of signal, toy_js Part C, "
+        f"at B = {CONTEXTS}, K = {ROLLOUTS}, along the JS tuning run at lr {chosen['js']:g}; "
+        f"doubling RLOO's batch gains {doubling:+.3f} on tuning contexts):",
+        "",
+        "| iteration | rho | plug-in JS / RLOO | plug-in JS / cross-context | JS a* / RLOO "
+        "| JS a* / better |",
+        "|---|---|---|---|---|---|",
+    ]
+    for iteration, rho in prediction["rho"].items():
+        f = prediction["factors"][iteration]
+        lines.append(
+            f"| {iteration} | {rho:.2f} | {f['rloo']:.3f} | {f['xctx']:.3f} | "
+            f"{f['ideal_rloo']:.3f} | {f['ideal_best']:.3f} |"
+        )
+    basis = (
+        "reward linear in log2 of the batch"
+        if doubling > 0
+        else "doubling the batch gains nothing here, so a less noisy baseline gains nothing"
+    )
+    lines += [
+        "",
+        f"Predicted lead of JS: over RLOO {lead['rloo']:+.3f}, over cross-context "
+        f"{lead['xctx']:+.3f}, over the better of the two {lead['best']:+.3f} ({basis}).",
+        "",
+        f"The pilot (seeds {PILOT_SEEDS[0]}-{PILOT_SEEDS[-1]}): the per-seed spread of JS - "
+        f"{pilot['better']} ({PRIMARY}) is {pilot['spread']:.3f}, JS - {pilot['better']} "
+        f"{pilot['difference']}; 80% power at the predicted lead asks {pilot['asked']} seeds "
+        f"(the most when no lead is predicted), run: {len(seeds)} (seeds {seeds[0]}-{seeds[-1]}; "
+        f"at most {pilot['largest']}).",
+        "",
+        "| row | lr | endpoint gain | area under the curve |",
+        "|---|---|---|---|",
+    ]
+    for row in ROWS:
+        endpoint = interval([gains(r)[0] for r in runs[row]], 3)
+        area = interval([gains(r)[1] for r in runs[row]], 3)
+        lines.append(f"| {row} | {chosen[row]:g} | {endpoint} | {area} |")
+    lines.append("")
+    for measure, index in {"endpoint": 0, "area": 1}.items():
+        p = {n: p_value(differences(runs["js"], runs[n], index)) for n in ("rloo", "xctx")}
+        adjusted = holm(p)
+        better = max(("rloo", "xctx"), key=lambda n: mean_gain(runs[n], index))
+        head = interval(differences(runs["js"], runs[better], index), 3)
+        versus = ", ".join(
+            f"JS - {n} {interval(differences(runs['js'], runs[n], index), 3)} "
+            f"(Holm p {adjusted[n]:.3g})"
+            for n in ("rloo", "xctx")
+        )
+        doubled = interval(differences(runs[DOUBLED], runs["rloo"], index), 3)
+        mark = " (headline)" if measure == PRIMARY else ""
+        lines.append(
+            f"- {measure}{mark}: JS - {better}, the better of the two, {head}; {versus}; "
+            f"RLOO at 2B - RLOO {doubled}"
+        )
+    return lines
+
+
+def mean_gain(runs, index):
+    return statistics.mean(gains(r)[index] for r in runs)
+
+
+def run_arm(args, pool, backbone, reward, arm, chosen, mean):
+    """One arm: the prediction (written once, before its pilot), the pilot, the seed count and
+    the main runs. Returns (prediction, pilot, seeds, runs)."""
+    path = os.path.join(args.out_dir, f"prediction-{arm}.json")
+    if not os.path.isfile(path):
+        rhos = trajectory(args.out_dir, backbone, reward, chosen["js"])
+        doubling = mean[(DOUBLED, chosen[DOUBLED])] - mean[("rloo", chosen["rloo"])]
+        prediction = predict(rhos, doubling, torch.Generator().manual_seed(0))
+        with open(path, "w") as file:
+            json.dump(prediction, file)
+    with open(path) as file:
+        prediction = json.load(file)
+    for key in ("rho", "factors"):
+        prediction[key] = {int(k): v for k, v in prediction[key].items()}
+
+    def rows_over(seeds):
+        runs = [(row, seed) for row in ROWS for seed in seeds]
+        done = list(pool.map(lambda run: train(args.out_dir, *run, chosen[run[0]]), runs))
+        found = {row: [] for row in ROWS}
+        for (row, _), result in zip(runs, done):
+            found[row].append(result)
+        return found
+
+    index = 1 if PRIMARY == "area" else 0
+    trial = rows_over(PILOT_SEEDS)
+    better = max(("rloo", "xctx"), key=lambda n: mean_gain(trial[n], index))
+    values = differences(trial["js"], trial[better], index)
+    spread = statistics.stdev(values)
+    asked = seed_count(spread, prediction["lead"]["best"], len(PILOT_SEEDS), args.max_seeds)
+    pilot = dict(better=better, spread=spread, difference=interval(values, 3), asked=asked)
+    pilot["largest"] = args.max_seeds
+    seeds = list(range(asked))
+    return prediction, pilot, seeds, rows_over(seeds)
+
+
+def main(args):
+    started, clock = commit(), time.time()
+    os.makedirs(args.out_dir, exist_ok=True)
+    torch.set_num_threads(1)
+    backbone = backbones.load_backbone(NAME)
+    reward = load_reward("preference", backbone)
+    measured, pair = choose_pair(args.out_dir, backbone, reward)
+    for path, prompts in zip(prompt_files(args.out_dir), pair_prompts(pair)):
+        write_lines_atomic(path, [prompt + "\n" for prompt in prompts])
+    with ThreadPoolExecutor(args.jobs) as pool:
+        chosen, mean, rates = tune(args.out_dir, pool, backbone, reward)
+        doubling = {r: mean[(DOUBLED, r)] - mean[("rloo", r)] for r in rates}
+        shared = max(rates, key=doubling.get)
+        lines = setting_lines(measured, pair, (chosen, mean, rates, shared))
+        arms = {
+            "A": ("Arm A: each row its own best rate", chosen),
+            "B": (f"Arm B: one rate for all, {shared:g}", dict.fromkeys(ROWS, shared)),
+        }
+        for arm, (title, rates_of) in arms.items():
+            found = run_arm(args, pool, backbone, reward, arm, rates_of, mean)
+            lines += arm_lines(title, rates_of, *found)
+    lines += ["", f"The study took {(time.time() - clock) / 60:.0f} min."]
+    print("\n".join(lines))
+    record("tie", " ".join(["python -m evidence.tie_study", *sys.argv[1:]]), lines, at=started)
+
+
+if __name__ == "__main__":
+    main(parser.parse_args())

@@ -1,0 +1,85 @@
+"""tie_study.py's prediction, power calculation, multiple-test adjustment and report, on known
+numbers."""
+
+import math
+
+import pytest
+import torch
+from test_regime_study import run
+
+import toy_js
+from evidence import tie_study
+
+
+def test_the_seed_count_is_the_normal_power_formula_within_its_bounds():
+    # ((1.95996 + 0.84162) * 1 / 0.5)^2 = 31.4: 32 seeds find a lead of half the spread 80% of times
+    assert tie_study.seed_count(1.0, 0.5, 20, 100) == 32
+    assert tie_study.seed_count(1.0, 1.0, 20, 100) == 20  # 7.85 asked: the pilot's count at least
+    assert tie_study.seed_count(1.0, 0.1, 20, 100) == 100  # 785 asked: capped
+    assert tie_study.seed_count(1.0, -0.1, 20, 100) == 100  # no lead predicted: the most
+    assert tie_study.seed_count(2.0, 0.5, 20, 200, power=0.9) == math.ceil(
+        ((1.959964 + 1.281552) * 4) ** 2
+    )
+
+
+def test_holm_multiplies_the_ordered_p_values_and_keeps_them_monotone():
+    adjusted = tie_study.holm({"a": 0.01, "b": 0.04, "c": 0.03})
+    # a: 3 x 0.01; c: 2 x 0.03; b: 1 x 0.04, raised to c's 0.06 (step-down keeps the order)
+    assert adjusted == pytest.approx({"a": 0.03, "c": 0.06, "b": 0.06})
+    assert tie_study.holm({"a": 0.6, "b": 0.9}) == pytest.approx({"a": 1.0, "b": 1.0})
+
+
+def test_the_prediction_is_the_doubling_gain_times_the_mean_log2_factor():
+    tie = toy_js.largest_factor_over_best(tie_study.ROLLOUTS, tie_study.CONTEXTS)[0]
+    prediction = tie_study.predict({0: tie, 30: 0.0}, 0.5, torch.Generator().manual_seed(0))
+    at_tie, at_zero = prediction["factors"][0], prediction["factors"][30]
+    # at the tie RLOO and cross-context have one variance: one factor, about 1.15 (toy_js Part C)
+    assert at_tie["rloo"] == pytest.approx(at_tie["xctx"]) and 1.12 < at_tie["rloo"] < 1.17
+    assert at_zero["xctx"] < 1 < at_zero["rloo"]  # alike contexts: cross-context is the better
+    lead = prediction["lead"]
+    expected = 0.5 * (math.log2(at_tie["xctx"]) + math.log2(at_zero["xctx"])) / 2
+    assert lead["xctx"] == pytest.approx(expected) and lead["best"] == min(lead.values())
+
+
+def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
+    def rows(gain, spread):  # seeds 0, 1, 2 add -spread, 0, +spread; endpoint and area alike
+        return [run(gain + s * spread, [gain + s * spread]) for s in (-1, 0, 1)]
+
+    rates = [3e-4, 1e-3, 3e-3]
+    mean = {(row, rate): 0.1 * k for row in tie_study.ROWS for k, rate in enumerate(rates)}
+    chosen = dict.fromkeys(tie_study.ROWS, 1e-3)
+    chosen["js"] = 3e-3
+    head = tie_study.setting_lines({"28": 0.93, "23": 0.39}, (2, 8), (chosen, mean, rates, 1e-3))
+    text = "\n".join(head)
+    assert (
+        "chosen {2, 8}" in text and "{2,8} 0.93" in text and "arm B one rate for all, 0.001" in text
+    )
+    assert "| js | 0.000 | 0.100 | 0.200 | 0.003 (grid's edge) |" in text
+    assert "| rloo | 0.000 | 0.100 | 0.200 | 0.001 |" in text
+
+    runs = {"js": rows(1.3, 0.2), "rloo": rows(1.0, 0.1), "xctx": rows(1.2, 0.1)}
+    runs[tie_study.DOUBLED] = rows(1.6, 0.1)
+    factors = dict(rloo=1.2, xctx=1.1, ideal_rloo=1.3, ideal_best=1.25)
+    lead = dict(rloo=0.1, xctx=0.05, best=0.05)
+    prediction = dict(rho={0: 0.9}, factors={0: factors}, doubling_gain=0.4, lead=lead)
+    pilot = dict(better="xctx", spread=0.3, difference="0.1 ± 0.1", asked=40, largest=100)
+    lines = tie_study.arm_lines("Arm A", chosen, prediction, pilot, list(range(3)), runs)
+    text = "\n".join(lines)
+    assert "| 0 | 0.90 | 1.200 | 1.100 | 1.300 | 1.250 |" in text
+    assert "over the better of the two +0.050 (reward linear in log2 of the batch)" in text
+    assert (
+        "asks 40 seeds (the most when no lead is predicted), run: 3 (seeds 0-2; at most 100)"
+        in text
+    )
+    # JS - cross-context per seed: 0.1 - 0.1, 0.1, 0.1 + 0.1 -> 0.100 ± t(0.975, 2) x 0.1 / sqrt 3
+    half = 4.302653 * 0.1 / math.sqrt(3)
+    assert f"area (headline): JS - xctx, the better of the two, 0.100 ± {half:.3f}" in text
+    assert "RLOO at 2B - RLOO 0.600 ± 0.000" in text
+    prediction["doubling_gain"] = -0.1
+    text = "\n".join(tie_study.arm_lines("Arm A", chosen, prediction, pilot, [0, 1, 2], runs))
+    assert "doubling the batch gains nothing here" in text
+
+
+def test_no_lead_is_predicted_where_doubling_the_batch_gains_nothing():
+    prediction = tie_study.predict({0: 0.9}, -0.2, torch.Generator().manual_seed(0))
+    assert prediction["lead"] == {"rloo": 0.0, "xctx": 0.0, "best": 0.0}
