@@ -41,8 +41,9 @@ class Backbone:
       hidden_states() (the diffusers families): a context of forward hooks on the denoiser, yields
           read() -> its hidden states at the last model call, what a policy may read
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
-      sample(noise, cond, times, decide=None) -> final latents; times (N, L+1), each row run
-          exactly (decide: choosing the times on the way, run_schedule)
+      ode(noise, cond, start) -> (derivative, state, level): the ODE run_schedule integrates
+          from noise at the times `start` (N,)
+      sample(noise, cond, times) -> final latents; times (N, L+1), each row run exactly
       reference(noise, cond) -> an accurate solution from the same noise: the teacher
       decode(latents) -> images (N, 3, H, W) in [0, 1]
     """
@@ -69,38 +70,32 @@ class Backbone:
             pooled=cond["pooled_prompt_embeds"].float(),
         )
 
+    def sample(self, noise, cond, times):
+        """The final latents of each context sampled with its schedule, times (N, L+1): L model
+        calls. Differentiable in the times and the noise (the model's weights are frozen)."""
+        if times.dim() != 2 or times.shape[0] != noise.shape[0] or times.shape[1] < 2:
+            shape = tuple(times.shape)
+            raise ValueError(f"times must have shape (N={noise.shape[0]}, L+1 >= 2), got {shape}")
+        derivative, state, level = self.ode(noise, cond, times[:, 0])
+        return run_schedule(derivative, state, times, level)
+
     def reference(self, noise, cond):
         times = self.default_times(self.reference_steps).expand(noise.shape[0], -1)
         return self.sample(noise, cond, times)
 
 
-def run_schedule(derivative, state, times, level=None, decide=None):
+def run_schedule(derivative, state, times, level=None):
     """The one sampling loop: L first-order steps, exactly L calls of `derivative`.
 
     derivative(state, t) -> d state / d level at per-sample times t (N,); times (N, L+1);
-    level(times) -> the integration variable s (sigma for SD-XL; None = the times themselves).
-    decide(step, t, state, estimate) -> t_{l+1} (N,): a policy choosing each next time after the
-    model call at t_l; only times[:, 0] is then read. It sees
-    the state at unit scale, x / sqrt(s^2 + 1) (SD-XL's model input; a factor in [0.71, 1] for the
-    flows), and the model's prediction of the clean sample, x - s * derivative (flows: x =
-    (1 - t) x_0 + t n with velocity n - x_0; SD-XL: x = x_0 + sigma n with the predicted noise).
+    level(t) -> the integration variable s (sigma for SD-XL; None: the times themselves).
     """
     level = level or (lambda t: t)
     times = times.to(state.device)
-    if decide is not None:
-        times = times.clone()  # filled in step by step
     view = (-1,) + (1,) * (state.dim() - 1)
     for step in range(times.shape[1] - 1):
         t = times[:, step]
         slope = derivative(state, t).float()
         s = level(t).to(torch.float32).view(view)
-        if decide is not None:
-            times[:, step + 1] = decide(step, t, state / (s**2 + 1).sqrt(), state - s * slope)
         state = state + (level(times[:, step + 1]).to(torch.float32).view(view) - s) * slope
     return state
-
-
-def check_times(times, batch):
-    """ValueError unless times is (N=batch, L+1 >= 2)."""
-    if times.dim() != 2 or times.shape[0] != batch or times.shape[1] < 2:
-        raise ValueError(f"times must have shape (N={batch}, L+1 >= 2), got {tuple(times.shape)}")

@@ -48,14 +48,14 @@ import backbones
 import rewards as reward_lib
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from comparator import tpdm
-from prompts import SHIPPED, context_noise, context_seed, heldout_contexts, load_prompt_file
+from prompts import SHIPPED, context_seed, heldout_contexts, load_prompt_file
 from scoring import paired
-from scoring.figures import context_labels, plot_training
+from scoring.figures import plot_training
 from scoring.realism import NEIGHBOURS
 from store import checkpoint, files, track
 
 # -----------------------------------------------------------------------------
-# configuration: the defaults are the digits backbone's; --backbone X takes PRESETS[X]; a flag
+# configuration: Config's defaults are the digits backbone's; --backbone X takes PRESETS[X]; a flag
 # given on the command line overrides either
 
 
@@ -80,16 +80,16 @@ class Config:
     model_path: str | None = arg(None, "local diffusers folder replacing the hub id")
     resolution: int | None = arg(None, "image side in pixels; default: the backbone's own", 8)
     guidance: float | None = arg(
-        None, "CFG (flux-dev: distilled); default: the backbone's", None, False
+        None, "CFG (flux-dev: distilled); default: the backbone's", positive=False
     )
     prompts: str | None = arg(None, "training prompts: a file (.txt, .json, .jsonl) or hpdv2")
     eval_prompts: str | None = arg(None, "held-out prompt file")
     # policy
-    policy: str = arg("instance", "instance | global | stepwise (the comparator TPDM)")
+    policy: str = arg("instance", "instance | global | stepwise (the comparator, comparator/)")
     steps: int = arg(4, "L, model calls per sample; one policy per L", 1)
-    init: str = arg("default", "default (the backbone's schedule) | uniform | tpdm (stepwise)")
+    init: str = arg("default", "default (the backbone's schedule) | uniform | tpdm (comparator/)")
     concentration: float = arg(
-        100.0, "initial sum(alpha) (--init uniform: L+1 is flat)", None, True
+        100.0, "initial sum(alpha) (--init uniform: L+1 is flat)", positive=True
     )
     # reward
     reward: str = arg("teacher", "a name in rewards.REWARDS")
@@ -100,14 +100,14 @@ class Config:
     rollouts: int = arg(2, "K, schedules drawn per context", 2)
     rollout_batch: int | None = arg(None, "samples per backbone call (memory); default: all", 1)
     # optim
-    optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (TPDM's update)")
+    optimizer: str = arg("reinforce", "reinforce (one step per batch) | ppo (comparator/)")
     iterations: int = arg(300, "policy updates", 1)
-    lr: float = arg(3e-3, "AdamW peak learning rate", None, True)
+    lr: float = arg(3e-3, "AdamW peak learning rate", positive=True)
     lr_decay: str = arg("cosine", "cosine (to 0 at the end) | constant")
-    weight_decay: float = arg(1e-4, "AdamW weight decay", None, False)
+    weight_decay: float = arg(1e-4, "AdamW weight decay", positive=False)
     adam_beta2: float = arg(0.999, "AdamW's beta2 (beta1 is 0.9)")
-    adam_eps: float = arg(1e-8, "AdamW's epsilon", None, True)
-    grad_clip: float = arg(1.0, "gradient-norm clip", None, True)
+    adam_eps: float = arg(1e-8, "AdamW's epsilon", positive=True)
+    grad_clip: float = arg(1.0, "gradient-norm clip", positive=True)
     # evaluation
     eval_contexts: int = arg(256, "held-out contexts for the final table", 1)
     # system
@@ -178,18 +178,18 @@ def add_fields(parser, fields):
     """One --flag per dataclass field, its help ending in its default."""
     for item in fields:
         flag, default = "--" + item.name.replace("_", "-"), item.default
-        shown = "" if default is None or item.type is bool else f" (default: {default})"
         if item.type is bool:
             parser.add_argument(flag, action="store_true", help=item.metadata["help"])
             continue
+        shown = "" if default is None else f" (default: {default})"
         kind = next(t for t in getattr(item.type, "__args__", [item.type]) if t is not type(None))
         choices = CHOICES.get(item.name) or item.metadata.get("choices")
         parser.add_argument(flag, type=kind, choices=choices, help=item.metadata["help"] + shown)
 
 
 def parse_config(argv=None):
-    """The command line over the backbone's preset (PRESETS) over Config's defaults; the
-    comparator's own settings are config.tpdm. Printed once (rank 0)."""
+    """The command line over the backbone's preset (PRESETS) over Config's defaults, with the
+    comparator's own settings in config.tpdm. Printed once (rank 0)."""
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -199,20 +199,18 @@ def parse_config(argv=None):
     add_fields(parser, dataclasses.fields(Config))
     add_fields(parser.add_argument_group(tpdm.FLAGS), dataclasses.fields(tpdm.Settings))
     given = vars(parser.parse_args(argv))
-    preset = dict(PRESETS[given.get("backbone", Config.backbone)])
+    backbone = given.get("backbone", Config.backbone)
+    values = dict(PRESETS[backbone])
     if given.get("reward") in SHIPPED and "prompts" not in given:  # its own prompt set
-        preset["prompts"], preset["eval_prompts"] = SHIPPED[given["reward"]]
-    if given.get("optimizer") == "ppo":  # TPDM's settings
-        family = backbones.BACKBONES[given.get("backbone", Config.backbone)]["family"]
-        preset.update(tpdm.ppo_preset(preset, given.get("policy", Config.policy), family))
-    values = {**preset, **given}
-    comparator = [item.name for item in dataclasses.fields(tpdm.Settings)]
-    config = Config(**{key: value for key, value in values.items() if key not in comparator})
-    config.tpdm = tpdm.Settings(**{key: values[key] for key in comparator if key in values})
+        values["prompts"], values["eval_prompts"] = SHIPPED[given["reward"]]
+    values.update(tpdm.preset(given, values, backbones.BACKBONES[backbone]), **given)
+    config = Config(**{key: value for key, value in values.items() if key not in tpdm.FIELDS})
+    config.tpdm = tpdm.Settings(**{key: values[key] for key in tpdm.FIELDS if key in values})
     if config.out_dir is None:  # one folder per run: the same command finds its own run again
         kind = config.policy + ("-ppo" if config.optimizer == "ppo" else "")
-        name = f"{config.backbone}-L{config.steps}-{kind}-s{config.seed}"
-        config.out_dir = os.path.join("out", name)
+        config.out_dir = os.path.join(
+            "out", f"{config.backbone}-L{config.steps}-{kind}-s{config.seed}"
+        )
     if int(os.environ.get("RANK", "0")) == 0:
         settings = " ".join(f"{key}={value}" for key, value in saved(config).items())
         print("configuration: " + textwrap.fill(settings, 100, subsequent_indent="  "))
@@ -242,98 +240,17 @@ def check(config, world_size):
     """What argparse cannot say fails here in one line, before anything heavy loads and with the
     run folder unchanged. Returns the training and held-out prompts (None: the backbone's own), the
     checkpoint out_dir holds (or None), where the backbone's files are, and the folder's claim."""
-    for item in dataclasses.fields(Config):  # the bounds declared with each field (arg)
-        value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
-        least, positive = item.metadata["least"], item.metadata["positive"]
-        if item.name == "contexts":  # the baseline's own (baselines.MIN_CONTEXTS)
-            least = MIN_CONTEXTS[config.baseline]
-        if least is not None and value is not None and value < least:
-            why = " for a leave-one-out baseline" if item.name == "rollouts" else ""
-            why = f" for --baseline {config.baseline}" if item.name == "contexts" else why
-            fail(f"{flag} must be at least {least}{why} (got {value})")
-        if (
-            positive is not None
-            and value is not None
-            and not (math.isfinite(value) and (value > 0 if positive else value >= 0))
-        ):
-            fail(f"{flag} must be a finite number {'> 0' if positive else '>= 0'} (got {value})")
-    if not 0 <= config.adam_beta2 < 1:
-        fail(f"--adam-beta2 must be in [0, 1) (got {config.adam_beta2})")
-    if not 0 <= config.seed < MAX_SEED:
-        fail(
-            f"--seed must be an integer from 0 to {MAX_SEED - 1:,} (got {config.seed}): a training "
-            "context's noise seed is built from it and must stay below 2^63"
-        )
-    if config.device == "cuda" and not torch.cuda.is_available():
-        fail(
-            f"--device cuda, but this machine has no CUDA device (torch {torch.__version__}); drop "
-            "--device to run on the CPU"
-        )
-    spec = backbones.BACKBONES[config.backbone]
-    if config.guidance is not None and spec["guidance"] is None:
-        fail(
-            f"--guidance {config.guidance}: {config.backbone} has no guidance input and runs no "
-            "CFG (as FLUX.1-schnell, or an exact mixture); drop --guidance"
-        )
-    if config.contexts % world_size:
-        fail(
-            f"--contexts {config.contexts} is not divisible by the {world_size} ranks; choose a "
-            "multiple of the number of processes"
-        )
-    if spec["hub_id"] is not None and config.device is None and not torch.cuda.is_available():
-        fail(
-            f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
-            "--device cpu to insist (or try --backbone digits)"
-        )
-    side = spec["resolution"]
-    if spec["hub_id"] is None and config.resolution not in (None, side):
-        fail(
-            f"--resolution {config.resolution}: {config.backbone} draws {side}x{side} images (its "
-            "reward and realism measure read that size); drop --resolution"
-        )
-    if "folder" in spec and config.eval_contexts <= NEIGHBOURS:
-        fail(
-            f"--eval-contexts must be at least {NEIGHBOURS + 1} on a miniature (got "
-            f"{config.eval_contexts}): its realism measure compares {NEIGHBOURS}-nearest neighbours"
-        )
-    if config.threads and config.threads > (os.cpu_count() or 1):
-        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores")
-        config.threads = os.cpu_count()
-    if spec["family"] == "mixture" and config.reward in reward_lib.IMAGE_CONTENT:
-        fail(
-            f"the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} "
-            "images do not have; use a real backbone, or --reward teacher"
-        )
     try:
-        tpdm.check(config, config.tpdm, spec)
-        reward_lib.check_digits(config.reward, config.backbone, spec)
-        track.check_tracker(config.track)
-        if not config.out_dir:  # else existing_run would take the working folder for the run's
-            files.check_writable(config.out_dir)
-        prompts = load_prompt_file(config.prompts) if config.prompts else None
-        heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
-        reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
-        digest = prompts_digest(prompts, heldout)
+        prompts, heldout, location = check_input(config, world_size)
     except ValueError as error:
         fail(error)
-    missing, location = [], None  # every missing model in one message, before either loads
-    try:
-        reward_lib.check_reward(config.reward, config.reward_checkpoint)
-    except ValueError as error:
-        missing.append(str(error))
-    try:  # where the backbone's files are, each checked whole
-        location = backbones.check_files(config.backbone, config.model_path)
-    except ValueError as error:
-        missing.append(str(error))
-    if missing:
-        fail("; ".join(missing))
     claim = None  # the folder taken (one writer, our marker) before its state is read
     try:
         if int(os.environ.get("RANK", "0")) == 0:
             with contextlib.suppress(OSError):  # read-only: a finished run is still reported
                 claim = files.claim_folder(config.out_dir, "train.py", files.RUN_FILES)
         found = checkpoint.existing_run(saved(config))
-        if found and found.get("prompts_digest", digest) != digest:
+        if found and found.get("prompts_digest") not in (None, prompts_digest(prompts, heldout)):
             raise ValueError(
                 f"{config.out_dir} holds a run on other prompts: a prompt file changed since it "
                 "began; restore the file, or pass another --out-dir for the new prompts"
@@ -353,6 +270,90 @@ def check(config, world_size):
         if not isinstance(error, ValueError):
             raise
         fail(error)
+
+
+def check_input(config, world_size):
+    """ValueError in one line for the first setting that cannot run. Returns the training and
+    held-out prompts (None: the backbone's own) and where the backbone's files are."""
+    for item in dataclasses.fields(Config):  # the bounds declared with each field (arg)
+        value, flag = getattr(config, item.name), "--" + item.name.replace("_", "-")
+        least, positive = item.metadata["least"], item.metadata["positive"]
+        why = " for a leave-one-out baseline" if item.name == "rollouts" else ""
+        if item.name == "contexts":  # the baseline's own (baselines.MIN_CONTEXTS)
+            least, why = MIN_CONTEXTS[config.baseline], f" for --baseline {config.baseline}"
+        if value is not None and least is not None and value < least:
+            raise ValueError(f"{flag} must be at least {least}{why} (got {value})")
+        bound = "> 0" if positive else ">= 0"
+        if value is not None and positive is not None:
+            if not (math.isfinite(value) and (value > 0 if positive else value >= 0)):
+                raise ValueError(f"{flag} must be a finite number {bound} (got {value})")
+    if not 0 <= config.adam_beta2 < 1:
+        raise ValueError(f"--adam-beta2 must be in [0, 1) (got {config.adam_beta2})")
+    if not 0 <= config.seed < MAX_SEED:
+        raise ValueError(
+            f"--seed must be an integer from 0 to {MAX_SEED - 1:,} (got {config.seed}): a training "
+            "context's noise seed is built from it and must stay below 2^63"
+        )
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device cuda, but this machine has no CUDA device (torch {torch.__version__}); drop "
+            "--device to run on the CPU"
+        )
+    spec = backbones.BACKBONES[config.backbone]
+    if config.guidance is not None and spec["guidance"] is None:
+        raise ValueError(
+            f"--guidance {config.guidance}: {config.backbone} has no guidance input and runs no "
+            "CFG (as FLUX.1-schnell, or an exact mixture); drop --guidance"
+        )
+    if config.contexts % world_size:
+        raise ValueError(
+            f"--contexts {config.contexts} is not divisible by the {world_size} ranks; choose a "
+            "multiple of the number of processes"
+        )
+    if spec["hub_id"] is not None and config.device is None and not torch.cuda.is_available():
+        raise ValueError(
+            f"{config.backbone} on a CPU takes hours per update; run on a CUDA machine, or pass "
+            "--device cpu to insist (or try --backbone digits)"
+        )
+    side = spec["resolution"]
+    if spec["hub_id"] is None and config.resolution not in (None, side):
+        raise ValueError(
+            f"--resolution {config.resolution}: {config.backbone} draws {side}x{side} images (its "
+            "reward and realism measure read that size); drop --resolution"
+        )
+    if "folder" in spec and config.eval_contexts <= NEIGHBOURS:
+        raise ValueError(
+            f"--eval-contexts must be at least {NEIGHBOURS + 1} on a miniature (got "
+            f"{config.eval_contexts}): its realism measure compares {NEIGHBOURS}-nearest neighbours"
+        )
+    if config.threads and config.threads > (os.cpu_count() or 1):
+        print(f"note: --threads {config.threads} is more than the {os.cpu_count()} CPU cores")
+        config.threads = os.cpu_count()
+    if spec["family"] == "mixture" and config.reward in reward_lib.IMAGE_CONTENT:
+        raise ValueError(
+            f"the {config.reward} reward reads text or objects, which the 8x8 {config.backbone} "
+            "images do not have; use a real backbone, or --reward teacher"
+        )
+    tpdm.check(config, config.tpdm, spec)
+    reward_lib.check_digits(config.reward, config.backbone, spec)
+    track.check_tracker(config.track)
+    if not config.out_dir:  # else existing_run would take the working folder for the run's
+        files.check_writable(config.out_dir)
+    prompts = load_prompt_file(config.prompts) if config.prompts else None
+    heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
+    reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
+    missing, location = [], None  # every missing model in one message, before either loads
+    try:
+        reward_lib.check_reward(config.reward, config.reward_checkpoint)
+    except ValueError as error:
+        missing.append(str(error))
+    try:  # where the backbone's files are, each checked whole
+        location = backbones.check_files(config.backbone, config.model_path)
+    except ValueError as error:
+        missing.append(str(error))
+    if missing:
+        raise ValueError("; ".join(missing))
+    return prompts, heldout, location
 
 
 def prompts_digest(train_prompts, eval_prompts):
@@ -392,48 +393,6 @@ def report_finished(config, found):
     if ignored:
         flags = " and ".join("--" + flag for flag in ignored)
         print(f"note: {flags} apply to a run that trains; this one is finished")
-
-
-# -----------------------------------------------------------------------------
-# the update
-
-
-def get_lr(config, iteration):
-    """Cosine from config.lr to 0 over the run (or constant): a function of the iteration alone,
-    so a resumed run gets the same rates."""
-    if config.lr_decay == "constant":
-        return config.lr
-    return config.lr * 0.5 * (1 + math.cos(math.pi * iteration / config.iterations))
-
-
-def make_optimizer(config, parameters):
-    """AdamW with beta1 0.9; foreach: one kernel per operation over all the policy's tensors."""
-    return torch.optim.AdamW(
-        parameters,
-        lr=config.lr,
-        betas=(0.9, config.adam_beta2),
-        eps=config.adam_eps,
-        weight_decay=config.weight_decay,
-        foreach=True,
-    )
-
-
-def optimizer_step(config, policy, optimizer, lr, loss):
-    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm."""
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    return grad_norm
-
-
-def reinforce_update(iteration, rollouts, policy, advantages, step):
-    """REINFORCE: one step on -mean((r - b) log pi); log pi is recomputed with gradients through
-    `policy`, which under DDP averages them over the ranks. Returns (loss, grad norm, None)."""
-    loss = -(advantages * rollouts.log_prob(policy)).mean()
-    return loss, step(loss), None
 
 
 # -----------------------------------------------------------------------------
@@ -482,7 +441,7 @@ def main(config):
         if not isinstance(error, ValueError):
             raise
         fail(error)
-    lock, tracker, heldout_gain = (claim or (None,))[0], None, None
+    lock, tracker = (claim or (None,))[0], None
     try:
         if master:
             with files.write_or_exit(config.out_dir):
@@ -490,22 +449,9 @@ def main(config):
         reward = reward_lib.load_reward(
             config.reward, backbone, device=device, checkpoint=config.reward_checkpoint
         )
-        few = prompts[:2]  # what a prompt's encoding costs in memory
-        size = sum(v.nelement() * v.element_size() for v in backbone.encode_prompts(few).values())
-        small = size / len(few) * len(prompts) <= ENCODED_BYTES
-        encoded = backbone.encode_prompts(prompts) if small else None
+        encode = prompt_encoder(backbone, prompts)
 
-        def encode(picks):  # the prompts' token embeddings, mask, pooled embedding
-            if encoded is None:
-                return backbone.encode_prompts([prompts[i] for i in picks])
-            return {
-                key: value[torch.tensor(picks).to(value.device)] for key, value in encoded.items()
-            }
-
-        # ---------------- policy, optimiser and update: the method's, or the comparator's --------
-        update = reinforce_update
-        if config.optimizer == "ppo":  # TPDM's (comparator/tpdm.py): clipped steps on each batch
-            update = functools.partial(tpdm.ppo_update, config.tpdm, config.seed)
+        # ---------------- policy and optimiser: the method's, or the comparator's ----------------
         init_times = backbone.default_times(config.steps) if config.init == "default" else None
         try:  # a concentration too small for the start's smallest increment
             raw_policy = checkpoint.make_policy(
@@ -516,10 +462,13 @@ def main(config):
                 preset=backbones.BACKBONES[config.backbone]["policy"],
                 backbone=config.backbone,
                 concentration=config.concentration,
-                **tpdm.policy_options(config, config.tpdm),
+                **tpdm.policy_options(config, config.tpdm),  # the step-wise policy's
             ).to(device)
         except ValueError as error:
             fail(f"--concentration {config.concentration}: {error}")
+        update = reinforce_update
+        if config.optimizer == "ppo":  # TPDM's update: clipped steps on each batch
+            update = functools.partial(tpdm.ppo_update, config.tpdm, config.seed)
         policy = DistributedDataParallel(raw_policy) if distributed else raw_policy
         optimizer = make_optimizer(config, raw_policy.parameters())
         if master:
@@ -597,13 +546,12 @@ def main(config):
             checkpoint_now = done % config.ckpt_interval == 0 or done == config.iterations
             if not master:
                 continue
-            # shrinkage: the plug-in James-Stein weight of this batch, whichever baseline trains
-            enough = config.contexts >= MIN_CONTEXTS["js"]
             row = dict(
                 iteration=done,
                 reward=all_rewards.mean().item(),
                 reward_std=all_rewards.std().item(),
-                shrinkage=shrinkage(all_rewards).item() if enough else None,
+                # the plug-in James-Stein weight of this batch, whichever baseline trains
+                shrinkage=shrinkage(all_rewards).item() if config.contexts >= 3 else None,
                 loss=loss.item(),
                 grad_norm=grad_norm.item(),
                 clip_fraction=clip_fraction,
@@ -642,7 +590,7 @@ def main(config):
         if master:
             with files.write_or_exit(config.out_dir):
                 if config.figure:
-                    draw_training(config, backbone, raw_policy, heldout)
+                    plot_training(config.out_dir, backbone, raw_policy, heldout, config.reward)
                 policy_dir = os.path.join(config.out_dir, "policy")
                 checkpoint.save_policy(policy_dir, raw_policy, saved(config), config.iterations)
                 paired.heldout_report(config.out_dir, backbone, reward, raw_policy, *heldout,
@@ -661,8 +609,50 @@ def main(config):
             lock.close()
 
 
-# a training prompt set whose encoding fits in this many bytes is encoded once, at setup
+def prompt_encoder(backbone, prompts):
+    """picks -> the conditioning of prompts[i] for each i in picks: a prompt set whose encoding
+    fits in ENCODED_BYTES is encoded once, here; a larger one batch by batch."""
+    few = prompts[:2]  # what a prompt's encoding costs in memory
+    size = sum(v.nelement() * v.element_size() for v in backbone.encode_prompts(few).values())
+    if size / len(few) * len(prompts) > ENCODED_BYTES:
+        return lambda picks: backbone.encode_prompts([prompts[i] for i in picks])
+    encoded = backbone.encode_prompts(prompts)
+    return lambda picks: {key: v[torch.tensor(picks).to(v.device)] for key, v in encoded.items()}
+
+
 ENCODED_BYTES = 64 * 2**20
+
+
+def get_lr(config, iteration):
+    """Cosine from config.lr to 0 over the run (or constant): a function of the iteration alone,
+    so a resumed run gets the same rates."""
+    if config.lr_decay == "constant":
+        return config.lr
+    return config.lr * 0.5 * (1 + math.cos(math.pi * iteration / config.iterations))
+
+
+def make_optimizer(config, parameters):
+    """AdamW with beta1 0.9; foreach: one kernel per operation over all the policy's tensors."""
+    betas, eps, decay = (0.9, config.adam_beta2), config.adam_eps, config.weight_decay
+    return torch.optim.AdamW(parameters, config.lr, betas, eps, decay, foreach=True)
+
+
+def optimizer_step(config, policy, optimizer, lr, loss):
+    """One AdamW step on loss at learning rate lr, the gradient norm clipped; returns the norm."""
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    return grad_norm
+
+
+def reinforce_update(iteration, rollouts, policy, advantages, step):
+    """REINFORCE: one step on -mean((r - b) log pi); log pi is recomputed with gradients through
+    `policy`, which under DDP averages them over the ranks. Returns (loss, grad norm, None)."""
+    loss = -(advantages * rollouts.log_prob(policy)).mean()
+    return loss, step(loss), None
 
 
 def log_line(row):
@@ -690,19 +680,6 @@ def check_finite(config, iteration, rewards, ckpt_path):
     if iteration == 0:  # no update yet: the schedules are the initial policy's
         cause = f"before any update, so {models}"
     fail(f"iteration {iteration + 1}: {bad} rewards are NaN or inf: {cause} overflowed; {last}")
-
-
-def draw_training(config, backbone, policy, heldout):
-    """train.png (--figure): the held-out gain at each checkpoint, and the learned schedules of a
-    few held-out contexts against the default."""
-    prompts, seeds = (part[:8] for part in heldout)  # a few held-out contexts
-    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-    with torch.no_grad():
-        learned = policy.schedule(backbone, noise, cond)[0].cpu()
-    default = backbone.default_times(policy.steps).cpu()
-    curve = len(heldout[0][: paired.GAIN_CONTEXTS])  # the contexts of heldout_gain
-    labels = context_labels(prompts, seeds)
-    plot_training(config.out_dir, learned, default, labels, config.reward, curve)
 
 
 if __name__ == "__main__":

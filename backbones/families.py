@@ -12,7 +12,7 @@ import warnings
 import torch
 
 from prompts import shown
-from rollout import Backbone, check_times, run_schedule
+from rollout import Backbone
 
 # SD-XL's EulerDiscreteScheduler calls np.array on a tensor, which numpy 2 flags on every call:
 # harmless, and fatal under python -W error
@@ -124,7 +124,6 @@ class PipelineBackbone(Backbone):
         # VaeImageProcessor.denormalize
         return (self.decode_raw(latents).float() / 2 + 0.5).clamp(0, 1)
 
-    @torch.no_grad()
     def decode_raw(self, latents):
         """The VAE's output in [-1, 1] (N, 3, H, W), decoded as the pipeline does."""
         vae, parts = self.pipe.vae, latents.split(max(1, DECODE_PIXELS // self.resolution**2))
@@ -204,9 +203,7 @@ class SD3Backbone(PipelineBackbone):
         scheduler.set_timesteps(steps)
         return scheduler.sigmas.float()
 
-    @torch.no_grad()
-    def sample(self, noise, cond, times, decide=None):
-        check_times(times, noise.shape[0])
+    def ode(self, noise, cond, start):
         text, pooled = self.cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
         copies = 2 if self.cfg else 1
 
@@ -220,7 +217,7 @@ class SD3Backbone(PipelineBackbone):
             )[0]
             return self.guide(prediction)
 
-        return run_schedule(velocity, noise.float(), times, decide=decide)
+        return velocity, noise.float(), None
 
     def vae_input(self, latents):
         config = self.pipe.vae.config
@@ -280,9 +277,7 @@ class FluxBackbone(PipelineBackbone):
         scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
         return scheduler.sigmas.float()
 
-    @torch.no_grad()
-    def sample(self, noise, cond, times, decide=None):
-        check_times(times, noise.shape[0])
+    def ode(self, noise, cond, start):
         count, patches = noise.shape[0], self.latent_size // 2
         device, dtype = self.device, self.dtype
         image_ids = self.pipe._prepare_latent_image_ids(count, patches, patches, device, dtype)
@@ -303,7 +298,7 @@ class FluxBackbone(PipelineBackbone):
                 return_dict=False,
             )[0]
 
-        return run_schedule(velocity, noise.float(), times, decide=decide)
+        return velocity, noise.float(), None
 
     def vae_input(self, latents):
         config = self.pipe.vae.config
@@ -374,9 +369,7 @@ class SDXLBackbone(PipelineBackbone):
         last = scheduler.config.num_train_timesteps - 1
         return torch.cat([scheduler.timesteps.float() / last, torch.zeros(1)])
 
-    @torch.no_grad()
-    def sample(self, noise, cond, times, decide=None):
-        check_times(times, noise.shape[0])
+    def ode(self, noise, cond, start):
         text, pooled = self.cfg_batch(cond, "prompt_embeds", "pooled_prompt_embeds")
         copies = 2 if self.cfg else 1
         time_ids = cond["time_ids"].repeat(copies, 1)
@@ -395,10 +388,10 @@ class SDXLBackbone(PipelineBackbone):
             return self.guide(prediction)
 
         # the pipeline's init_noise_sigma: sqrt(sigma_0^2 + 1) ("leading" spacing) or sigma_0
-        first = self.sigma(times[:, 0]).to(noise.device).view(view)
+        first = self.sigma(start).to(noise.device).view(view)
         leading = self.pipe.scheduler.config.timestep_spacing == "leading"
         scale = (first**2 + 1) ** 0.5 if leading else first
-        return run_schedule(epsilon, noise.float() * scale, times, self.sigma, decide)
+        return epsilon, noise.float() * scale, self.sigma
 
     def vae_input(self, latents):
         config = self.pipe.vae.config

@@ -6,7 +6,7 @@ of contexts can be computed (evidence/ablation.py's oracles).
 
 import torch
 
-from rollout import Backbone, check_times, run_schedule
+from rollout import Backbone
 
 DIGIT_TOKENS = 4  # prompt tokens: "a", "handwritten", the digit, one padding token (masked out)
 DIGIT_WIDTH = 32  # width of the token embeddings
@@ -117,13 +117,9 @@ class MixtureBackbone(Backbone):
         velocity = coefficient.sum(1, keepdim=True) * x - scale * mixed[:, 0] - mixed[:, 1]
         return velocity.reshape(state.shape)
 
-    def sample(self, noise, cond, times, decide=None):
-        """Differentiable in the times (evidence/ablation.py's oracle schedules)."""
-        check_times(times, noise.shape[0])
+    def ode(self, noise, cond, start):
         mixture = self.mixture(cond["label"])
-        return run_schedule(
-            lambda state, t: self.velocity(state, t, mixture), noise.float(), times, decide=decide
-        )
+        return (lambda state, t: self.velocity(state, t, mixture)), noise.float(), None
 
     @torch.no_grad()
     def reference(self, noise, cond):

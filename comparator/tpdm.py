@@ -8,7 +8,7 @@ and README name each file, docs/COMPARATOR.md what differs). After the model cal
 
 so L steps cost L model calls and L policy calls, t_L > 0 is the learnable stop margin, and log pi
 is the sum of the L Beta log-densities. The network is policy.SchedulePolicy.encode's, with t_l
-and the step joining the pooled prompt embedding; it reads (rollout.run_schedule's `decide`):
+and the step joining the pooled prompt embedding; it reads (run_stepwise's `decide`):
 - inputs="hidden", TPDM's (src/models/stable_diffusion_3/modeling_sd3_pnt.py): the denoiser's
   hidden states and timestep embedding (backbones.families.PipelineBackbone.hidden_states);
 - inputs="sampler": the state and the prediction of the clean sample (2 C channels).
@@ -18,7 +18,7 @@ At inference the rate is the Beta's mode, TPDM's (modeling_sd3_pnt.py, `predict`
 """
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -150,15 +150,27 @@ def beta_log_prob(parameters, pair):
     return log_prob(parameters, pair[:, None, :])[:, 0]
 
 
-def start_times(count, steps):
-    """The `times` run_schedule takes with a `decide`: t_0 = 1, the rest NaN until chosen."""
-    times = torch.full((count, steps + 1), math.nan)
-    times[:, 0] = 1.0
-    return times
+def run_stepwise(backbone, noise, cond, steps, decide):
+    """rollout.run_schedule with each next time chosen after the model call at t_l, from t_0 = 1:
+    decide(step, t, state, estimate) -> t_{l+1} (N,) sees the state at unit scale, x / sqrt(s^2 +
+    1) (SD-XL's model input; a factor in [0.71, 1] for the flows), and the model's prediction of
+    the clean sample, x - s * derivative (flows: x = (1 - t) x_0 + t n with velocity n - x_0;
+    SD-XL: x = x_0 + sigma n with the predicted noise). Returns the final latents."""
+    t = torch.ones(len(noise), device=noise.device)
+    derivative, state, level = backbone.ode(noise, cond, t)
+    level = level or (lambda t: t)
+    view = (-1,) + (1,) * (state.dim() - 1)
+    for step in range(steps):
+        slope = derivative(state, t).float()
+        s = level(t).to(torch.float32).view(view)
+        chosen = decide(step, t, state / (s**2 + 1).sqrt(), state - s * slope)
+        state = state + (level(chosen).to(torch.float32).view(view) - s) * slope
+        t = chosen
+    return state
 
 
 class Stepper:
-    """run_schedule's `decide` for a step-wise policy: a rate r_l at each step, deterministic when
+    """run_stepwise's `decide` for a step-wise policy: a rate r_l at each step, deterministic when
     draws is None, else drawn from one generator or one per sample, recorded for the update. Sample
     inside `with stepper:`, which holds the hooks that read the denoiser's hidden states."""
 
@@ -224,7 +236,7 @@ def sample(policy, backbone, noise, cond, draws=None):
     """(times (N, L+1), latents) of these contexts sampled with a step-wise policy, its draws as
     Stepper takes them."""
     with Stepper(policy, backbone, cond, draws) as stepper:
-        latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
+        latents = run_stepwise(backbone, noise, cond, policy.steps, stepper)
     return stepper.times(), latents
 
 
@@ -261,9 +273,8 @@ class StepwiseRollouts:
         self.backbone, self.records = backbone, []
 
     def sample(self, part, noise, cond):
-        times = start_times(len(noise), self.policy.steps)  # t_0 = 1, the rest chosen
         with Stepper(self.policy, self.backbone, cond, [self.draws[i] for i in part]) as stepper:
-            latents = self.backbone.sample(noise, cond, times, stepper)
+            latents = run_stepwise(self.backbone, noise, cond, self.policy.steps, stepper)
         self.records.append(stepper.record())
         return latents
 
@@ -323,15 +334,21 @@ TPDM_STEPWISE = dict(init="tpdm", policy_inputs="hidden", inference="mode")
 LR_FACTOR = 1 / 30
 
 
-def ppo_preset(preset, policy, family):
-    """The values --optimizer ppo puts over a backbone's preset (train.PRESETS): TPDM's settings
-    and lr; the sampler's state as inputs on an exact mixture, which has no hidden states."""
-    values = dict(TPDM, lr=preset["lr"] * LR_FACTOR)
-    if policy == "stepwise":
-        values.update(TPDM_STEPWISE)
-        if family == "mixture":
-            values["policy_inputs"] = "sampler"
-    return values
+FIELDS = [item.name for item in fields(Settings)]
+
+
+def preset(given, values, spec):
+    """The values --optimizer ppo puts over a backbone's preset (`values`, train.PRESETS): TPDM's
+    settings and lr; the sampler's state as inputs on an exact mixture, which has no hidden
+    states. `given`: the command line's values; {} without --optimizer ppo."""
+    if given.get("optimizer") != "ppo":
+        return {}
+    chosen = dict(TPDM, lr=values["lr"] * LR_FACTOR)
+    if given.get("policy") == "stepwise":
+        chosen.update(TPDM_STEPWISE)
+        if spec["family"] == "mixture":
+            chosen["policy_inputs"] = "sampler"
+    return chosen
 
 
 def check(config, settings, spec):

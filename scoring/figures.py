@@ -8,6 +8,9 @@ import os
 
 import torch
 
+from prompts import context_noise
+from scoring.paired import GAIN_CONTEXTS
+
 
 def context_labels(prompts, seeds, length=40):
     """The legend entry of each context (prompt, noise seed); a long prompt keeps its start and its
@@ -46,12 +49,19 @@ def draw_schedules(ax, learned_times, default_times, labels=None):
     ax.legend(fontsize=6)
 
 
-def plot_training(out_dir, learned_times, default_times, labels, reward_name, contexts=32):
+def plot_training(out_dir, backbone, policy, heldout, reward_name):
     """train.png: at each checkpoint, the learned mean schedule's reward gain over the default on
-    the same `contexts` held-out contexts (metrics.jsonl, heldout_gain); and the learned schedules
-    of a few held-out contexts against the default."""
+    the same held-out contexts (metrics.jsonl, scoring.paired.heldout_gain); and the learned
+    schedules of a few held-out contexts (prompts, seeds) against the default."""
     from matplotlib.figure import Figure
 
+    prompts, seeds = (part[:8] for part in heldout)  # a few held-out contexts
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    with torch.no_grad():
+        learned_times = policy.schedule(backbone, noise, cond)[0].cpu()
+    default_times = backbone.default_times(policy.steps).cpu()
+    labels = context_labels(prompts, seeds)
+    contexts = min(GAIN_CONTEXTS, len(heldout[0]))
     with open(os.path.join(out_dir, "metrics.jsonl")) as file:
         checkpoints = [row for row in map(json.loads, file) if "heldout_gain" in row]
     figure = Figure(figsize=(11, 4), layout="tight")

@@ -15,7 +15,7 @@ from comparator.tpdm import (
     join_records,
     ppo_objective,
     ppo_update,
-    start_times,
+    run_stepwise,
     trajectory_log_prob,
 )
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
@@ -43,7 +43,7 @@ def drawn(backbone, policy, noise, cond, seeds):
     """One stochastic rollout, one draw stream per sample: (latents, record)."""
     stepper = Stepper(policy, backbone, cond, [torch.Generator().manual_seed(s) for s in seeds])
     with torch.no_grad():
-        latents = backbone.sample(noise, cond, start_times(len(noise), policy.steps), stepper)
+        latents = run_stepwise(backbone, noise, cond, policy.steps, stepper)
     return latents, stepper.record()
 
 
@@ -96,7 +96,7 @@ def test_the_same_on_the_diffusers_backbones(family):
     calls = []
     handle = backbone.model.register_forward_hook(lambda *_: calls.append(1))
     with torch.no_grad():
-        latents = backbone.sample(noise, cond, start_times(2, steps), stepper)
+        latents = run_stepwise(backbone, noise, cond, steps, stepper)
     handle.remove()
     assert len(calls) == steps  # exactly L model calls (CFG rides in the same forward)
     times = stepper.times()
@@ -127,7 +127,7 @@ def test_it_starts_at_the_dirichlet_policys_initial_mean_schedule(name, steps):
         policy = make_policy("stepwise", backbone.policy_dims, steps, init_times=default)
         stepper = Stepper(policy, backbone, cond)  # the Beta means
         with torch.no_grad():
-            backbone.sample(noise, cond, start_times(32, steps), stepper)
+            run_stepwise(backbone, noise, cond, steps, stepper)
         assert (stepper.times() - start).abs().max() < 5e-3
 
 
@@ -229,7 +229,7 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     )
     try:
         with torch.no_grad(), Stepper(policy, backbone, cond, torch.Generator()) as stepper:
-            latents = backbone.sample(noise, cond, start_times(2, steps), stepper)
+            latents = run_stepwise(backbone, noise, cond, steps, stepper)
     finally:
         for handle in handles:
             handle.remove()
@@ -285,7 +285,7 @@ def test_the_beta_mode_at_inference_and_the_mean_for_the_projects_variant(digits
             "stepwise", backbone.policy_dims, STEPS, init="tpdm", inference=inference
         )
         with torch.no_grad(), Stepper(policy, backbone, cond) as stepper:
-            backbone.sample(noise, cond, start_times(6, STEPS), stepper)
+            run_stepwise(backbone, noise, cond, STEPS, stepper)
         record = stepper.record()
         alpha, beta = record["parameters"].double().unbind(-1)
         distribution = torch.distributions.Beta(alpha, beta)
