@@ -37,8 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import backbones
-import toy_js
 from baselines import shrinkage
+from evidence import bound
 from evidence.results import commit, interval, record, run_training
 from policy import sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
@@ -161,7 +161,7 @@ def start_variances(args, name):
     rewards = rewards.double().view(START_CONTEXTS, START_ROLLOUTS)
     sigma2 = rewards.var(1).mean().item()
     delta2 = max(0.0, rewards.mean(1).var().item() - sigma2 / START_ROLLOUTS)
-    factors = toy_js.effective_batch(delta2 / sigma2, ROLLOUTS, CONTEXTS)
+    factors = bound.effective_batch(delta2 / sigma2, ROLLOUTS, CONTEXTS)
     weight = shrinkage(rewards[:, :ROLLOUTS][None]).item()
     return sigma2, delta2, factors, weight
 

@@ -4,7 +4,7 @@ James-Stein against RLOO and cross-context at once, where theory says it leads: 
     python -m evidence.tie_study --jobs 2   # about an hour on 2 cores (its time is recorded)
 
 With the plug-in weight that trains, JS's lead over the better of RLOO and cross-context is
-largest where the two tie, rho = delta^2 / sigma^2 near 1 - 1/(BK) (toy_js Part C: about 1.15x
+largest where the two tie, rho = delta^2 / sigma^2 near 1 - 1/(BK) (evidence/bound.py: about 1.15x
 their batch at B = 4, K = 2), and below 1 far from it. This study places the test there, states
 its prediction before it runs, and sizes it by a power calculation:
 1. the contexts: mini-sd3, the prompts of two digits, the pair (from PAIRS) whose rho at the flat
@@ -15,7 +15,7 @@ its prediction before it runs, and sizes it by a power calculation:
    rate. Arm B gives all rows the rate where doubling RLOO's batch gains most (the regime study's
    rule: where the update is most noise-limited);
 3. per arm, the prediction: rho along the JS tuning run at its rate (its snapshots), the plug-in
-   JS's effective batch over RLOO and over cross-context at each (toy_js.bound_cell, simulated),
+   JS's effective batch over RLOO and over cross-context at each (bound.bound_cell, simulated),
    turned into reward by the doubling gain measured in tuning (reward linear in log2 of the
    batch; none where doubling gains nothing), written to prediction-ARM.json before its pilot;
 4. per arm, a pilot (PILOT_SEEDS) measures the paired spread of JS - the better of RLOO and
@@ -42,7 +42,7 @@ import torch
 from scipy import stats
 
 import backbones
-import toy_js
+from evidence import bound
 from evidence.regime_study import gains
 from evidence.results import commit, interval, record, run_training
 from policy import sample_increments, times_from_increments
@@ -64,7 +64,7 @@ TRAJECTORY = (0, 10, 20, 30)  # iterations of the JS tuning run at which rho is 
 PILOT_SEEDS = tuple(range(1000, 1020))
 MAX_SEEDS = 100
 PRIMARY = "area"  # the measure of the headline, chosen before the run
-TIE_REWARDS = 2**20  # simulated rewards per plug-in factor (toy_js.bound_cell)
+TIE_REWARDS = 2**20  # simulated rewards per plug-in factor (bound.bound_cell)
 
 parser = argparse.ArgumentParser(
     description="James-Stein against RLOO and cross-context at the tie"
@@ -127,7 +127,7 @@ def choose_pair(out_dir, backbone, reward):
             json.dump(measured, file)
     with open(path) as file:
         measured = json.load(file)
-    tie = toy_js.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
+    tie = bound.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
     best = min(measured, key=lambda pair: abs(math.log(max(measured[pair], 1e-9) / tie)))
     return measured, tuple(int(digit) for digit in best)
 
@@ -220,9 +220,9 @@ def trajectory(out_dir, backbone, reward, rate):
 
 def plug_in_factors(ratio, generator):
     """The plug-in JS's effective batch per unit of signal over RLOO and over cross-context, and
-    JS with a*'s, at B = CONTEXTS, K = ROLLOUTS (toy_js Part C)."""
-    c = toy_js.bound_cell(ratio, CONTEXTS, ROLLOUTS, TIE_REWARDS, generator)
-    ideal = toy_js.effective_batch(ratio, ROLLOUTS, CONTEXTS)
+    JS with a*'s, at B = CONTEXTS, K = ROLLOUTS (evidence/bound.py)."""
+    c = bound.bound_cell(ratio, CONTEXTS, ROLLOUTS, TIE_REWARDS, generator)
+    ideal = bound.effective_batch(ratio, ROLLOUTS, CONTEXTS)
     per_signal = c["js_per_signal"]
     return dict(
         rloo=c["form"]["rloo"] / per_signal,
@@ -280,7 +280,7 @@ def p_value(values):
 def setting_lines(measured, pair, tuning):
     """The section's head: the setting, the pair, the tuning table and each arm's rates."""
     chosen, mean, rates, shared = tuning
-    tie = toy_js.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
+    tie = bound.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
     lines = [
         f"{NAME}, B = {CONTEXTS}, K = {ROLLOUTS}, L = {STEPS}, flat start, {ITERATIONS} "
         "iterations; held-out gain over the default (endpoint: 256 contexts; area: its mean "
@@ -314,7 +314,7 @@ def arm_lines(title, chosen, prediction, pilot, seeds, runs):
         "",
         f"### {title}",
         "",
-        "The prediction, written before the pilot (plug-in JS per unit of signal, toy_js Part C, "
+        "The prediction, written before the pilot (plug-in JS per unit of signal, evidence.bound, "
         f"at B = {CONTEXTS}, K = {ROLLOUTS}, along the JS tuning run at lr {chosen['js']:g}; "
         f"doubling RLOO's batch gains {doubling:+.3f} on tuning contexts):",
         "",

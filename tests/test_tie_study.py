@@ -7,8 +7,7 @@ import pytest
 import torch
 from test_regime_study import run
 
-import toy_js
-from evidence import tie_study
+from evidence import bound, tie_study
 
 
 def test_the_seed_count_is_the_normal_power_formula_within_its_bounds():
@@ -30,10 +29,10 @@ def test_holm_multiplies_the_ordered_p_values_and_keeps_them_monotone():
 
 
 def test_the_prediction_is_the_doubling_gain_times_the_mean_log2_factor():
-    tie = toy_js.largest_factor_over_best(tie_study.ROLLOUTS, tie_study.CONTEXTS)[0]
+    tie = bound.largest_factor_over_best(tie_study.ROLLOUTS, tie_study.CONTEXTS)[0]
     prediction = tie_study.predict({0: tie, 30: 0.0}, 0.5, torch.Generator().manual_seed(0))
     at_tie, at_zero = prediction["factors"][0], prediction["factors"][30]
-    # at the tie RLOO and cross-context have one variance: one factor, about 1.15 (toy_js Part C)
+    # at the tie RLOO and cross-context have one variance: one factor, about 1.15 (evidence.bound)
     assert at_tie["rloo"] == pytest.approx(at_tie["xctx"]) and 1.12 < at_tie["rloo"] < 1.17
     assert at_zero["xctx"] < 1 < at_zero["rloo"]  # alike contexts: cross-context is the better
     lead = prediction["lead"]
