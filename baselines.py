@@ -1,45 +1,24 @@
 """
-Baselines for REINFORCE with K rollouts per context (the paper, Sec. 3).
-
-A batch holds B contexts (prompt + initial noise) with K sampled schedules each; its rewards are a
-tensor of shape (B, K), or (..., B, K) for many independent batches at once (toy_js.py simulates
-thousands). Every estimator returns a detached baseline b of the same shape; the trainer's loss is
--mean((r - b) * log pi(tau)). The K rollouts of a context are independent given the context, so a
-baseline b[c, i] built from the *other* rewards is a constant as far as rollout (c, i) is concerned
-and (r - b) * grad log pi stays an unbiased gradient term. RLOO, XCTX and the unbiased JS are built
-that way; the plug-in JS nearly so (its weight a sees r[c, i]).
+Baselines for REINFORCE with K rollouts per context (the paper, Sec. 3): pure functions from a
+batch's rewards, (B, K) or (..., B, K) for many batches at once, to a detached baseline b of the
+same shape; the trainer's loss is -mean((r - b) * log pi(tau)). A baseline built from the *other*
+rewards is a constant for rollout (c, i), so (r - b) * grad log pi stays an unbiased gradient term:
+RLOO, XCTX and the unbiased JS are built that way, the plug-in JS nearly so (its weight sees
+r[c, i]).
 
     rloo           b[c, i] = mean of the other K-1 rewards of context c
     cross_context  b[c, i] = mean of the other B*K-1 rewards of the batch
     james_stein    b[c, i] = (1 - a) * rloo + a * cross_context, a estimated from the batch
 
-James-Stein comes from the random-effects model r[c, i] = mu_c + eps (Var eps = sigma^2, the
-rollout noise), mu_c = mu_0 + xi (Var xi = delta^2, how much contexts differ). The variance-optimal
-baseline of a near-deterministic policy is about mu_c (Prop. 3.1). RLOO estimates it without bias
-but with variance sigma^2/(K-1); the cross-context mean has little variance but is off by
-mu_c - mu_0. The posterior mean of mu_c given the other K-1 rollouts mixes the two with the weight
-
-    a = (sigma^2/(K-1)) / (sigma^2/(K-1) + delta^2)
-
-and JS plugs in estimates s2 of sigma^2 and d2 of delta^2 from the batch (empirical Bayes), which
-Thm. 3.2 shows beats RLOO in mean squared error for B >= 3, in the random-effects model with the
-weight's estimates as the theorem takes them. The plug-in weight leaves that: `python toy_js.py`
-(Part A) finds it above RLOO's error at K = 8, B = 4 and delta^2 / sigma^2 of 10 and 100.
-
-The paper estimates sigma^2 "from the dispersion of rewards around b_rloo" and delta^2 "from the
-spread of the context means around b_xctx". Each sentence has two readings:
-
-    s2  (used)    pooled within-context variance, 1/(B(K-1)) sum_{c,i} (r[c,i] - rbar_c)^2
-        (literal) mean_{c,i} (r[c,i] - b_rloo[c,i])^2 = K/(K-1) * s2: twice s2 at K = 2, because
-                  b_rloo is itself noisy (E = sigma^2 K/(K-1), not sigma^2)
-    d2  (used)    max(0, 1/(B-1) sum_c (rbar_c - mean_i b_xctx[c,i])^2 - s2/K), as written: the
-                  deviation is (BK/(BK-1)) (rbar_c - rbar), so the spread is (BK/(BK-1))^2 the
-                  textbook one (1.14x at B = 8, K = 2) and d2 leans large
-        (textbook) the same around the grand mean rbar, unbiased for delta^2 before the clamp
-
-We use the unbiased s2 (the literal one is not an estimate of sigma^2) and d2 as written. The mean
-weight a and the MSE of the reading used here, against the true a and RLOO's, are measured by
-`python toy_js.py` (Part A; docs/RESULTS.md, section "toy_js"); the other readings are not.
+JS comes from the paper's random-effects model, r[c, i] = mu_c + eps (Var eps = sigma^2, the
+rollout noise), mu_c = mu_0 + xi (Var xi = delta^2, how much contexts differ): the posterior mean of
+mu_c given the other K-1 rollouts weighs the cross-context mean by
+    a = (sigma^2/(K-1)) / (sigma^2/(K-1) + delta^2),
+and JS plugs in estimates s2 and d2 from the batch. Thm. 3.2's guarantee (a lower MSE than RLOO's
+for B >= 3) is a statement about that model, with the weight's estimates as the theorem takes them;
+the plug-in weight, a ratio of two noisy estimates from the same few contexts, can leave it (at few
+contexts that differ a lot, `python toy_js.py` measures it above RLOO's MSE). Which reading of the
+paper's s2 and d2 is used, and why: docs/DESIGN.md; what each baseline can be worth: docs/BOUND.md.
 
 Arithmetic runs in float64: rewards such as HPSv2 x100 sit near 30 with differences of 0.1, and
 the variance estimates subtract nearly equal numbers. Results come back in the rewards' dtype.
@@ -106,13 +85,15 @@ def _statistics(values: torch.Tensor):
 
 
 def _inflation(contexts: int, rollouts: int) -> float:
-    """(BK/(BK-1))^2: the spread around mean_i b_xctx[c, i], as the paper writes d2 (see above)."""
+    """(BK/(BK-1))^2: the spread around mean_i b_xctx[c, i], as the paper writes d2
+    (docs/DESIGN.md): the deviation is (BK/(BK-1)) (rbar_c - rbar)."""
     return (contexts * rollouts / (contexts * rollouts - 1)) ** 2
 
 
 def shrinkage(rewards: torch.Tensor) -> torch.Tensor:
     """(..., B, K) -> (...): the plug-in weight a of the batch on the cross-context mean (0 is pure
-    RLOO, 1 the pooled mean), with s2 and d2 as used (module docstring)."""
+    RLOO, 1 the pooled mean): s2 the pooled within-context variance, 1/(B(K-1)) sum (r[c,i] -
+    rbar_c)^2, and d2 as the paper writes it (docs/DESIGN.md)."""
     values = _checked(rewards, MIN_CONTEXTS["js"])
     contexts, rollouts = values.shape[-2:]
     variances, deviations = _statistics(values)

@@ -4,30 +4,17 @@ the prompt c to the concentrations alpha of a Dirichlet over the L+1 time increm
 
 The action is tau ~ Dirichlet(alpha) on the simplex of dimension L+1; its schedule for L steps is
 `times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0, t_l = 1 - (tau_1 + ... + tau_l), so the last
-increment tau_{L+1} = t_L (at least TAU_FLOOR) is the learnable stop margin: sampling ends at t_L
-(rollout.py runs any schedule with t_L >= 0; a default one ends at 0).
+increment tau_{L+1} = t_L (at least TAU_FLOOR) is the learnable stop margin: sampling ends at t_L.
 
-Two policies share one forward signature, forward(latent, text, text_mask, pooled) -> alpha:
-- SchedulePolicy, instance-level: multi-scale conv blocks over x_T, pooled to a fixed token grid;
-  the pooled prompt embedding modulates them (FiLM: tokens (1 + scale) + shift, products of noise
-  and prompt features from the start); they cross-attend to the prompt's token embeddings (masked);
-  an MLP maps the mean token to alpha = softplus(.) + ALPHA_MIN.
-- GlobalPolicy: one schedule for every context (the ablation): the same network on constant
-  inputs.
-DirichletRollouts is what train.py's loop asks of either: K schedules drawn per context, then
-sampled, and the log-probability of what was drawn.
-
-Initialisation (the paper trains from scratch): the head's last layer starts near zero (N(0, 1e-4)
-weights: at zero the layers below get no gradient until it grows), its bias so that alpha =
-concentration * (initial increments) for every input (tests/test_policy.py checks the mean times
-against the initial ones), the increments being
-- init="default": those of a backbone's default schedule `init_times` (e.g. what
-  Backbone.default_times(L) returns; store.checkpoint.make_policy passes it), so the policy starts
-  at the baseline schedule and REINFORCE only has to improve on it;
-- init="uniform": equal, the neutral start closest to "from scratch".
-concentration = sum(alpha) = 100 by default: every time t_l then has standard deviation
-sqrt(t_l (1 - t_l) / 101) <= 0.05 whatever L is, enough to explore and small enough that the
-schedules stay near the starting one.
+- SchedulePolicy, instance-level: multi-scale conv blocks over x_T, modulated by the pooled prompt
+  embedding (FiLM), cross-attending to the prompt's token embeddings; an MLP maps the mean token
+  to alpha = softplus(.) + ALPHA_MIN.
+- GlobalPolicy: one schedule for every context (the ablation), the same network on constant inputs.
+- DirichletRollouts: what train.py's loop asks of either, K schedules drawn per context, then
+  sampled, and the log-probability of what was drawn.
+Both start at the initial increments `initial_logits` gives for every input (init="default": a
+backbone's default schedule; "uniform": equal increments) with sum(alpha) = concentration. Why the
+network and its start are as they are: docs/DESIGN.md.
 """
 
 import math
