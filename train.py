@@ -190,8 +190,13 @@ def add_fields(parser, fields):
 def parse_config(argv=None):
     """The command line over the backbone's preset (PRESETS) over Config's defaults, with the
     comparator's own settings in config.tpdm. Printed once (rank 0)."""
+    presets = [
+        f"  {name}: " + " ".join(f"{k}={v}" for k, v in row.items())
+        for name, row in PRESETS.items()
+    ]
     parser = argparse.ArgumentParser(
         description=__doc__,
+        epilog="each backbone's preset (over the defaults above):\n" + "\n".join(presets),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # what the command line gave, and nothing else
     )

@@ -304,8 +304,6 @@ class StepwiseRollouts:
 # PPO as TPDM's trainer takes it (src/train/rloo_trainer.py, on TRL 0.11's RLOO trainer): the update
 # of `train.py --optimizer ppo`, and TPDM's settings, which that flag makes the defaults.
 
-FLAGS = "the comparator TPDM (comparator/tpdm.py): with --policy stepwise and --optimizer ppo"
-
 
 @dataclass
 class Settings:
@@ -332,6 +330,11 @@ TPDM_STEPWISE = dict(init="tpdm", policy_inputs="hidden", inference="mode")
 # TPDM's lr (1e-6 for SD3's head) does not transfer to this network: the backbone's REINFORCE rate
 # times this factor, not tuned (evidence/comparator_study.py tunes --lr; docs/COMPARATOR.md)
 LR_FACTOR = 1 / 30
+SETS = [" ".join(f"{k}={v}" for k, v in d.items()) for d in (TPDM, TPDM_STEPWISE)]
+FLAGS = (  # the title of the comparator's flags in train.py --help
+    f"the comparator TPDM (comparator/tpdm.py): --optimizer ppo sets {SETS[0]} and the backbone's "
+    f"lr x {LR_FACTOR:.3g}; with --policy stepwise also {SETS[1]}"
+)
 
 
 FIELDS = [item.name for item in fields(Settings)]
