@@ -28,7 +28,8 @@ parser.add_argument("--quick", action="store_true", help="far fewer simulations,
 
 RATIOS = (0.0, 0.1, 0.3, 1.0, 3.0, 10.0)  # delta^2 / sigma^2, docs/BOUND.md's table
 ROLLOUTS, CONTEXTS = (2, 4), (4, 16)  # K and B
-TIE_CONTEXTS, TIE_OFF = (4, 8, 16, 32), (0.0, 0.3)  # K = 2: at, off the tie
+TIE_CONTEXTS, TIE_OFF = (3, 4, 8, 16, 32), (0.0, 0.3, 3.0)  # K = 2: at, off the tie (B = 4)
+QUANTILES = 400  # per variable of the plug-in weight's quadrature (plug_in_variance)
 REWARDS, QUICK_REWARDS = 2**21, 2**13  # simulated rewards per cell
 
 
@@ -82,6 +83,25 @@ def largest_factor_over_best(rollouts, contexts=math.inf):
     return ratio, 2 * rollouts / (2 * rollouts - 1 + (rollouts - 1) * inverse / (1 - inverse))
 
 
+def plug_in_variance(ratio, rollouts, contexts):
+    """Var(r - b) / sigma^2 of JS with the plug-in weight, in the independent-weight approximation
+    (docs/BOUND.md, eq. 10): eq. 3 averaged over the weight's sampling distribution. For Gaussian
+    rewards s2 ~ chi^2_{B(K-1)} / (B(K-1)) and the spread of the context means (as d2 reads it)
+    ~ (rho + 1/K) (N/(N-1))^2 chi^2_{B-1} / (B-1) are independent; a(s2, spread) as baselines.py
+    computes it, averaged over a grid of QUANTILES quantiles of each. It leaves out that the weight
+    moves with the reward it shrinks, which the simulated variance per unit of signal contains."""
+    from scipy.stats import chi2
+
+    levels = (torch.arange(QUANTILES, dtype=torch.float64) + 0.5) / QUANTILES
+    pooled, between = contexts * (rollouts - 1), contexts - 1  # degrees of freedom
+    s2 = torch.as_tensor(chi2.ppf(levels, pooled) / pooled)[None, :]
+    inflation = (contexts * rollouts / (contexts * rollouts - 1)) ** 2
+    spread = torch.as_tensor(chi2.ppf(levels, between) / between)[:, None]
+    spread = spread * (ratio + 1 / rollouts) * inflation
+    weight = baselines.js_weight(s2, spread, rollouts)  # (QUANTILES, QUANTILES)
+    return mix_variance(weight, ratio, rollouts, contexts).mean().item()
+
+
 def factor_table(ratios=RATIOS, rollouts=(2, 4), contexts=(16, math.inf)):
     """The lines of docs/BOUND.md's table: effective_batch per rho, K and B."""
     columns = list(itertools.product(rollouts, contexts))
@@ -112,7 +132,8 @@ def bound_cell(ratio, contexts, rollouts, rewards, generator):
         estimates = {"rloo": own, "xctx": cross, "ideal": means}
         estimates.update({name: (1 - a) * own + a * cross for name, a in weights.items()})
         estimates["js"] = baselines.james_stein(rewards)
-        estimates["js-unbiased"] = baselines.james_stein_unbiased(rewards)
+        if contexts >= baselines.MIN_CONTEXTS["js-unbiased"]:
+            estimates["js-unbiased"] = baselines.james_stein_unbiased(rewards)
         squares = {name: (rewards - b).square().mean((-2, -1)) for name, b in estimates.items()}
         return dict(squares, kept=1 - ((estimates["js"] - means) * noise).mean((-2, -1)))
 
@@ -190,18 +211,20 @@ def tie_cells(rewards, generator):
 
 def tie_lines(cells):
     """Per cell: the effective batch over the better of RLOO and XCTX of JS with a* (closed form,
-    eq. 8) and of the plug-in JS per unit of signal (simulated, ± its standard error)."""
+    eq. 8), of the plug-in JS in the independent-weight approximation (eq. 10) and of the plug-in
+    JS per unit of signal (simulated, ± its standard error)."""
     lines = ["", "Plug-in JS against the better of RLOO and XCTX, K = 2 (effective batch):", ""]
     lines += [
         "```",
-        "  B  d2/s2 | JS a* (eq. 8) | plug-in JS per unit of signal (sim, ± se of Var(r - b))",
+        "  B  d2/s2 | JS a* (eq. 8) | plug-in (eq. 10) | plug-in per unit of signal (sim ± se)",
     ]
     for c in cells:
         better = min(c["form"]["rloo"], c["form"]["xctx"])
         factor = better / c["js_per_signal"]
         spread = factor * c["standard_error"]["js"] / c["simulated"]["js"]
         ideal = effective_batch(c["ratio"], 2, c["B"])["best"]
-        head = f"{c['B']:>3} {c['ratio']:>6.3f} | {ideal:13.3f}"
+        approximation = better / plug_in_variance(c["ratio"], 2, c["B"])
+        head = f"{c['B']:>3} {c['ratio']:>6.3f} | {ideal:13.3f} | {approximation:16.3f}"
         lines.append(f"{head} | {factor:.3f} ± {spread:.3f}")
     return lines + ["```"]
 
