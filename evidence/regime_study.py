@@ -4,10 +4,11 @@ James-Stein where theory says it can pay: the noise-limited regime, with power t
     python -m evidence.regime_study --jobs 2   # about 30 min on 2 cores
     python -m evidence.regime_study --cells mini-sd3 --seeds 0 1 2 --jobs 2   # a part of it
 
-At K = 2 no baseline can be worth more than doubling RLOO's batch, and James-Stein at most about
-1.3x the better of RLOO and cross-context (docs/BOUND.md, this project's analysis). A gain that
-small shows only where the gradient is noise-limited for a good part of the run. This study builds
-that regime on purpose, with settings chosen on training contexts, and measures with power:
+At K = 2 no baseline can be worth more than doubling RLOO's batch, and James-Stein at B = 4 at
+most about 1.27x the better of RLOO and cross-context with its ideal weight, 1.15x with the
+plug-in weight that trains (docs/BOUND.md, this project's analysis). A gain that small shows only
+where the gradient is noise-limited for a good part of the run. This study builds that regime on
+purpose, with settings chosen on training contexts, and measures with power:
 - the policy stays broad: a flat Dirichlet start (--init uniform --concentration L+1), a low
   learning rate;
 - gradients are noisy: B = 4 contexts, K = 2 rollouts, L = 2;
@@ -22,7 +23,10 @@ that regime on purpose, with settings chosen on training contexts, and measures 
   (the held-out table's gain on 256 contexts); the JS weight's trajectory (logged every iteration).
 The learning rate: from RATES, the one at which doubling RLOO's batch gains most on tuning contexts
 (the digit's training paraphrases with noise seeds of their own, prompts.TUNING_SEED), over the
-TUNING_SEEDS training seeds: where the study has most power, chosen without the held-out contexts.
+TUNING_SEEDS training seeds: where the study has most power, chosen without the held-out contexts;
+a best rate at the grid's edge widens the grid on that side until it is inside.
+Why RLOO and cross-context did as they did (explain): the measured gradient noise of each along
+their seed-0 runs, against the variance model's prediction, and the shape of the rewards.
 Runs already finished are read, not repeated. The report goes to docs/RESULTS.md (section
 "regime"), the curves to docs/regime.png.
 """
@@ -39,6 +43,7 @@ import torch
 import backbones
 from baselines import shrinkage
 from evidence import bound
+from evidence.baseline_study import batch_gradients, gradient_statistics
 from evidence.results import commit, interval, record, run_training
 from policy import sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
@@ -51,10 +56,16 @@ CELLS = {"mini-sd3": 2, "mini-sdxl": 2}  # miniature: the digit whose prompts ma
 STEPS, CONTEXTS, ROLLOUTS, ITERATIONS, CURVE = 2, 4, 2, 30, 2
 DOUBLED = "rloo at 2B"
 ROWS = ["js", "rloo", "xctx", "js-unbiased", DOUBLED]
-RATES = (3e-4, 1e-3, 3e-3)
+RATES = (3e-4, 1e-3, 3e-3)  # widened by a factor 3 on the side the best rate sits at
+WIDENINGS = 3  # at most this many rates added on each side
 TUNING_SEEDS, TUNING_CONTEXTS = (100, 101, 102, 103), 128
 START_CONTEXTS, START_ROLLOUTS = 64, 8  # the variances at the start: contexts x rollouts drawn
 WEIGHT_AT = (1, 2, 3, 5, 10, 20, 30)  # iterations at which the JS weight's trajectory is shown
+# why RLOO and cross-context did as they did: snapshots of their seed-0 runs, measured on tuning
+# contexts (EXPLAIN_BATCHES batches of B contexts for the gradient, EXPLAIN_POOL rollouts each of
+# EXPLAIN_CONTEXTS contexts for rho and the reward's shape)
+EXPLAIN_AT, EXPLAIN_ROWS = (0, 10, 20, 30), ("rloo", "xctx")
+EXPLAIN_BATCHES, EXPLAIN_CONTEXTS, EXPLAIN_POOL = 100, 64, 8
 
 parser = argparse.ArgumentParser(description="James-Stein in the noise-limited regime")
 add = parser.add_argument
@@ -92,6 +103,8 @@ def train(args, name, row, seed, rate):
     arguments += ["--ckpt-interval", str(CURVE), "--init", "uniform"]
     arguments += ["--concentration", str(STEPS + 1), "--prompts", train_file]
     arguments += ["--eval-prompts", heldout_file]
+    if row in EXPLAIN_ROWS and seed == 0:  # the policy at each checkpoint, for explain()
+        arguments.append("--snapshots")
     return run_training(run_folder(args, name, row, seed, rate), arguments)
 
 
@@ -113,26 +126,35 @@ def tuning_scores(args, name, runs):
 
 def tune(args, pool, name):
     """The rate at which doubling RLOO's batch gains most on the tuning contexts: {rate: mean
-    paired gain} and that rate (kept in tuning.json)."""
+    paired gain} and that rate (kept in tuning.json). A best rate at the grid's edge widens the grid
+    by a factor 3 on that side, until it is inside (at most WIDENINGS times per side)."""
     path = os.path.join(args.out_dir, name, "tuning.json")
+    gains = {}
     if os.path.isfile(path):
         with open(path) as file:
             gains = {float(rate): gain for rate, gain in json.load(file).items()}
-        return gains, max(gains, key=gains.get)
-    runs = [
-        (row, seed, rate) for rate in RATES for row in ("rloo", DOUBLED) for seed in TUNING_SEEDS
-    ]
-    list(pool.map(lambda run: train(args, name, *run), runs))
-    score = tuning_scores(args, name, runs)
-    gains = {
-        rate: statistics.mean(
-            score[(DOUBLED, seed, rate)] - score[("rloo", seed, rate)] for seed in TUNING_SEEDS
-        )
-        for rate in RATES
-    }
-    with open(path, "w") as file:
-        json.dump({f"{rate:g}": gain for rate, gain in gains.items()}, file)
-    return gains, max(gains, key=gains.get)
+    rates, widened = sorted(set(RATES) | set(gains)), {"low": 0, "high": 0}
+    while True:
+        missing = [rate for rate in rates if rate not in gains]
+        runs = [
+            (row, seed, r) for r in missing for row in ("rloo", DOUBLED) for seed in TUNING_SEEDS
+        ]
+        list(pool.map(lambda run: train(args, name, *run), runs))
+        score = tuning_scores(args, name, runs)
+        for rate in missing:
+            paired_gains = [
+                score[(DOUBLED, s, rate)] - score[("rloo", s, rate)] for s in TUNING_SEEDS
+            ]
+            gains[rate] = statistics.mean(paired_gains)
+        with open(path, "w") as file:
+            json.dump({f"{rate:g}": gain for rate, gain in sorted(gains.items())}, file)
+        best = max(gains, key=gains.get)
+        edges = {min(rates): ("low", min(rates) / 3), max(rates): ("high", max(rates) * 3)}
+        side, edge = edges.get(best, (None, None))
+        if side is None or widened[side] == WIDENINGS:
+            return dict(sorted(gains.items())), best
+        widened[side] += 1
+        rates = sorted(set(rates) | {float(f"{edge:.3g}")})
 
 
 @torch.no_grad()
@@ -161,9 +183,93 @@ def start_variances(args, name):
     rewards = rewards.double().view(START_CONTEXTS, START_ROLLOUTS)
     sigma2 = rewards.var(1).mean().item()
     delta2 = max(0.0, rewards.mean(1).var().item() - sigma2 / START_ROLLOUTS)
-    factors = bound.effective_batch(delta2 / sigma2, ROLLOUTS, CONTEXTS)
-    weight = shrinkage(rewards[:, :ROLLOUTS][None]).item()
+    ratio = delta2 / sigma2
+    factors = bound.effective_batch(ratio, ROLLOUTS, CONTEXTS)
+    plug_in = bound.plug_in_variance(ratio, ROLLOUTS, CONTEXTS)
+    rloo, xctx = (
+        bound.rloo_variance(ROLLOUTS),
+        bound.cross_context_variance(ratio, ROLLOUTS, CONTEXTS),
+    )
+    factors.update(plug_in_rloo=rloo / plug_in, plug_in_best=min(rloo, xctx) / plug_in)
+    batches = rewards[:, :ROLLOUTS].reshape(
+        -1, CONTEXTS, ROLLOUTS
+    )  # disjoint batches of the study's B
+    weight = shrinkage(batches).median().item()
     return sigma2, delta2, factors, weight
+
+
+def explain(args, name, rate):
+    """At the snapshots EXPLAIN_AT of the seed-0 RLOO and cross-context runs, on tuning contexts:
+    rho, the variance model's V_xctx / V_rloo at B = CONTEXTS, K = ROLLOUTS (docs/BOUND.md, eqs. 1
+    and 2) against the measured trace of the gradient's covariance, Var g_xctx / Var g_rloo, over
+    EXPLAIN_BATCHES batches (the same rollouts for both), each one's cosine to the large-batch
+    gradient, and the skew and excess kurtosis of the rewards around their context's mean (the
+    model's are 0). Returns the lines of the cell's table."""
+    torch.set_num_threads(1)
+    backbone = backbones.load_backbone(name)
+    reward = load_reward("preference", backbone)
+    prompts = load_prompt_file(prompt_files(args, name)[0])
+    generator, seeds = torch.Generator().manual_seed(0), iter(range(TUNING_SEED + 2 * 10**5, 2**62))
+
+    def contexts(count):
+        texts = [prompts[i] for i in torch.randint(len(prompts), (count,), generator=generator)]
+        noise = context_noise(backbone, [next(seeds) for _ in range(count)])
+        return texts, noise, backbone.encode_prompts(texts)
+
+    def rewards_of(texts, noise, cond, tau):  # tau (C, K, L+1) -> rewards (C, K)
+        count, rollouts = tau.shape[:2]
+        index = torch.arange(count).repeat_interleave(rollouts)
+        cond_k = {key: value[index] for key, value in cond.items()}
+        times = times_from_increments(tau.flatten(0, 1))
+        latents = backbone.sample(noise[index], cond_k, times)
+        prompts_k = [texts[i] for i in index]
+        return reward(latents, prompts_k, noise[index], cond_k).float().view(count, rollouts)
+
+    lines = [
+        f"\n{name}: why RLOO and cross-context did as they did (seed 0, tuning contexts)",
+        "",
+        "| run | iteration | rho | model V_xctx / V_rloo | measured Var g_xctx / Var g_rloo | "
+        "cosine rloo / xctx | skew | excess kurtosis |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in EXPLAIN_ROWS:
+        folder = os.path.join(run_folder(args, name, row, 0, rate), "snapshots")
+        for iteration in EXPLAIN_AT:
+            policy = load_checkpoint(os.path.join(folder, f"policy-{iteration}.pt"))[1]
+            parameters = [p for p in policy.parameters() if p.requires_grad]
+            texts, noise, cond = contexts(EXPLAIN_CONTEXTS)
+            with torch.no_grad():
+                alpha = policy(**backbone.policy_inputs(noise, cond))
+                tau = sample_increments(alpha, EXPLAIN_POOL, generator)
+                pool = rewards_of(texts, noise, cond, tau).double()  # (C, POOL)
+            sigma2 = pool.var(1).mean().item()
+            ratio = max(0.0, pool.mean(1).var().item() - sigma2 / EXPLAIN_POOL) / sigma2
+            residuals = (pool - pool.mean(1, keepdim=True)).flatten() / sigma2**0.5
+            skew, kurtosis = residuals.pow(3).mean().item(), residuals.pow(4).mean().item() - 3
+            gradients = {key: [] for key in ("rloo", "xctx", "js")}
+            for _ in range(EXPLAIN_BATCHES):
+                texts, noise, cond = contexts(CONTEXTS)
+                inputs = backbone.policy_inputs(noise, cond)
+                batch, _ = batch_gradients(
+                    lambda: policy(**inputs),
+                    lambda tau: rewards_of(texts, noise, cond, tau),
+                    parameters,
+                    ROLLOUTS,
+                    generator,
+                )
+                for key in gradients:
+                    gradients[key].append(batch[key])
+            measured = gradient_statistics({k: torch.stack(v) for k, v in gradients.items()})
+            model = bound.cross_context_variance(ratio, ROLLOUTS, CONTEXTS) / bound.rloo_variance(
+                ROLLOUTS
+            )
+            variance = measured["xctx"][0] / measured["rloo"][0]
+            cosines = f"{measured['rloo'][1]:.3f} / {measured['xctx'][1]:.3f}"
+            lines.append(
+                f"| {row} | {iteration} | {ratio:.2f} | {model:.2f} | {variance:.2f} | {cosines} "
+                f"| {skew:+.2f} | {kurtosis:+.2f} |"
+            )
+    return lines
 
 
 # -----------------------------------------------------------------------------
@@ -195,13 +301,12 @@ def weight_trajectory(runs):
 def cell_lines(name, rate, tuning, start, runs):
     sigma2, delta2, factors, weight = start
     rloo = runs["rloo"]
-    doubled = [gains(a)[1] - gains(b)[1] for a, b in zip(runs[DOUBLED], rloo)]
-    mean, half = mean_ci(torch.tensor(doubled, dtype=torch.float64))
-    power = (
-        "doubling RLOO's batch gains: a better baseline could show"
-        if mean - half > 0
-        else "doubling RLOO's batch gains nothing measurable: no baseline could show"
-    )
+    power = []  # could a baseline show here? by each measure: does doubling RLOO's batch gain?
+    for which, measure in enumerate(("endpoint", "area")):
+        doubled = [gains(a)[which] - gains(b)[which] for a, b in zip(runs[DOUBLED], rloo)]
+        mean, half = mean_ci(torch.tensor(doubled, dtype=torch.float64))
+        verdict = "gains" if mean - half > 0 else "gains nothing measurable"
+        power.append(f"{measure}: doubling RLOO's batch {verdict} ({mean:+.3f} ± {half:.3f})")
     lines = [
         f"\n{name}, the digit {CELLS[name]}'s prompts; lr {rate:g} (tuning, doubling RLOO's "
         "batch, mean paired gain on tuning contexts: "
@@ -209,9 +314,11 @@ def cell_lines(name, rate, tuning, start, runs):
         + ")",
         "",
         f"At the start: sigma^2 {sigma2:.3g} within, delta^2 {delta2:.3g} between contexts "
-        f"(rho {delta2 / sigma2:.2f}); the closed forms give JS an effective batch of "
+        f"(rho {delta2 / sigma2:.2f}); docs/BOUND.md gives JS an effective batch of "
         f"{factors['rloo']:.2f}x RLOO's and {factors['best']:.2f}x the better of RLOO and "
-        f"cross-context at B = {CONTEXTS}, K = {ROLLOUTS}; the plug-in weight of one batch "
+        f"cross-context with its ideal weight a* (eq. 8), {factors['plug_in_rloo']:.2f}x and "
+        f"{factors['plug_in_best']:.2f}x with the plug-in weight (eq. 10), at B = {CONTEXTS}, "
+        f"K = {ROLLOUTS}; the plug-in weight, median over batches of {CONTEXTS} contexts, "
         f"{weight:.2f}.",
         "",
         "| row | endpoint gain | area under the curve | - RLOO, endpoint (paired) "
@@ -227,7 +334,7 @@ def cell_lines(name, rate, tuning, start, runs):
         lines.append(f"| {row} | {endpoint} | {area} | {versus[0]} | {versus[1]} |")
     lines += [
         "",
-        f"- could a baseline show here? {power} (area {mean:+.3f} ± {half:.3f})",
+        f"- could a baseline show here (where doubling RLOO's batch gains)? {'; '.join(power)}",
         f"- JS - cross-context (paired): endpoint {paired(runs['js'], runs['xctx'], 0)}, area "
         f"{paired(runs['js'], runs['xctx'], 1)}",
         f"- JS weight a logged at iteration (median over seeds): {weight_trajectory(runs['js'])}",
@@ -284,6 +391,7 @@ def main(args):
                 results[name][row].append(run)
             start = start_variances(args, name)
             lines += cell_lines(name, rate, tuning, start, results[name])
+            lines += explain(args, name, rate)
     path = os.path.join(REPOSITORY, "docs", "regime.png")
     plot(path, results)
     lines.append("\nLearning curves and the JS weight: [docs/regime.png](regime.png)")

@@ -11,9 +11,9 @@ its prediction before it runs, and sizes it by a power calculation:
    start, measured on tuning contexts, is nearest the tie;
 2. the rates, in two arms, from one grid (RATES) scored on tuning contexts (the pair's training
    prompts with noise seeds of their own, prompts.TUNING_SEED) over TUNING_SEEDS; a best rate at
-   the grid's edge widens the grid by one rate on that side. Arm A gives each row its own best
-   rate. Arm B gives all rows the rate where doubling RLOO's batch gains most (the regime study's
-   rule: where the update is most noise-limited);
+   the grid's edge widens the grid on that side until it is inside (at most WIDENINGS times).
+   Arm A gives each row its own best rate. Arm B gives all rows the rate where doubling RLOO's
+   batch gains most (the regime study's rule: where the update is most noise-limited);
 3. per arm, the prediction: rho along the JS tuning run at its rate (its snapshots), the plug-in
    JS's effective batch over RLOO and over cross-context at each (bound.bound_cell, simulated),
    turned into reward by the doubling gain measured in tuning (reward linear in log2 of the
@@ -58,6 +58,7 @@ STEPS, CONTEXTS, ROLLOUTS, ITERATIONS, CURVE = 2, 4, 2, 30, 2
 DOUBLED = "rloo at 2B"
 ROWS = ["js", "rloo", "xctx", DOUBLED]
 RATES = (3e-4, 1e-3, 3e-3)  # widened by a factor 3 on the side a best rate sits at
+WIDENINGS = 3  # at most this many rates added on each side
 TUNING_SEEDS, TUNING_CONTEXTS = (100, 101, 102, 103), 128
 VARIANCE_CONTEXTS, VARIANCE_ROLLOUTS = 64, 8  # contexts x rollouts drawn to measure rho
 TRAJECTORY = (0, 10, 20, 30)  # iterations of the JS tuning run at which rho is measured
@@ -163,7 +164,8 @@ def best_rates(scores, rates):
 @torch.no_grad()
 def tune(out_dir, pool, backbone, reward):
     """Every row on the rate grid over TUNING_SEEDS, scored on the tuning contexts; a best rate at
-    an edge widens the grid (once per side). Returns {row: rate}, {(row, rate): mean score}, the
+    an edge widens the grid on that side, until every best rate is inside it (at most WIDENINGS
+    times per side). Returns {row: rate}, {(row, rate): mean score}, the
     grid; kept in tuning.json."""
     path, scores = os.path.join(out_dir, "tuning.json"), {}
     if os.path.isfile(path):
@@ -172,7 +174,7 @@ def tune(out_dir, pool, backbone, reward):
     contexts = heldout_contexts(
         load_prompt_file(prompt_files(out_dir)[0]), TUNING_CONTEXTS, TUNING_SEED
     )
-    rates, widened = list(RATES), set()
+    rates, widened = list(RATES), {"low": 0, "high": 0}
     while True:
         runs = [(row, seed, rate) for rate in rates for row in ROWS for seed in TUNING_SEEDS]
         missing = [run for run in runs if run not in scores]
@@ -197,12 +199,12 @@ def tune(out_dir, pool, backbone, reward):
         wider = [
             edges[rate]
             for rate in chosen.values()
-            if rate in edges and edges[rate][0] not in widened
+            if rate in edges and widened[edges[rate][0]] < WIDENINGS
         ]
         if not wider:
             return chosen, mean, rates
-        for side, rate in wider:
-            widened.add(side)
+        for side, rate in dict(wider).items():
+            widened[side] += 1
             rates = sorted(set(rates) | {float(f"{rate:.3g}")})
 
 

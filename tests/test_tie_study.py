@@ -82,3 +82,39 @@ def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
 def test_no_lead_is_predicted_where_doubling_the_batch_gains_nothing():
     prediction = tie_study.predict({0: 0.9}, -0.2, torch.Generator().manual_seed(0))
     assert prediction["lead"] == {"rloo": 0.0, "xctx": 0.0, "best": 0.0}
+
+
+def test_the_grid_widens_until_every_best_rate_is_inside(tmp_path, monkeypatch):
+    """A score peaked at 0.027 for every row: the grid grows 3e-3 -> 9e-3 -> 0.027 -> 0.081 and
+    stops once 0.027 is inside; a peak beyond WIDENINGS steps stays at the edge."""
+    trained = []
+
+    def fake_train(out_dir, row, seed, rate, snapshots=False):
+        trained.append(rate)
+
+    def peaked_at(peak):
+        def score(backbone, reward, prompts, seeds, methods):
+            rate = methods["learned"]
+            return {"learned": torch.tensor([-abs(math.log(rate / peak))])}
+
+        return score
+
+    monkeypatch.setattr(tie_study, "train", fake_train)
+    monkeypatch.setattr(tie_study, "run_folder", lambda out_dir, row, seed, rate: str(rate))
+    monkeypatch.setattr(tie_study, "load_checkpoint", lambda path: (None, float(path[:-8])))
+    monkeypatch.setattr(tie_study, "policy_schedule", lambda policy, backbone: policy)
+    monkeypatch.setattr(tie_study, "heldout_contexts", lambda *args: ([], []))
+    monkeypatch.setattr(tie_study, "load_prompt_file", lambda path: [])
+    monkeypatch.setattr(tie_study, "prompt_files", lambda out_dir: ["train.txt", "heldout.txt"])
+
+    class Pool:
+        map = staticmethod(map)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(tie_study, "score_methods", peaked_at(0.027))
+    chosen, _, rates = tie_study.tune(str(tmp_path / "a"), Pool(), None, None)
+    assert set(chosen.values()) == {0.027} and rates[-1] == 0.081 and rates[0] == 3e-4
+    monkeypatch.setattr(tie_study, "score_methods", peaked_at(10.0))
+    chosen, _, rates = tie_study.tune(str(tmp_path / "b"), Pool(), None, None)
+    assert len(rates) == len(tie_study.RATES) + tie_study.WIDENINGS and rates[-1] == chosen["js"]
