@@ -1,7 +1,7 @@
 """
 Every backbone by name (BACKBONES) and load_backbone(name), which builds it frozen: a diffusers
-pipeline of families.py or an embedded mixture of mixture.py. check_files says in one line what is
-wrong with missing or damaged weights before anything loads.
+pipeline of families.py or an embedded mixture of mixture.py. check_files finds a model's files
+and says in one line what is wrong with missing or damaged ones before anything loads.
 """
 
 import os
@@ -98,45 +98,6 @@ def update_cost(name, contexts, rollouts, steps, guidance=None):
     )
 
 
-def _restore_advice(name):
-    """How to get a shipped miniature back (mini-flux-schnell: --family flux-schnell)."""
-    folder, family = BACKBONES[name]["folder"], name[len("mini-") :]
-    return (
-        f"restore it with `git checkout {folder}`, or retrain it with "
-        f"`python -m miniatures.build --family {family}`"
-    )
-
-
-def locate_weights(name, path=None):
-    """Where from_pretrained loads backbone `name` from: the diffusers folder `path`, a shipped
-    miniature or its hub id. ValueError in one line saying how to get them."""
-    hub_id, folder = BACKBONES[name]["hub_id"], BACKBONES[name].get("folder")
-    if path is None and folder is not None:  # a miniature shipped in this repository
-        path = os.path.join(REPOSITORY, folder)
-        index = os.path.join(folder, "model_index.json")
-        if not os.path.isfile(os.path.join(REPOSITORY, index)):
-            what = index if os.path.isdir(path) else folder  # one file lost, or the whole folder
-            raise ValueError(
-                f"{name}: {what} is missing from this checkout; {_restore_advice(name)}"
-            )
-    if path is not None:
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise ValueError(
-                f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
-                f"that holds model_index.json, or drop --model-path to use {hub_id} from the hub"
-            )
-        return path
-    if hub_id is not None:
-        hub_file(
-            hub_id,
-            "model_index.json",
-            f"{name}: the weights of {hub_id} are not available; run `hf auth login` and "
-            f"accept the licence on https://huggingface.co/{hub_id}, or pass a local diffusers "
-            "folder with --model-path",
-        )
-    return hub_id
-
-
 def load_backbone(
     name, path=None, device=None, dtype=None, resolution=None, guidance=None, location=None
 ):
@@ -154,7 +115,7 @@ def load_backbone(
     pipeline_class = getattr(diffusers, PIPELINES[spec["family"]])
     try:
         pipe = pipeline_class.from_pretrained(location, dtype=dtype)
-    except OSError as error:  # a partial download or a file the hub refuses
+    except OSError as error:  # a weight file missing, a partial download or one the hub refuses
         if os.path.isdir(location):  # a local folder: no licence involved
             reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
             raise ValueError(
@@ -184,27 +145,41 @@ CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_co
 
 
 def check_files(name, path=None):
-    """Where backbone `name` loads from (locate_weights), checked before anything loads: the
+    """Where from_pretrained loads backbone `name` from (None for a mixture): the diffusers folder
+    `path`, a miniature shipped in this checkout or its hub id. Checked before anything loads: the
     family's pipeline class, every component's configuration and whole weight files. ValueError in
-    one line naming the file, what is wrong and what to do."""
+    one line naming the file, what is wrong and what to do (restore, log in, --model-path)."""
     spec = BACKBONES[name]
+    hub_id, shipped = spec["hub_id"], spec.get("folder")
     if spec["family"] == "mixture":
         return None
-    location = locate_weights(name, path)
-    folder = location
-    if not os.path.isdir(location):  # a hub id, found in the local cache (or just downloaded)
-        from huggingface_hub import try_to_load_from_cache
-
-        index = try_to_load_from_cache(location, "model_index.json")
-        if not isinstance(index, str):
-            return location  # from_pretrained downloads it
-        folder = os.path.dirname(index)
-    if path is None and spec.get("folder"):
-        advice = _restore_advice(name)
+    if path is None and shipped is not None:
+        folder = location = os.path.join(REPOSITORY, shipped)
+        advice = (  # mini-flux-schnell: --family flux-schnell
+            f"restore it with `git checkout {shipped}`, or retrain it with "
+            f"`python -m miniatures.build --family {name[len('mini-') :]}`"
+        )
+        index = os.path.join(shipped, "model_index.json")
+        if not os.path.isfile(os.path.join(REPOSITORY, index)):
+            what = index if os.path.isdir(folder) else shipped  # one file lost, or the whole folder
+            raise ValueError(f"{name}: {what} is missing from this checkout; {advice}")
     elif path is not None:
+        folder = location = path
         advice = "download the model again, or pass another --model-path"
-    else:
-        advice = f"delete {location} from the hub cache and run again to download it afresh"
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            raise ValueError(
+                f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
+                f"that holds model_index.json, or drop --model-path to use {hub_id} from the hub"
+            )
+    else:  # from the local hub cache, else downloaded
+        location = hub_id
+        advice = f"delete {hub_id} from the hub cache and run again to download it afresh"
+        unavailable = (
+            f"{name}: the weights of {hub_id} are not available; run `hf auth login` and accept "
+            f"the licence on https://huggingface.co/{hub_id}, or pass a local diffusers folder "
+            "with --model-path"
+        )
+        folder = os.path.dirname(hub_file(hub_id, "model_index.json", unavailable))
     index = read_json(os.path.join(folder, "model_index.json"), advice)
     wanted = PIPELINES[spec["family"]]
     held = index.get("_class_name") if isinstance(index, dict) else None

@@ -916,7 +916,7 @@ def train_schnell(seed=0, out=None, log=print):
     staging = out + ".partial"  # a sibling: the links' relative paths hold for both
     shutil.rmtree(staging, ignore_errors=True)
     schnell.save_pretrained(staging, safe_serialization=True)
-    source = backbones.locate_weights("mini-flux")
+    source = backbones.check_files("mini-flux")
     for name in SHARED:  # links, relative, so that any checkout resolves them
         shutil.rmtree(os.path.join(staging, name))
         os.symlink(

@@ -30,12 +30,9 @@ HELDOUT_SEED = 10**6  # held-out noise seeds start here, disjoint from the seeds
 TUNING_SEED = 2 * 10**6
 
 
-QUOTED = reprlib.Repr()  # how a message quotes a prompt: repr, a long one cut in the middle
+QUOTED = reprlib.Repr()
 QUOTED.maxstring = 80
-
-
-def shown(prompt):
-    return QUOTED.repr(prompt)
+shown = QUOTED.repr  # how a message quotes a prompt: its repr, a long one cut in the middle
 
 
 def _hpdv2_file(filename):
@@ -99,7 +96,7 @@ def load_prompt_file(path):
 def prompt_groups(path):
     """Per prompt of a .jsonl file its "style" or "tag" (or None), in load_prompt_file's order;
     None for other files."""
-    if not path or not path.endswith(".jsonl"):
+    if not path.endswith(".jsonl"):
         return None
     path = path if os.path.exists(path) else os.path.join(REPOSITORY, path)
     with open(path, encoding="utf-8-sig") as handle:

@@ -71,10 +71,8 @@ def save_checkpoint(path, state):
 
 
 def read_checkpoint(path):
-    """The state train.py saved (weights_only: no code unpickled); ValueError if the file is
-    missing, empty, truncated or not a checkpoint of train.py."""
-    if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path} (train one with `python train.py`)")
+    """The state train.py saved (weights_only: no code unpickled); ValueError if the file is empty,
+    truncated or not a checkpoint of train.py."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # EOFError, UnpicklingError, the zip reader's RuntimeError, ...
@@ -118,25 +116,34 @@ def save_policy(folder, policy, config, iteration):
 
 
 def load_checkpoint(source, backbone=None, steps=None):
-    """A trained policy (CPU, eval mode) and {"config": its training configuration, "iteration"},
-    from ckpt.pt or a policy folder / hub id; ValueError if `backbone` / `steps` differ from it."""
-    if os.path.isfile(source):
+    """A trained policy (CPU, eval mode) and {"config": its training configuration, "iteration"}
+    (of ckpt.pt: all it holds), from ckpt.pt, a policy folder or a hub id; ValueError in one line if
+    it does not load, or if `backbone` / `steps` differ from its own."""
+    from_file = os.path.isfile(source)
+    if from_file:
         checkpoint = read_checkpoint(source)
         training = dict(checkpoint["config"], iteration=checkpoint["iteration"])
-        arguments = dict(backbone=training["backbone"], training_config=training)
-        try:  # a policy saved by another version of its class is refused in one line
-            policy = build_policy(dict(checkpoint["policy_config"], **arguments))
-            policy.load_state_dict(checkpoint["policy"])
-        except (TypeError, RuntimeError, ValueError) as error:
-            kind = checkpoint["policy_config"].get("kind", "instance")
-            raise ValueError(
-                f"{source} holds a {kind} policy this version cannot load "
-                f"({str(error).splitlines()[0][:120]}); train it again"
-            ) from None
+        kind = checkpoint["policy_config"].get("kind", "instance")
+        refusal = f"{source} holds a {kind} policy this version cannot load"
+        advice = "train it again"
     elif os.path.isdir(source) or (source.count("/") == 1 and not source.endswith(".pt")):
-        checkpoint, policy = load_folder(source)  # a folder, or a hub id user/name
+        config_path, training, kind = read_policy_folder(source)  # a folder, or a hub id user/name
+        checkpoint = dict(config=training, iteration=training["iteration"])
+        refusal = f"{config_path} does not describe the weights beside it"
+        advice = f"restore it, or {AGAIN}"
     else:
         raise ValueError(f"no checkpoint at {source} (train one with `python train.py`)")
+    trained_with = dict(backbone=training["backbone"], training_config=training)
+    try:  # a class changed since it was saved, or config.json edited out of step with the weights
+        if from_file:
+            policy = build_policy(dict(checkpoint["policy_config"], **trained_with))
+            policy.load_state_dict(checkpoint["policy"])
+        else:  # strict: the mixin's default loads a partial file into a random network
+            folder = os.path.dirname(config_path)
+            with contextlib.redirect_stdout(io.StringIO()):  # the mixin prints "Loading weights"
+                policy = POLICIES[kind].from_pretrained(folder, strict=True, **trained_with)
+    except (TypeError, RuntimeError, ValueError) as error:
+        raise ValueError(f"{refusal} ({' '.join(str(error).split())[:200]}); {advice}") from None
     config = checkpoint["config"]
     if backbone is not None and config["backbone"] is not None and backbone != config["backbone"]:
         trained_on = config["backbone"]
@@ -146,8 +153,15 @@ def load_checkpoint(source, backbone=None, steps=None):
     return checkpoint, policy.eval()
 
 
-def load_folder(source):
-    """load_checkpoint of a policy folder or hub id: files checked whole, then from_pretrained."""
+AGAIN = "train again, or pass the policy/ folder of another run"
+RESTORE = "restore the file from the run folder it came from, or train again"
+
+
+def read_policy_folder(source):
+    """A policy folder's (or hub id's) config.json, both files checked whole: its path, the
+    training configuration and the policy's kind. ValueError names a field of config.json that
+    contradicts the rest (edited by hand): a kind no policy has, a backbone or L other than its
+    training configuration's."""
     names = ("config.json", "model.safetensors")
     missing = f"{source} holds no policy saved by train.py (config.json and model.safetensors)"
     if os.path.isdir(source):
@@ -157,42 +171,17 @@ def load_folder(source):
                 ways = " or ".join(os.path.join(source, name) for name in inside)
                 raise ValueError(f"{source} is a run folder of train.py: pass {ways}")
             raise ValueError(missing)
-        files = {name: os.path.join(source, name) for name in names}
+        path, weights = (os.path.join(source, name) for name in names)
     else:
-        files = {name: hub_file(source, name, missing) for name in names}
-    again = "train again, or pass the policy/ folder of another run"
-    saved = read_json(files["config.json"], again)
-    check_safetensors(files["model.safetensors"], again)
+        path, weights = (hub_file(source, name, missing) for name in names)
+    saved = read_json(path, AGAIN)
+    check_safetensors(weights, AGAIN)
     if not isinstance(saved, dict) or "steps" not in saved:
         raise ValueError(missing)
     training = saved.get("training_config")  # save_policy's; else what the folder says
     if training is None:
         training = dict(backbone=saved.get("backbone"), steps=saved["steps"])
     kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
-    check_saved_config(files["config.json"], saved, training, kind)
-    training = dict(training, iteration=training.get("iteration", saved.get("iteration")))
-    try:  # the mixin prints "Loading weights from local directory"
-        with contextlib.redirect_stdout(io.StringIO()):
-            policy = POLICIES[kind].from_pretrained(
-                os.path.dirname(files["config.json"]),
-                backbone=training["backbone"],
-                training_config=training,
-                strict=True,  # the mixin's default loads a partial file into a random network
-            )
-    except (TypeError, ValueError, RuntimeError) as error:  # fields edited out of step
-        raise ValueError(
-            f"{files['config.json']} does not describe the weights beside it "
-            f"({' '.join(str(error).split())[:200]}); restore it, or {again}"
-        ) from None
-    return dict(config=training, iteration=training["iteration"]), policy
-
-
-RESTORE = "restore the file from the run folder it came from, or train again"
-
-
-def check_saved_config(path, saved, training, kind):
-    """ValueError naming config.json's field when it contradicts itself (edited by hand): a kind no
-    policy has, or a backbone or L other than its training configuration's."""
     if not isinstance(training, dict):
         raise ValueError(f'{path}: "training_config" is not a mapping; {RESTORE}')
     if kind not in POLICIES:
@@ -205,6 +194,7 @@ def check_saved_config(path, saved, training, kind):
                 f'{path}: "{field}" is {saved[field]!r} but its "training_config" says '
                 f"{trained!r}; {RESTORE}"
             )
+    return path, dict(training, iteration=training.get("iteration", saved.get("iteration"))), kind
 
 
 def check_fits(policy, backbone, source):

@@ -7,6 +7,7 @@ file), held by one writer at a time, and its metrics.jsonl read back whatever a 
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -162,8 +163,6 @@ RUN_FILES = "ckpt.pt metrics.jsonl eval.json train.png policy snapshots tensorbo
 def lock_run(out_dir):
     """One writer per run folder: a flock on out_dir/run.lock, released however the process ends;
     ValueError naming the holder's PID if taken. Returns the open lock file: keep it referenced."""
-    import fcntl
-
     os.makedirs(out_dir, exist_ok=True)
     handle = open(os.path.join(out_dir, "run.lock"), "a+")
     try:
