@@ -52,7 +52,7 @@ import torch.nn.functional as F
 
 from prompts import shown
 from rewards.clip import CLIP_DEFAULT
-from rewards.images import clip_preprocess, quantize
+from rewards.images import check_all, check_model, clip_preprocess, quantize
 from store.files import REPOSITORY
 
 CLASSES = (  # GenEval's object_names.txt, in the detector's class order
@@ -520,47 +520,16 @@ class GenEvalReward:
         return torch.tensor(rewards, dtype=torch.float32, device=self.device)
 
 
-def check_weights(model, what, also=None):
-    """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when
-    online); `also`: a second (model, what), reported in the same message."""
-    from store.files import hub_file
-
-    missing = []
-    for name, kind in [(model, what)] + ([also] if also else []):
-        try:
-            os.path.isdir(name) or hub_file(
-                name,
-                "config.json",
-                f"{kind} {name!r} not found: download it with "
-                f"`hf download {name}` or pass a local folder",
-            )
-        except ValueError as error:
-            missing.append(str(error))
-    if missing:
-        raise ValueError("; ".join(missing))
-
-
-def load_geneval(
-    backbone,
-    device=None,
-    checkpoint=None,
-    clip_checkpoint=None,
-    detector_size=(800, 1333),
-    batch_size=8,
-):
+def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, **options):
     """`checkpoint`: a transformers Mask2Former COCO instance model, hub id or folder (default
     Swin-S; e.g. facebook/mask2former-swin-large-coco-instance); `clip_checkpoint`: a CLIPModel.
-    Both are checked before either loads."""
+    Both are checked before either loads; `options` go to GenEvalReward."""
     checkpoint, clip_checkpoint = checkpoint or DETECTOR_DEFAULT, clip_checkpoint or CLIP_DEFAULT
-    check_weights(checkpoint, "GenEval detector", also=(clip_checkpoint, "CLIP model"))
-    return GenEvalReward(
-        backbone,
-        checkpoint,
-        clip_checkpoint,
-        device=device,
-        detector_size=detector_size,
-        batch_size=batch_size,
+    check_all(
+        lambda: check_model(checkpoint, "GenEval detector"),
+        lambda: check_model(clip_checkpoint, "CLIP model"),
     )
+    return GenEvalReward(backbone, checkpoint, clip_checkpoint, device=device, **options)
 
 
 if __name__ == "__main__":
