@@ -16,8 +16,7 @@ with repeat_interleave), built once, and decodes with `backbone.decode` when it 
 - "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads, the paper's
   text-rendering reward; evaluate.py also reports 1 - normalised edit distance.
 - "geneval" (geneval.py): the fraction of a GenEval prompt's requirements met; evaluate.py also
-  reports GenEval's binary correctness. ocr and geneval need images with text or objects, which
-  the 8x8 embedded backbones do not draw.
+  reports GenEval's binary correctness.
 - "digit", "preference" (digits.py): the mini-* backbones' rewards, from models that
   miniatures/build.py trains on digits no miniature saw: log p(prompted digit | image) under a
   classifier, and a Bradley-Terry preference scorer (their HPSv2); both also report the
@@ -29,39 +28,30 @@ Rewards are returned as computed, NaN included: the trainer stops at a non-finit
 than dropping or clamping samples, which would bias the estimator and hide a broken model.
 """
 
-import os
-
 import torch
 
-from rewards.clip import CLIP_DEFAULT, load_clip
-from rewards.digits import digit_of, load_digit, load_preference, model_folder
-from rewards.hps import _import_hps, hps_checkpoint, load_hpsv2
-from rewards.teacher import load_teacher
-from store.files import check_safetensors, hub_file, read_json
+from rewards.clip import CLIP_DEFAULT, CLIPReward
+from rewards.digits import DigitReward, PreferenceReward, digit_of, model_folder
+from rewards.hps import HPSReward, hps_checkpoint, import_hps
+from rewards.images import check_all, check_model
+from rewards.ocr import OCRReward, import_easyocr, target_text, weights_folder
+from rewards.teacher import TeacherReward
 
 
-def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):
-    from rewards import ocr  # EasyOCR needs torchvision: imported only when asked for
+def load_geneval(backbone, **options):
+    from rewards import geneval  # imported when used: `python -m rewards.geneval` is a script too
 
-    return ocr.load_ocr(backbone, device=device, checkpoint=checkpoint, batch_size=batch_size)
-
-
-def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, batch_size=8):
-    from rewards import geneval  # Mask2Former: imported only when asked for
-
-    return geneval.load_geneval(
-        backbone, device, checkpoint, clip_checkpoint, batch_size=batch_size
-    )
+    return geneval.load_geneval(backbone, **options)
 
 
-REWARDS = {
-    "teacher": load_teacher,
-    "hpsv2": load_hpsv2,
-    "clip": load_clip,
-    "ocr": load_ocr,
+REWARDS = {  # name -> its loader: (backbone, device=None, **options) -> the reward
+    "teacher": TeacherReward,
+    "hpsv2": HPSReward,
+    "clip": CLIPReward,
+    "ocr": OCRReward,
     "geneval": load_geneval,
-    "digit": load_digit,
-    "preference": load_preference,
+    "digit": DigitReward,
+    "preference": PreferenceReward,
 }
 IMAGE_CONTENT = ("ocr", "geneval")  # read text or objects: not for the 8x8 embedded backbones
 DIGIT_REWARDS = ("digit", "preference")  # read the miniatures' 16x16 digits: mini-* only
@@ -85,15 +75,13 @@ def check_digits(name, backbone, spec):
 
 def check_prompts(name, prompts):
     """ValueError naming the first prompt the reward `name` cannot score."""
-    if name in DIGIT_REWARDS:
-        for prompt in prompts:
-            digit_of(prompt)
-    if name in IMAGE_CONTENT:
-        from rewards.geneval import parse
-        from rewards.ocr import target_text
+    from rewards.geneval import parse
 
+    # what each reward reads in a prompt; ValueError in one line if the prompt has none
+    reads = {"digit": digit_of, "preference": digit_of, "ocr": target_text, "geneval": parse}
+    if name in reads:
         for prompt in prompts:
-            (target_text if name == "ocr" else parse)(prompt)
+            reads[name](prompt)
 
 
 @torch.no_grad()
@@ -114,52 +102,27 @@ def metrics(reward, name, latents, prompts, noise, cond):
 
 
 def check_reward(name, checkpoint=None):
-    """Fail fast, before a backbone is loaded: ValueError (one line) if the packages or weights of
-    the reward `name` are not on this machine. Loads nothing heavy."""
-    if name == "hpsv2":  # the packages and the checkpoint, both reported when both are missing
-        missing = []
-        for check in (_import_hps, lambda: hps_checkpoint(checkpoint=checkpoint)):
-            try:
-                check()
-            except (ImportError, ValueError) as error:
-                missing.append(str(error))
-        if missing:
-            raise ValueError("; ".join(missing))
-    if name == "ocr":
-        from rewards.ocr import check_ocr
+    """Fail fast, before a backbone is loaded: ValueError in one line naming every package and
+    model file of the reward `name` that this machine lacks. Loads nothing heavy."""
+    from rewards.geneval import DETECTOR_DEFAULT
 
-        check_ocr(checkpoint)
-    if name == "geneval":
-        from rewards.geneval import DETECTOR_DEFAULT, check_weights
-
-        check_weights(
-            checkpoint or DETECTOR_DEFAULT, "GenEval detector", also=(CLIP_DEFAULT, "CLIP model")
-        )
-    if name == "digit":
-        check_model_files("classifier", checkpoint)
-    if name == "preference":  # the scorer and the classifier behind its accuracy
-        check_model_files("preference", checkpoint)
-        check_model_files("classifier")
-    model = checkpoint or CLIP_DEFAULT
-    if name == "clip" and not os.path.isdir(model):
-        hub_file(
-            model,
-            "config.json",
-            f"CLIP model {model!r} not found: download it with "
-            f"`hf download {model}` or pass --reward-checkpoint PATH to a local copy",
-        )
-
-
-def check_model_files(kind, folder=None):
-    """ValueError naming a missing or damaged file of the digit model `kind` ("classifier" or
-    "preference")."""
-    folder = model_folder(kind, folder)
-    advice = (
-        f"restore it with `git checkout miniatures/{kind}`, or retrain it with "
-        f"`python -m miniatures.build --family {kind}`"
-    )
-    read_json(os.path.join(folder, "config.json"), advice)
-    check_safetensors(os.path.join(folder, "model.safetensors"), advice)
+    clip_advice = "pass --reward-checkpoint PATH to a local copy"
+    needs = {
+        "hpsv2": [import_hps, lambda: hps_checkpoint(checkpoint=checkpoint)],
+        "clip": [lambda: check_model(checkpoint or CLIP_DEFAULT, "CLIP model", clip_advice)],
+        "ocr": [import_easyocr, lambda: weights_folder(checkpoint)],
+        "geneval": [
+            lambda: check_model(checkpoint or DETECTOR_DEFAULT, "GenEval detector"),
+            lambda: check_model(CLIP_DEFAULT, "CLIP model"),
+        ],
+        "digit": [lambda: model_folder("classifier", checkpoint)],
+        # the scorer, and the classifier behind its accuracy
+        "preference": [
+            lambda: model_folder("preference", checkpoint),
+            lambda: model_folder("classifier"),
+        ],
+    }
+    check_all(*needs.get(name, []))
 
 
 def load_reward(name, backbone, device=None, checkpoint=None, **options):

@@ -62,9 +62,3 @@ class CLIPReward:
         image = torch.cat([self._image(chunk) for chunk in images.split(self.batch_size)])
         which = torch.tensor(which, device=self.device)
         return 100.0 * (image.float() * text.float()[which]).sum(-1)
-
-
-def load_clip(backbone, device=None, checkpoint=None, batch_size=32):
-    return CLIPReward(
-        backbone, checkpoint=checkpoint or CLIP_DEFAULT, device=device, batch_size=batch_size
-    )

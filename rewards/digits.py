@@ -13,7 +13,7 @@ from huggingface_hub import PyTorchModelHubMixin
 
 from prompts import shown
 from rewards.images import quantize
-from store.files import REPOSITORY
+from store.files import REPOSITORY, check_safetensors, read_json
 
 
 def digit_of(prompt):
@@ -65,15 +65,17 @@ class PreferenceScorer(DigitClassifier):
 
 def model_folder(kind, folder=None):
     """Where the miniatures' `kind` ("classifier" or "preference") is: `folder`, else the shipped
-    one. ValueError in one line if absent."""
+    one. ValueError in one line if a file is missing or damaged."""
     folder = folder or os.path.join(REPOSITORY, "miniatures", kind)
-    if not all(
-        os.path.isfile(os.path.join(folder, name)) for name in ("config.json", "model.safetensors")
-    ):
-        raise ValueError(
-            f"no digit {kind} in {folder}; restore miniatures/{kind} with git, retrain it with "
-            f"`python -m miniatures.build --family {kind}`, or pass --reward-checkpoint FOLDER"
-        )
+    advice = (
+        f"restore it with `git checkout miniatures/{kind}`, retrain it with "
+        f"`python -m miniatures.build --family {kind}`, or pass --reward-checkpoint FOLDER"
+    )
+    config, weights = (os.path.join(folder, name) for name in ("config.json", "model.safetensors"))
+    if not (os.path.isfile(config) and os.path.isfile(weights)):
+        raise ValueError(f"no digit {kind} in {folder}; {advice}")
+    read_json(config, advice)
+    check_safetensors(weights, advice)
     return folder
 
 
@@ -106,13 +108,14 @@ class DigitReward:
             )
         return images.clamp(0, 1)
 
-    def log_probs(self, latents):
-        return torch.log_softmax(self.model(self.pixels(latents)).float(), dim=1)  # (N, 10)
+    def digits(self, prompts):
+        return torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)
 
     @torch.no_grad()
     def details(self, latents, prompts):
-        log_probs = self.log_probs(latents)
-        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=log_probs.device)
+        """Per sample: the reward, and 1.0 where the classifier's guess is the prompted digit."""
+        log_probs = torch.log_softmax(self.model(self.pixels(latents)).float(), dim=1)  # (N, 10)
+        digits = self.digits(prompts)
         correct = (log_probs.argmax(1) == digits).float()
         return log_probs.gather(1, digits[:, None]).squeeze(1), correct
 
@@ -131,8 +134,7 @@ class PreferenceReward(DigitReward):
 
     @torch.no_grad()
     def details(self, latents, prompts):
-        images = self.pixels(latents)
-        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)
+        images, digits = self.pixels(latents), self.digits(prompts)
         correct = (self.model(images).argmax(1) == digits).float()
         return self.scores(images, digits), correct
 
@@ -141,13 +143,4 @@ class PreferenceReward(DigitReward):
 
     @torch.no_grad()
     def __call__(self, latents, prompts, noise, cond):  # training needs no accuracy
-        digits = torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)
-        return self.scores(self.pixels(latents), digits)
-
-
-def load_digit(backbone, device=None, checkpoint=None):
-    return DigitReward(backbone, checkpoint=checkpoint, device=device)
-
-
-def load_preference(backbone, device=None, checkpoint=None):
-    return PreferenceReward(backbone, checkpoint=checkpoint, device=device)
+        return self.scores(self.pixels(latents), self.digits(prompts))

@@ -52,91 +52,19 @@ import torch.nn.functional as F
 
 from prompts import shown
 from rewards.clip import CLIP_DEFAULT
-from rewards.images import clip_preprocess, quantize
+from rewards.images import check_all, check_model, clip_preprocess, quantize
 from store.files import REPOSITORY
 
-CLASSES = [
-    "person",
-    "bicycle",
-    "car",
-    "motorcycle",
-    "airplane",
-    "bus",
-    "train",
-    "truck",
-    "boat",
-    "traffic light",
-    "fire hydrant",
-    "stop sign",
-    "parking meter",
-    "bench",
-    "bird",
-    "cat",
-    "dog",
-    "horse",
-    "sheep",
-    "cow",
-    "elephant",
-    "bear",
-    "zebra",
-    "giraffe",
-    "backpack",
-    "umbrella",
-    "handbag",
-    "tie",
-    "suitcase",
-    "frisbee",
-    "skis",
-    "snowboard",
-    "sports ball",
-    "kite",
-    "baseball bat",
-    "baseball glove",
-    "skateboard",
-    "surfboard",
-    "tennis racket",
-    "bottle",
-    "wine glass",
-    "cup",
-    "fork",
-    "knife",
-    "spoon",
-    "bowl",
-    "banana",
-    "apple",
-    "sandwich",
-    "orange",
-    "broccoli",
-    "carrot",
-    "hot dog",
-    "pizza",
-    "donut",
-    "cake",
-    "chair",
-    "couch",
-    "potted plant",
-    "bed",
-    "dining table",
-    "toilet",
-    "tv",
-    "laptop",
-    "computer mouse",
-    "tv remote",
-    "computer keyboard",
-    "cell phone",
-    "microwave",
-    "oven",
-    "toaster",
-    "sink",
-    "refrigerator",
-    "book",
-    "clock",
-    "vase",
-    "scissors",
-    "teddy bear",
-    "hair drier",
-    "toothbrush",
-]  # GenEval's object_names.txt, in the detector's class order
+CLASSES = (  # GenEval's object_names.txt, in the detector's class order
+    "person|bicycle|car|motorcycle|airplane|bus|train|truck|boat|traffic light|fire hydrant|"
+    "stop sign|parking meter|bench|bird|cat|dog|horse|sheep|cow|elephant|bear|zebra|giraffe|"
+    "backpack|umbrella|handbag|tie|suitcase|frisbee|skis|snowboard|sports ball|kite|baseball bat|"
+    "baseball glove|skateboard|surfboard|tennis racket|bottle|wine glass|cup|fork|knife|spoon|"
+    "bowl|banana|apple|sandwich|orange|broccoli|carrot|hot dog|pizza|donut|cake|chair|couch|"
+    "potted plant|bed|dining table|toilet|tv|laptop|computer mouse|tv remote|computer keyboard|"
+    "cell phone|microwave|oven|toaster|sink|refrigerator|book|clock|vase|scissors|teddy bear|"
+    "hair drier|toothbrush"
+).split("|")
 COLORS = ["red", "orange", "yellow", "green", "blue", "purple", "pink", "brown", "black", "white"]
 RELATIONS = ["left of", "right of", "above", "below"]
 NUMBERS = ["zero", "one", "two", "three", "four"]
@@ -158,14 +86,9 @@ BACKGROUND = 153 / 255  # "#999", the grey GenEval puts around a masked object b
 DETECTOR_DEFAULT = "facebook/mask2former-swin-small-coco-instance"
 HELDOUT_PER_TAG = 50
 # single objects: the 30 not held out; counting: 240 prompts exist, 80 of them GenEval's benchmark
-TRAIN_PER_TAG = {
-    "single_object": 30,
-    "two_object": 120,
-    "counting": 100,
-    "colors": 120,
-    "position": 120,
-    "color_attr": 120,
-}
+TRAIN_PER_TAG = dict(
+    single_object=30, two_object=120, counting=100, colors=120, position=120, color_attr=120
+)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,14 +265,8 @@ def box_iou(first, second):
     def area(box):
         return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
 
-    inter = area(
-        [
-            max(first[0], second[0]),
-            max(first[1], second[1]),
-            min(first[2], second[2]),
-            min(first[3], second[3]),
-        ]
-    )
+    # the overlap: the larger of the top-left corners to the smaller of the bottom-right ones
+    inter = area([*map(max, first[:2], second[:2]), *map(min, first[2:], second[2:])])
     union = area(first) + area(second) - inter
     return inter / union if union else 0
 
@@ -417,12 +334,8 @@ def requirements(record, detections, nms_threshold=NMS_THRESHOLD):
             checks.append((f"{name} {relation} {record['include'][target]['class']}", matched))
         groups.append(objects if matched else None)
     for clause in record.get("exclude", []):
-        checks.append(
-            (
-                f"fewer than {clause['count']} {clause['class']}",
-                len(found.get(clause["class"], [])) < clause["count"],
-            )
-        )
+        name, count = clause["class"], clause["count"]
+        checks.append((f"fewer than {count} {name}", len(found.get(name, [])) < count))
     return checks
 
 
@@ -603,53 +516,20 @@ class GenEvalReward:
         return self.score_images(self.backbone.decode(latents), prompts)
 
     def __call__(self, latents, prompts, noise, cond):
-        rows = self.details(latents, prompts)
-        return torch.tensor(
-            [row["reward"] for row in rows], dtype=torch.float32, device=self.device
-        )
+        rewards = [row["reward"] for row in self.details(latents, prompts)]
+        return torch.tensor(rewards, dtype=torch.float32, device=self.device)
 
 
-def check_weights(model, what, also=None):
-    """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when
-    online); `also`: a second (model, what), reported in the same message."""
-    from store.files import hub_file
-
-    missing = []
-    for name, kind in [(model, what)] + ([also] if also else []):
-        try:
-            os.path.isdir(name) or hub_file(
-                name,
-                "config.json",
-                f"{kind} {name!r} not found: download it with "
-                f"`hf download {name}` or pass a local folder",
-            )
-        except ValueError as error:
-            missing.append(str(error))
-    if missing:
-        raise ValueError("; ".join(missing))
-
-
-def load_geneval(
-    backbone,
-    device=None,
-    checkpoint=None,
-    clip_checkpoint=None,
-    detector_size=(800, 1333),
-    batch_size=8,
-):
+def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, **options):
     """`checkpoint`: a transformers Mask2Former COCO instance model, hub id or folder (default
     Swin-S; e.g. facebook/mask2former-swin-large-coco-instance); `clip_checkpoint`: a CLIPModel.
-    Both are checked before either loads."""
+    Both are checked before either loads; `options` go to GenEvalReward."""
     checkpoint, clip_checkpoint = checkpoint or DETECTOR_DEFAULT, clip_checkpoint or CLIP_DEFAULT
-    check_weights(checkpoint, "GenEval detector", also=(clip_checkpoint, "CLIP model"))
-    return GenEvalReward(
-        backbone,
-        checkpoint,
-        clip_checkpoint,
-        device=device,
-        detector_size=detector_size,
-        batch_size=batch_size,
+    check_all(
+        lambda: check_model(checkpoint, "GenEval detector"),
+        lambda: check_model(clip_checkpoint, "CLIP model"),
     )
+    return GenEvalReward(backbone, checkpoint, clip_checkpoint, device=device, **options)
 
 
 if __name__ == "__main__":

@@ -14,8 +14,6 @@ from store.files import hub_file
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
-# an environment of its own (.venv-hps): requirements-hps.txt pins the torch that torchvision needs
-HPS_INSTALL = "bash tests/hps_env.sh && . .venv-hps/bin/activate"
 
 
 def unique_prompts(prompts):
@@ -45,32 +43,32 @@ def hps_preprocess(images, size=224):
             images, (new_height, new_width), mode="bicubic", align_corners=False, antialias=True
         )
         pad_height, pad_width = size - new_height, size - new_width
-        images = F.pad(
-            images,
-            (
-                pad_width // 2,
-                pad_width - pad_width // 2,
-                pad_height // 2,
-                pad_height - pad_height // 2,
-            ),
-        )
+        top, left = pad_height // 2, pad_width // 2
+        images = F.pad(images, (left, pad_width - left, top, pad_height - top))
     return normalize(images)
 
 
-# hpsv2's transforms need torchvision, which fails to import beside a mismatched torch
-def _import_hps():
-    return import_optional(
-        ["torchvision", "hpsv2.src.open_clip"],
-        "the hpsv2 reward needs hpsv2x and a matching torchvision",
-        HPS_INSTALL,
-    )
+def import_hps():  # hpsv2's transforms need torchvision, which fails beside a mismatched torch
+    needs = "the hpsv2 reward needs hpsv2x and a matching torchvision"
+    return import_optional(["torchvision", "hpsv2.src.open_clip"], needs)
 
 
 class HPSReward:
-    """100 x cos(image, prompt) in HPS's embedding space, as hpsv2.img_score.score computes it."""
+    """100 x cos(image, prompt) in HPS's embedding space, as hpsv2.img_score.score computes it.
+    `checkpoint`: see hps_checkpoint; `model_name`: an open_clip model config (the tests register a
+    tiny one)."""
 
-    def __init__(self, backbone, checkpoint, device=None, model_name="ViT-H-14", batch_size=16):
-        open_clip = _import_hps()
+    def __init__(
+        self,
+        backbone,
+        device=None,
+        version="v2.1",
+        checkpoint=None,
+        model_name="ViT-H-14",
+        batch_size=16,
+    ):
+        checkpoint = hps_checkpoint(version, checkpoint)
+        open_clip = import_hps()
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
@@ -125,14 +123,3 @@ def hps_checkpoint(version="v2.1", checkpoint=None):
     if not os.path.isfile(checkpoint):
         raise ValueError(f"{hint}; no file at {checkpoint}")
     return checkpoint
-
-
-def load_hpsv2(
-    backbone, device=None, version="v2.1", checkpoint=None, model_name="ViT-H-14", batch_size=16
-):
-    """`checkpoint`: a local HPS_v2*.pt; else the HF cache (downloaded when online). `model_name`:
-    an open_clip model config (the tests register a tiny one)."""
-    checkpoint = hps_checkpoint(version, checkpoint)
-    return HPSReward(
-        backbone, checkpoint, device=device, model_name=model_name, batch_size=batch_size
-    )

