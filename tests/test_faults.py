@@ -950,3 +950,29 @@ def test_generate_samples_at_the_guidance_the_policy_was_trained_with():
     policy.training_config = dict(backbone="mini-sd3", guidance=2.0)
     assert trained_guidance(policy) == 2.0
     assert trained_guidance(make_policy("instance", dims, 3, backbone="flux-schnell")) is None
+
+
+def test_a_model_half_in_the_hub_cache_is_left_for_from_pretrained_to_complete(
+    tmp_path, monkeypatch
+):
+    """A first run online caches model_index.json before from_pretrained fetches the components:
+    those not downloaded yet are no error (else every rerun would be told to delete the cache and
+    fail again), while a damaged file already in the cache is still named."""
+    import huggingface_hub
+
+    import backbones
+
+    snapshot = tmp_path / "models--stabilityai--stable-diffusion-3.5-medium" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("abc")
+    index = {"_class_name": "StableDiffusion3Pipeline", "vae": ["diffusers", "AutoencoderKL"]}
+    (snapshot / "model_index.json").write_text(json.dumps(index))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.file_download, "HF_HUB_CACHE", str(tmp_path), raising=False)
+    hub_id = backbones.BACKBONES["sd35m"]["hub_id"]
+    assert backbones.check_files("sd35m") == hub_id
+    (snapshot / "vae").mkdir()
+    (snapshot / "vae" / "config.json").write_text("{")
+    with pytest.raises(ValueError, match=r"vae/config.json is damaged \(not JSON.*hub cache"):
+        backbones.check_files("sd35m")
