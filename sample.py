@@ -117,23 +117,19 @@ def to_pil(image):
     return picture
 
 
-def slug(prompt, length=40):
-    return re.sub(r"[^a-zA-Z0-9]+", "-", prompt).strip("-")[:length].lower() or "prompt"
+def slug(prompt):
+    return re.sub(r"[^a-zA-Z0-9]+", "-", prompt).strip("-")[:40].lower() or "prompt"
 
 
 @torch.no_grad()
-def sample_contexts(
-    backbone, policy, prompts, seeds, stochastic=False, draw_seed=0, batch_size=8, reward=None
-):
+def sample_contexts(backbone, policy, prompts, seeds, draws=None, batch_size=8, reward=None):
     """Contexts (prompts[i], seeds[i]) sampled from the same noise by the default schedule, the
-    learned one and the teacher. Returns method -> (images (N, 3, H, W) on CPU, times (N, L+1) or
-    None, latent mean squared distance to the teacher (N,), score by `reward` or, when None, minus
-    that distance (N,))."""
-    generator = torch.Generator().manual_seed(draw_seed)
-    mode = "sample" if stochastic else "mean"
+    learned one (its mean, or with `draws` a generator, one draw) and the teacher. Returns method
+    -> (images (N, 3, H, W) on CPU, times (N, L+1) or None, latent mean squared distance to the
+    teacher (N,), score by `reward` or, when None, minus that distance (N,))."""
     methods = {
         "default": default_schedule(backbone, policy.steps),
-        "learned": policy_schedule(policy, backbone, mode=mode, generator=generator),
+        "learned": policy_schedule(policy, backbone, draws),
         "teacher": None,
     }
     batches = {name: [] for name in methods}
@@ -332,9 +328,8 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
         return
 
     reward, measure = run_reward(config, backbone, device)
-    results = sample_contexts(
-        backbone, policy, prompts, seeds, args.stochastic, args.draw_seed, args.batch_size, reward
-    )
+    draws = torch.Generator().manual_seed(args.draw_seed) if args.stochastic else None
+    results = sample_contexts(backbone, policy, prompts, seeds, draws, args.batch_size, reward)
     learned, default = results["learned"], results["default"]
     pictures = {name: [to_pil(image) for image in images] for name, (images, *_) in results.items()}
     with writing(out_dir, contexts, pictures):
