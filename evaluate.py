@@ -55,7 +55,6 @@ from store.files import (
     read_json,
     release,
     run_quietly,
-    write_json_atomic,
     write_lines_atomic,
 )
 
@@ -261,9 +260,9 @@ def main(argv=None):
         stored = store["scores"].get(row, {})
         return any(keys[index] not in stored.get(reward_name, {}) for reward_name in rewards)
 
-    def save():  # a full disk or read-only storage: one line, the last scores.json kept
+    def write(name, text):  # a full disk or read-only storage: one line, the last good file kept
         try:
-            write_json_atomic(store_path, store, then=AGAIN)
+            write_lines_atomic(os.path.join(out_dir, name), [text], then=AGAIN)
         except ValueError as error:
             sys.exit(f"evaluate.py: error: {error}")
 
@@ -283,19 +282,19 @@ def main(argv=None):
                     row_times = {keys[i]: t for i, t in times.get(name, {}).items()}
                     store["times"].setdefault(name, {}).update(row_times)
                 if time.monotonic() - saved > SAVE_EVERY:  # scores.json, now and then
-                    save()
+                    write("scores.json", json.dumps(store))
                     saved = time.monotonic()
     except KeyboardInterrupt:  # Ctrl-C: what is scored is kept; one line, exit 130 as a shell
-        if not scored:  # the folder as it was, and __main__'s line
+        if not scored:  # the folder as it was, and run_quietly's one line
             release(claim)
             raise
-        save()
+        write("scores.json", json.dumps(store))
         claim[0].close()
         kept = f"{store_path} keeps every score made so far; the same command scores the rest"
         print(f"evaluate.py: interrupted: {kept}", file=sys.stderr)
         sys.exit(130)
     if scored or not os.path.isfile(store_path):
-        save()
+        write("scores.json", json.dumps(store))
 
     lines = [
         f"# Evaluation of {os.path.relpath(args.ckpt, out_dir)}\n\nbackbone {trained_on}, L = "
@@ -326,10 +325,7 @@ def main(argv=None):
             )
             lines += [f"mean over the {len(groups)} groups: {overall}", ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
-    try:
-        write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)], then=AGAIN)
-    except ValueError as error:
-        sys.exit(f"evaluate.py: error: {error}")
+    write("results.md", "\n".join(lines))
     written = f"{os.path.join(out_dir, 'results.md')} and scores.json"
     if args.figure:
         learned_times = {name: in_order(store["times"][name]) for name in policies}
