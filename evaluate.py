@@ -25,7 +25,6 @@ import argparse
 import hashlib
 import json
 import os
-import signal
 import sys
 import time
 
@@ -55,7 +54,7 @@ from store.files import (
     claim_folder,
     read_json,
     release,
-    write_json_atomic,
+    run_quietly,
     write_lines_atomic,
 )
 
@@ -133,22 +132,22 @@ def weights_digest(policy):
 
 def check_args(args):
     """evaluate.py's command line against its checkpoints, before anything heavy loads (ValueError
-    in one line): returns name -> (path, checkpoint, policy) of the policies to evaluate, the reward
-    names, reward -> local weights and the output folder."""
+    in one line): returns the run's config, name -> (path, policy) of the policies to evaluate, the
+    reward names, reward -> local weights and the output folder."""
     checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
     config = checkpoint["config"]
     backbones.check_trained_on(config, args.ckpt)
     trained_on, trained_reward = config["backbone"], config["reward"]
-    policies = {"learned": (args.ckpt, checkpoint, learned)}
+    policies = {"learned": (args.ckpt, learned)}
     if args.global_ckpt:  # the same backbone and L
-        global_run = load_checkpoint(args.global_ckpt, trained_on, config["steps"])
-        if not isinstance(global_run[1], GlobalPolicy):
-            kind = global_run[0]["config"].get("policy", "instance")
+        global_run, policy = load_checkpoint(args.global_ckpt, trained_on, config["steps"])
+        if not isinstance(policy, GlobalPolicy):
+            kind = global_run["config"].get("policy", "instance")
             raise ValueError(
                 f"--global-ckpt {args.global_ckpt} is a run of --policy {kind}; pass a run of "
                 "train.py --policy global"
             )
-        policies["global"] = (args.global_ckpt, *global_run)
+        policies["global"] = (args.global_ckpt, policy)
     beside = ["clip"] if trained_reward == "hpsv2" else []
     for item in args.reward_checkpoint:
         if "=" not in item or not item.split("=", 1)[0]:
@@ -169,7 +168,7 @@ def check_args(args):
             raise ValueError(f"{flag} must be at least 1 (got {value})")
     out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
     check_writable(out_dir)
-    return policies, args.rewards or [trained_reward, *beside], local, out_dir
+    return config, policies, args.rewards or [trained_reward, *beside], local, out_dir
 
 
 def default_batch_size(backbone):
@@ -180,9 +179,8 @@ def default_batch_size(backbone):
 def main(argv=None):
     args = parser.parse_args(argv)
     claim = None  # the output folder, once taken
-    try:  # cheap checks before anything heavy
-        policies, reward_names, local, out_dir = check_args(args)
-        config = policies["learned"][1]["config"]
+    try:  # every refusal in one line before the first score, the folder left as it was
+        config, policies, reward_names, local, out_dir = check_args(args)
         steps, trained_on = config["steps"], config["backbone"]
         prompt_list, styles = None, None  # styles group the tables: HPDv2's, a .jsonl's style/tag
         if args.hpdv2:
@@ -196,91 +194,85 @@ def main(argv=None):
         score_store(store_path, {})  # a damaged one fails before anything loads
         torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
         backbone = backbones.trained_backbone(config, device)
-        for path, _, policy in policies.values():
+        for path, policy in policies.values():
             check_fits(policy, backbone, path)
         backbone.check_prompts(prompt_list or [], config["reward"])
+        own = not (args.hpdv2 or args.prompts)  # train.py's held-out prompts: its count by default
+        count = args.count or (config["eval_contexts"] if own else None)
+        prompts, seeds = heldout_contexts(prompt_list or backbone.prompts, count, args.seed)
+        styles = (styles or [None] * len(prompts))[: args.limit]
+        prompts, seeds = prompts[: args.limit], seeds[: args.limit]
+
+        rewards = {}
+        for name in reward_names:
+            try:
+                options = dict(device=device, checkpoint=local.get(name))
+                if name in reward_lib.DIGIT_REWARDS:  # a damaged model is named, not skipped
+                    reward_lib.check_reward(name, local.get(name))
+                rewards[name] = reward_lib.load_reward(name, backbone, **options)
+            except (ImportError, ValueError, OSError) as error:
+                print(f"skipping reward {name!r}: {error}")
+        if not rewards:
+            raise ValueError(f"none of the rewards {reward_names} could be loaded")
+
+        # every row with what its scores depend on (the backbone's settings, the policy's
+        # weights), and every reward with its weights: stored scores of anything else are stale
+        settings = {
+            key: config.get(key) for key in ("backbone", "model_path", "resolution", "guidance")
+        }
+        methods = {"default": default_schedule(backbone, steps)}
+        identity = {"default": dict(settings, steps=steps)}
+        for name, (_, policy) in policies.items():
+            methods[name] = policy_schedule(policy.to(backbone.device), backbone)
+            identity[name] = dict(settings, steps=steps, weights=weights_digest(policy))
+        runs = [(backbone, methods, "reference" if args.reference else None)]
+        if args.reference:
+            identity["reference"] = settings
+        if args.schnell:  # the same seeds give Flux-Schnell the same noise: its rows are paired too
+            try:
+                options = dict(device=device, dtype=backbone.dtype, resolution=config["resolution"])
+                distilled = backbones.DISTILLED[trained_on]  # flux-schnell, or mini-flux-schnell
+                schnell = backbones.load_backbone(distilled, path=args.schnell_path, **options)
+                counts = sorted({4, steps})  # its distilled step count, and L
+                schnell_methods = {f"schnell-{n}": default_schedule(schnell, n) for n in counts}
+                runs.append((schnell, schnell_methods, None))
+                for n in counts:
+                    identity[f"schnell-{n}"] = dict(backbone=distilled, steps=n)
+            except ValueError as error:
+                print(f"skipping Flux-Schnell (not available: {error})")
+        print(
+            f"backbone {trained_on}, L={steps}, {len(prompts)} contexts, rows {list(identity)}, "
+            f"rewards {list(rewards)}, output {out_dir}"
+        )
+        store = score_store(store_path, identity, {name: local.get(name) for name in rewards})
     except BaseException as error:  # a refused or failed start leaves the folder as it was
         if claim is not None:
             release(claim)
         if not isinstance(error, ValueError):
             raise
         sys.exit(f"evaluate.py: error: {error}")
-    own = not (args.hpdv2 or args.prompts)  # train.py's held-out prompts: its count by default
-    count = args.count or (config["eval_contexts"] if own else None)
-    prompts, seeds = heldout_contexts(prompt_list or backbone.prompts, count, args.seed)
-    styles = (styles or [None] * len(prompts))[: args.limit]
-    prompts, seeds = prompts[: args.limit], seeds[: args.limit]
 
-    rewards = {}
-    for name in reward_names:
-        try:
-            options = dict(device=device, checkpoint=local.get(name))
-            if name in reward_lib.DIGIT_REWARDS:  # a damaged model is named, not skipped
-                reward_lib.check_reward(name, local.get(name))
-            rewards[name] = reward_lib.load_reward(name, backbone, **options)
-        except (ImportError, ValueError, OSError) as error:
-            print(f"skipping reward {name!r}: {error}")
-    if not rewards:
-        release(claim)
-        sys.exit(f"evaluate.py: error: none of the rewards {reward_names} could be loaded")
-
-    # every row with what its scores depend on (the backbone's settings, the policy's weights), and
-    # every reward with its weights: stored scores of anything else are stale
-    settings = {
-        key: config.get(key) for key in ("backbone", "model_path", "resolution", "guidance")
-    }
-    methods = {"default": default_schedule(backbone, steps)}
-    identity = {"default": dict(settings, steps=steps)}
-    for name, (path, run, policy) in policies.items():
-        methods[name] = policy_schedule(policy.to(backbone.device), backbone)
-        identity[name] = dict(settings, steps=steps, weights=weights_digest(policy))
-    runs = [(backbone, methods, "reference" if args.reference else None)]
-    if args.reference:
-        identity["reference"] = settings
-    if args.schnell:  # the same seeds give Flux-Schnell the same noise: its rows are paired too
-        try:
-            options = dict(device=device, dtype=backbone.dtype, resolution=config["resolution"])
-            distilled = backbones.DISTILLED[trained_on]  # flux-schnell, or mini-flux-schnell
-            schnell = backbones.load_backbone(distilled, path=args.schnell_path, **options)
-            counts = sorted({4, steps})  # its distilled step count, and L
-            schnell_methods = {f"schnell-{n}": default_schedule(schnell, n) for n in counts}
-            runs.append((schnell, schnell_methods, None))
-            for n in counts:
-                identity[f"schnell-{n}"] = dict(backbone=distilled, steps=n)
-        except ValueError as error:
-            print(f"skipping Flux-Schnell (not available: {error})")
-    print(
-        f"backbone {trained_on}, L={steps}, {len(prompts)} contexts, rows {list(identity)}, "
-        f"rewards {list(rewards)}, output {out_dir}"
-    )
-
-    try:
-        store = score_store(store_path, identity, {name: local.get(name) for name in rewards})
-    except ValueError as error:
-        release(claim)
-        sys.exit(f"evaluate.py: error: {error}")
     keys = [f"{seed}|{prompt}" for prompt, seed in zip(prompts, seeds)]
-    contexts = zip(keys, prompts, seeds, styles)
-    store["contexts"].update({key: dict(prompt=p, seed=s, style=y) for key, p, s, y in contexts})
+    for key, prompt, seed, style in zip(keys, prompts, seeds, styles):
+        store["contexts"][key] = dict(prompt=prompt, seed=seed, style=style)
 
     def pending(row, index):
         stored = store["scores"].get(row, {})
         return any(keys[index] not in stored.get(reward_name, {}) for reward_name in rewards)
 
-    def save():  # a full disk or read-only storage: one line, the last scores.json kept
+    def write(name, text):  # a full disk or read-only storage: one line, the last good file kept
         try:
-            write_json_atomic(store_path, store, then=AGAIN)
+            write_lines_atomic(os.path.join(out_dir, name), [text], then=AGAIN)
         except ValueError as error:
             sys.exit(f"evaluate.py: error: {error}")
 
     batch_size = args.batch_size or default_batch_size(backbone)
     scored, saved = 0, time.monotonic()
     try:
-        for run_backbone, run_methods, reference in runs:
+        for model, rows, reference in runs:  # the trained backbone's rows, then Flux-Schnell's
             batches = score_batches(
-                run_backbone, rewards, prompts, seeds, run_methods, reference, batch_size, pending,
-                progress=True,
-            )  # fmt: skip
+                model, rewards, prompts, seeds, rows, reference, batch_size, pending, progress=True
+            )
             for scores, times in batches:
                 for name, per_reward in scores.items():
                     for reward_name, values in per_reward.items():
@@ -290,20 +282,19 @@ def main(argv=None):
                     row_times = {keys[i]: t for i, t in times.get(name, {}).items()}
                     store["times"].setdefault(name, {}).update(row_times)
                 if time.monotonic() - saved > SAVE_EVERY:  # scores.json, now and then
-                    save()
+                    write("scores.json", json.dumps(store))
                     saved = time.monotonic()
     except KeyboardInterrupt:  # Ctrl-C: what is scored is kept; one line, exit 130 as a shell
-        if scored:
-            save()
-            claim[0].close()
-            kept = f"{store_path} keeps every score made so far; the same command scores the rest"
-        else:
+        if not scored:  # the folder as it was, and run_quietly's one line
             release(claim)
-            kept = "nothing was scored or written; the same command starts again"
+            raise
+        write("scores.json", json.dumps(store))
+        claim[0].close()
+        kept = f"{store_path} keeps every score made so far; the same command scores the rest"
         print(f"evaluate.py: interrupted: {kept}", file=sys.stderr)
         sys.exit(130)
     if scored or not os.path.isfile(store_path):
-        save()
+        write("scores.json", json.dumps(store))
 
     lines = [
         f"# Evaluation of {os.path.relpath(args.ckpt, out_dir)}\n\nbackbone {trained_on}, L = "
@@ -334,10 +325,7 @@ def main(argv=None):
             )
             lines += [f"mean over the {len(groups)} groups: {overall}", ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
-    try:
-        write_lines_atomic(os.path.join(out_dir, "results.md"), ["\n".join(lines)], then=AGAIN)
-    except ValueError as error:
-        sys.exit(f"evaluate.py: error: {error}")
+    write("results.md", "\n".join(lines))
     written = f"{os.path.join(out_dir, 'results.md')} and scores.json"
     if args.figure:
         learned_times = {name: in_order(store["times"][name]) for name in policies}
@@ -348,10 +336,5 @@ def main(argv=None):
     print(f"\nwrote {written}")
 
 
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt again
-    try:
-        main()
-    except KeyboardInterrupt:  # before the scoring loop, which keeps its own scores
-        print("evaluate.py: interrupted before any score: nothing was written", file=sys.stderr)
-        sys.exit(130)
+if __name__ == "__main__":  # Ctrl-C while scoring ends in main(), which keeps what it scored
+    run_quietly("evaluate.py", main, "nothing was scored or written; the same command starts again")

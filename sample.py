@@ -28,7 +28,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 
 if __name__ == "__main__":  # Ctrl-C while torch and diffusers import: one line, not a traceback
@@ -44,7 +43,7 @@ from rewards import check_reward, load_reward
 from scoring.figures import context_labels, draw_schedules
 from scoring.paired import default_schedule, policy_schedule, run_method
 from store.checkpoint import MAIN_RUN, check_fits, load_checkpoint
-from store.files import check_writable, claim_folder, release, write_failed
+from store.files import check_writable, claim_folder, release, run_quietly, write_failed
 
 # -----------------------------------------------------------------------------
 # configuration
@@ -117,23 +116,19 @@ def to_pil(image):
     return picture
 
 
-def slug(prompt, length=40):
-    return re.sub(r"[^a-zA-Z0-9]+", "-", prompt).strip("-")[:length].lower() or "prompt"
+def slug(prompt):
+    return re.sub(r"[^a-zA-Z0-9]+", "-", prompt).strip("-")[:40].lower() or "prompt"
 
 
 @torch.no_grad()
-def sample_contexts(
-    backbone, policy, prompts, seeds, stochastic=False, draw_seed=0, batch_size=8, reward=None
-):
+def sample_contexts(backbone, policy, prompts, seeds, draws=None, batch_size=8, reward=None):
     """Contexts (prompts[i], seeds[i]) sampled from the same noise by the default schedule, the
-    learned one and the teacher. Returns method -> (images (N, 3, H, W) on CPU, times (N, L+1) or
-    None, latent mean squared distance to the teacher (N,), score by `reward` or, when None, minus
-    that distance (N,))."""
-    generator = torch.Generator().manual_seed(draw_seed)
-    mode = "sample" if stochastic else "mean"
+    learned one (its mean, or with `draws` a generator, one draw) and the teacher. Returns method
+    -> (images (N, 3, H, W) on CPU, times (N, L+1) or None, latent mean squared distance to the
+    teacher (N,), score by `reward` or, when None, minus that distance (N,))."""
     methods = {
         "default": default_schedule(backbone, policy.steps),
-        "learned": policy_schedule(policy, backbone, mode=mode, generator=generator),
+        "learned": policy_schedule(policy, backbone, draws),
         "teacher": None,
     }
     batches = {name: [] for name in methods}
@@ -260,7 +255,7 @@ def our_outputs(out_dir):
 def writing(out_dir, contexts, pictures):
     """Write one PNG per context and method (pictures: method -> PIL images) into out_dir (ours:
     store.files.claim_folder took it), then the caller's files, after removing what an earlier
-    sampling wrote there, so that two samplings never mix; a failed write ends in one line."""
+    sampling wrote there, so that two samplings never mix; a failed write is a WriteFailed."""
     try:
         for name in our_outputs(out_dir):
             os.remove(os.path.join(out_dir, name))
@@ -271,8 +266,7 @@ def writing(out_dir, contexts, pictures):
                 )
         yield
     except OSError as error:
-        failed = write_failed(error.filename or out_dir, error, then=AGAIN)
-        raise SystemExit(f"sample.py: error: {failed}") from None
+        raise write_failed(error.filename or out_dir, error, then=AGAIN) from None
 
 
 def main(argv=None):
@@ -286,25 +280,19 @@ def main(argv=None):
         backbone = backbones.trained_backbone(config, device)
         check_fits(policy, backbone, args.ckpt)
         backbone.check_prompts(prompts, config["reward"])
-    except BaseException as error:  # a refused or failed start leaves the folder as it was
+        contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
+        if len(set(contexts)) < len(contexts):
+            print(f"note: {len(contexts) - len(set(contexts))} repeated context(s) sampled once")
+            contexts = list(dict.fromkeys(contexts))
+        produce(args, config, policy, backbone, contexts, out_dir, device)
+    except BaseException as error:  # refused, failed, a full disk, Ctrl-C: a folder made goes
         if claim:
             release(claim)
         if not isinstance(error, ValueError):
             raise
         sys.exit(f"sample.py: error: {error}")
-    contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
-    if len(set(contexts)) < len(contexts):
-        print(f"note: {len(contexts) - len(set(contexts))} repeated context(s) sampled once")
-        contexts = list(dict.fromkeys(contexts))
-    try:
-        produce(args, config, policy, backbone, contexts, out_dir, device)
-    except BaseException:  # a refusal, a full disk, Ctrl-C: a folder this call made is removed
-        if claim and claim[2]:
-            release(claim)
-        raise
-    finally:
-        if claim:
-            claim[0].close()
+    if claim:
+        claim[0].close()
 
 
 def produce(args, config, policy, backbone, contexts, out_dir, device):
@@ -312,14 +300,12 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
     if args.export:
         from backbones.pipeline import schedule_json
 
+        schedule = schedule_json(policy, backbone)
         try:
-            schedule = schedule_json(policy, backbone)
             with open(args.export, "w") as handle:
                 json.dump(schedule, handle, indent=1)
-        except ValueError as error:
-            sys.exit(f"sample.py: error: {error}")
         except OSError as error:
-            sys.exit(f"sample.py: error: {write_failed(args.export, error, then=AGAIN)}")
+            raise write_failed(args.export, error, then=AGAIN) from None
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
     label = policy.described[args.stochastic]
     print(f"backbone {config['backbone']}, L={policy.steps}, {len(contexts)} contexts, {label}")
@@ -332,9 +318,8 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
         return
 
     reward, measure = run_reward(config, backbone, device)
-    results = sample_contexts(
-        backbone, policy, prompts, seeds, args.stochastic, args.draw_seed, args.batch_size, reward
-    )
+    draws = torch.Generator().manual_seed(args.draw_seed) if args.stochastic else None
+    results = sample_contexts(backbone, policy, prompts, seeds, draws, args.batch_size, reward)
     learned, default = results["learned"], results["default"]
     pictures = {name: [to_pil(image) for image in images] for name, (images, *_) in results.items()}
     with writing(out_dir, contexts, pictures):
@@ -367,13 +352,5 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C: KeyboardInterrupt again
-    try:
-        main()
-    except KeyboardInterrupt:  # one line, exit 130 as a shell; what was written stays as it is
-        print(
-            "sample.py: interrupted: the images already written stay; the same command samples "
-            "them all again",
-            file=sys.stderr,
-        )
-        sys.exit(130)
+    again = "the images already written stay; the same command samples them all again"
+    run_quietly("sample.py", main, again)

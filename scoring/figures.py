@@ -78,18 +78,18 @@ def plot_training(out_dir, backbone, policy, heldout, reward_name):
     figure.savefig(os.path.join(out_dir, "train.png"), dpi=120)
 
 
-def plot_results(path, scores_per_reward, learned_times, default_times, baseline="default"):
-    """One panel per reward: histograms of the paired differences to the baseline method on the same
-    contexts; last panel: how far the learned schedules move each step from the default's (mean,
-    10-90% and min-max bands over contexts)."""
+def plot_results(path, scores_per_reward, learned_times, default_times):
+    """One panel per reward: histograms of the paired differences to the default schedule on the
+    same contexts; last panel: how far the learned schedules move each step from the default's
+    (mean, 10-90% and min-max bands over contexts)."""
     from matplotlib.figure import Figure
 
     panels = len(scores_per_reward) + 1
     figure = Figure(figsize=(5.5 * panels, 4))
     axes = figure.subplots(1, panels)
     for ax, (reward_name, scores) in zip(axes, scores_per_reward.items()):
-        others = [name for name in scores if name != baseline]
-        differences = {name: scores[name] - scores[baseline] for name in others}
+        others = [name for name in scores if name != "default"]
+        differences = {name: scores[name] - scores["default"] for name in others}
         everything = torch.cat([torch.zeros(1), *differences.values()])
         low, high, edges = everything.min().item(), everything.max().item(), 31
         if high - low < 1e-9:  # the same score on every context (accuracy 1 for both): one bar
@@ -99,7 +99,7 @@ def plot_results(path, scores_per_reward, learned_times, default_times, baseline
             label = f"{name} (mean {values.mean():+.4g})"
             ax.hist(values.tolist(), bins=bins, histtype="step", linewidth=1.5, label=label)
         ax.axvline(0.0, color="black", linestyle="--")
-        ax.set(xlabel=f"{reward_name}: method - {baseline}, same context (> 0: better)")
+        ax.set(xlabel=f"{reward_name}: method - default, same context (> 0: better)")
         ax.set(ylabel="contexts")
         ax.ticklabel_format(axis="x", useOffset=False)
         ax.legend(fontsize=8)

@@ -24,9 +24,8 @@ GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (h
 
 # -----------------------------------------------------------------------------
 # methods: callables (noise, cond) -> times (N, L+1)
-def policy_schedule(policy, backbone, mode="mean", generator=None):
-    """A trained policy's schedule and latents: its mean ("mean") or one draw from `generator`."""
-    draws = None if mode == "mean" else generator
+def policy_schedule(policy, backbone, draws=None):
+    """A trained policy's schedule and latents: its mean, or one draw from the generator `draws`."""
     return torch.no_grad()(lambda noise, cond: policy.schedule(backbone, noise, cond, draws))
 
 
@@ -97,18 +96,17 @@ def score_table(
     backbone, rewards, prompts, seeds, methods, reference=None, batch_size=64, progress=False
 ):
     """Per-sample scores of each row and column (each reward's metrics) on the contexts (prompts[i],
-    seeds[i]): row -> column -> Tensor (N,) in context order, independent of batch_size."""
-    collected, order = {}, range(len(prompts))
+    seeds[i]): row -> column -> Tensor (N,) in context order (the batches' order)."""
+    table = {}
     batches = score_batches(
         backbone, rewards, prompts, seeds, methods, reference, batch_size, progress=progress
     )
     for scores, _ in batches:
         for name, columns in scores.items():
             for column, values in columns.items():
-                collected.setdefault(name, {}).setdefault(column, {}).update(values)
+                table.setdefault(name, {}).setdefault(column, []).extend(values.values())
     return {
-        name: {column: torch.tensor([values[i] for i in order]) for column, values in row.items()}
-        for name, row in collected.items()
+        name: {column: torch.tensor(v) for column, v in row.items()} for name, row in table.items()
     }
 
 
@@ -133,29 +131,29 @@ def mean_ci(values):
     return values.mean().item(), float(student_t.ppf(0.975, n - 1)) * sem
 
 
-def summarize(scores, baseline="default"):
+def summarize(scores):
     """One row per method: n, mean, ci95 (half-width of the 95% interval) and the paired difference
-    to the baseline method on the same contexts (diff_mean, diff_ci95; None for the baseline)."""
-    rows = []
+    to the default method on the same contexts (diff_mean, diff_ci95; None for the default)."""
+    rows, default = [], scores.get("default")
     for name, values in scores.items():
         row = dict(method=name, n=values.numel(), diff_mean=None, diff_ci95=None)
         row["mean"], row["ci95"] = mean_ci(values)
-        if baseline in scores and name != baseline:
-            if scores[baseline].shape != values.shape:
-                counts = f"{name} has {values.numel()}, {baseline} has {scores[baseline].numel()}"
+        if default is not None and name != "default":
+            if default.shape != values.shape:
+                counts = f"{name} has {values.numel()}, default has {default.numel()}"
                 raise ValueError(f"paired difference needs the same contexts: {counts}")
-            row["diff_mean"], row["diff_ci95"] = mean_ci(values - scores[baseline])
+            row["diff_mean"], row["diff_ci95"] = mean_ci(values - default)
         rows.append(row)
     return rows
 
 
-def format_table(rows, baseline="default"):
+def format_table(rows):
     """Markdown table of summarize()'s rows: mean ± 95% CI and paired difference ± 95% CI."""
 
     def number(value):
         return "-" if value is None or math.isnan(value) else f"{value:.4g}"
 
-    lines = [f"| method | n | mean ± 95% CI | diff to {baseline} ± 95% CI |", "|---|---|---|---|"]
+    lines = ["| method | n | mean ± 95% CI | diff to default ± 95% CI |", "|---|---|---|---|"]
     for row in rows:
         mean, diff = f"{number(row['mean'])} ± {number(row['ci95'])}", "-"
         if row["diff_mean"] is not None:
@@ -192,7 +190,7 @@ def heldout_report(
     methods = {
         "default": default_schedule(backbone, policy.steps),
         "learned (mean)": policy_schedule(policy, backbone),
-        "learned (sampled)": policy_schedule(policy, backbone, "sample", draws),
+        "learned (sampled)": policy_schedule(policy, backbone, draws),
     }
     teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's target
     rows = summarize(
@@ -236,9 +234,9 @@ def sample_images(backbone, method, prompts, seeds, batch_size=128):
     return torch.cat(images)
 
 
-def realism_table(backbone, methods, prompts, seeds, realism, batch_size=128):
+def realism_table(backbone, methods, prompts, seeds, realism):
     """method name -> the realism of its samples of the contexts (prompts[i], seeds[i])."""
     return {
-        name: realism(sample_images(backbone, method, prompts, seeds, batch_size))
+        name: realism(sample_images(backbone, method, prompts, seeds))
         for name, method in methods.items()
     }

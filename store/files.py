@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 
 # this checkout's root: the shipped miniatures, reward models and prompt sets are found from it
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,13 +143,24 @@ def check_writable(folder, flag="--out-dir"):
 def interrupt_quietly(program):
     """Ctrl-C while a program's libraries import (torch and diffusers take seconds): one line and
     exit 130 at once, not a traceback from an import cut halfway. Nothing is written yet. The
-    program sets signal.default_int_handler back before its main()."""
+    program sets signal.default_int_handler back before its main() (run_quietly does)."""
 
     def interrupted(*_):
         os.write(2, f"{program}: interrupted while starting: nothing was written\n".encode())
         os._exit(130)
 
     signal.signal(signal.SIGINT, interrupted)
+
+
+def run_quietly(program, main, kept):
+    """main() with Ctrl-C a KeyboardInterrupt again; one that reaches here ends in one line,
+    `<program>: interrupted: <kept>`, and exit 130, as a shell."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        main()
+    except KeyboardInterrupt:
+        print(f"{program}: interrupted: {kept}", file=sys.stderr)
+        sys.exit(130)
 
 
 # a run folder: one writer, our marker, what a kill left
