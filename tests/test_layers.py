@@ -1,0 +1,97 @@
+"""Imports run one way (docs/DESIGN.md, "Files"): the method's three files import nothing of the
+project, no product file imports tests/ or evidence/, the training path imports no asset builder,
+and no files import each other in a loop. Imports are read with ast, inside functions too."""
+
+import ast
+import os
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+METHOD = ("policy.py", "baselines.py", "rollout.py")
+CARD = METHOD + ("train.py", "sample.py", "evaluate.py", "toy_js.py")
+
+
+def tracked_python():
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    return [path for path in files.stdout.split() if os.path.isfile(os.path.join(ROOT, path))]
+
+
+def module_file(name, files):
+    """The tracked file a dotted module name is, or None outside the project."""
+    base = name.replace(".", "/")
+    for candidate in (f"{base}.py", f"{base}/__init__.py"):
+        if candidate in files:
+            return candidate
+    return None
+
+
+def imports(path, files):
+    """The project files that `path` imports (a package's __init__.py for `from package import
+    name` where name is no module of it)."""
+    with open(os.path.join(ROOT, path)) as handle:
+        tree = ast.parse(handle.read())
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        for name in names:
+            target = module_file(name, files)
+            if target and target != path:
+                found.add(target)
+    return found
+
+
+def graph():
+    files = set(tracked_python())
+    product = [path for path in files if not path.startswith("tests/")]
+    return {path: imports(path, files) for path in product}
+
+
+def test_the_method_files_import_nothing_of_the_project():
+    edges = graph()
+    assert {path: sorted(edges[path]) for path in METHOD} == {path: [] for path in METHOD}
+
+
+def test_no_product_file_imports_tests_or_evidence():
+    for path, targets in graph().items():
+        assert not any(target.startswith("tests/") for target in targets), path
+        if not path.startswith("evidence/"):
+            assert not any(target.startswith("evidence/") for target in targets), path
+
+
+def test_the_training_path_imports_no_asset_builder():
+    edges, reached, todo = graph(), set(), ["train.py", "sample.py", "evaluate.py"]
+    while todo:
+        path = todo.pop()
+        if path not in reached:
+            reached.add(path)
+            todo += sorted(edges[path])
+    assert "miniatures/build.py" not in reached
+    assert not any(path.startswith("evidence/") for path in reached)
+
+
+def loops(edges):
+    """Every loop of imports that a depth-first walk of `edges` (file -> files) meets."""
+    state, found = {}, []
+
+    def visit(path, trail):
+        state[path] = "open"
+        for target in sorted(edges.get(path, ())):
+            if state.get(target) == "open":
+                found.append(trail[trail.index(target) :] + [target])
+            elif target not in state:
+                visit(target, trail + [target])
+        state[path] = "done"
+
+    for path in sorted(edges):
+        if path not in state:
+            visit(path, [path])
+    return found
+
+
+def test_no_files_import_each_other_in_a_loop():
+    assert loops({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert loops(graph()) == []
