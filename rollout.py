@@ -38,8 +38,6 @@ class Backbone:
       sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
       as_image(latents) -> latents in the (N, C, H, W) layout the policy reads
-      hidden_states() (the diffusers families): a context of forward hooks on the denoiser, yields
-          read() -> its hidden states at the last model call, what a policy may read
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
       ode(noise, cond, start) -> (derivative, state, level): the ODE run_schedule integrates
           from noise at the times `start` (N,)

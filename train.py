@@ -467,7 +467,7 @@ def main(config):
                 preset=backbones.BACKBONES[config.backbone]["policy"],
                 backbone=config.backbone,
                 concentration=config.concentration,
-                **tpdm.policy_options(config, config.tpdm),  # the step-wise policy's
+                **tpdm.policy_options(config, config.tpdm, backbone),  # the step-wise policy's
             ).to(device)
         except ValueError as error:
             fail(f"--concentration {config.concentration}: {error}")

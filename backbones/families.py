@@ -4,9 +4,7 @@ rollout.run_schedule; with `default_times(L)` each reproduces its pipeline's lat
 (tests/test_rollout_diffusers.py).
 """
 
-import contextlib
 import inspect
-import math
 import warnings
 
 import torch
@@ -27,8 +25,7 @@ DECODE_PIXELS = 4 * 1024**2
 
 
 class PipelineBackbone(Backbone):
-    """What the three families share. Each sets `vae_input(latents)` and `hidden_layers`, its
-    denoiser's (first, last, time embedding) modules."""
+    """What the three families share. Each sets `vae_input(latents)`."""
 
     cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
 
@@ -72,27 +69,6 @@ class PipelineBackbone(Backbone):
             )
         print(f"note: {what}")
 
-    @contextlib.contextmanager
-    def hidden_states(self):
-        """Forward hooks on `hidden_layers`; yields read() -> (features (N, 2D, h, w), embedding
-        (N, E)) float32 of the last model call, CFG-guided: what TPDM's time predictor reads."""
-        captured, modules = {}, [self.model.get_submodule(name) for name in self.hidden_layers]
-
-        def keep(module, inputs, output):
-            captured[module] = output
-
-        handles = [module.register_forward_hook(keep) for module in modules]
-
-        def read():
-            first, last, time = (self.guide(captured[module].float()) for module in modules)
-            return torch.cat([_token_grid(first), _token_grid(last)], dim=1), time
-
-        try:
-            yield read
-        finally:
-            for handle in handles:
-                handle.remove()
-
     def guide(self, prediction):
         """Classifier-free guidance over a batch stacked [uncond; cond], as the pipelines do."""
         if not self.cfg:
@@ -132,14 +108,6 @@ class PipelineBackbone(Backbone):
         )
 
 
-def _token_grid(features):
-    """Tokens (N, h * w, D) of a square image -> (N, D, h, w); UNet maps (N, D, h, w) stay."""
-    if features.dim() == 4:
-        return features
-    side = math.isqrt(features.shape[1])
-    return features.transpose(1, 2).reshape(len(features), -1, side, side)
-
-
 def _call_default(pipe, argument):
     """The pipeline's own default for a __call__ argument."""
     return inspect.signature(type(pipe).__call__).parameters[argument].default
@@ -162,15 +130,9 @@ def _token_mask(tokenizer, prompts, length):
 
 
 def _transformer_dims(config, latent_channels):
-    """policy_dims of an MMDiT (SD3, Flux): features are the first and last hidden states."""
-    width = config.num_attention_heads * config.attention_head_dim
-    return dict(
-        latent_channels=latent_channels,
-        text_dim=config.joint_attention_dim,
-        pooled_dim=config.pooled_projection_dim,
-        feature_channels=2 * width,
-        time_dim=width,
-    )
+    """policy_dims of an MMDiT (SD3, Flux)."""
+    text_dim, pooled_dim = config.joint_attention_dim, config.pooled_projection_dim
+    return dict(latent_channels=latent_channels, text_dim=text_dim, pooled_dim=pooled_dim)
 
 
 class SD3Backbone(PipelineBackbone):
@@ -183,7 +145,6 @@ class SD3Backbone(PipelineBackbone):
         self.text_length = _text_length(pipe, pipe.tokenizer_3)
         config = self.model.config
         self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        self.hidden_layers = ("pos_embed", "norm_out", "time_text_embed")  # TPDM's
         self.policy_dims = _transformer_dims(config, config.in_channels)
 
     @torch.no_grad()
@@ -238,7 +199,6 @@ class FluxBackbone(PipelineBackbone):
         self.latent_size = size = self.resolution // pipe.vae_scale_factor  # unpacked side
         self.latent_channels = config.in_channels // 4
         self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
-        self.hidden_layers = ("x_embedder", "norm_out", "time_text_embed")
         self.policy_dims = _transformer_dims(config, self.latent_channels)
 
     @torch.no_grad()
@@ -326,13 +286,10 @@ class SDXLBackbone(PipelineBackbone):
         self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigmas
         unet = self.model.config
         self.latent_shape = (unet.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
-        self.hidden_layers = ("conv_in", "conv_norm_out", "time_embedding")
         self.policy_dims = dict(
             latent_channels=unet.in_channels,
             text_dim=unet.cross_attention_dim,
             pooled_dim=pipe.text_encoder_2.config.projection_dim,
-            feature_channels=2 * unet.block_out_channels[0],
-            time_dim=self.model.time_embedding.linear_2.out_features,
         )
 
     def sigma(self, times):

@@ -10,13 +10,14 @@ so L steps cost L model calls and L policy calls, t_L > 0 is the learnable stop 
 is the sum of the L Beta log-densities. The network is policy.SchedulePolicy.encode's, with t_l
 and the step joining the pooled prompt embedding; it reads (run_stepwise's `decide`):
 - inputs="hidden", TPDM's (src/models/stable_diffusion_3/modeling_sd3_pnt.py): the denoiser's
-  hidden states and timestep embedding (backbones.families.PipelineBackbone.hidden_states);
+  hidden states and timestep embedding (hidden_states, forward hooks on HIDDEN_LAYERS);
 - inputs="sampler": the state and the prediction of the clean sample (2 C channels).
 init="tpdm" starts every step at TPDM's head bias (a, b) = (2.5, 1.0) (scripts/launch_sd3_train.sh
 --init_alpha 2.5 --init_beta 1.0), any other init at the Dirichlet policy's initial mean schedule.
 At inference the rate is the Beta's mode, TPDM's (modeling_sd3_pnt.py, `predict`), or its mean.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass, field, fields
 
@@ -24,6 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from backbones import FAMILIES
 from policy import (
     ALPHA_MIN,
     SchedulePolicy,
@@ -37,6 +39,60 @@ from policy import (
 FREQUENCIES = 8  # sin and cos of 2^k pi t, k < 8: the time's features
 INPUTS, INFERENCE = ["sampler", "hidden"], ["mean", "mode"]
 TPDM_LOGITS = (2.5, 1.0)  # TPDM's head bias (a, b): alpha = 1 + e^2.5, beta = 1 + e^1
+# The denoiser's modules whose outputs the time predictor reads: the first and last hidden states
+# and the timestep embedding (TPDM's on SD3, modeling_sd3_pnt.py; their counterparts on Flux and
+# the SD-XL UNet)
+HIDDEN_LAYERS = {
+    "sd3": ("pos_embed", "norm_out", "time_text_embed"),
+    "flux": ("x_embedder", "norm_out", "time_text_embed"),
+    "sdxl": ("conv_in", "conv_norm_out", "time_embedding"),
+}
+
+
+def family(backbone):
+    return next(name for name, cls in FAMILIES.items() if isinstance(backbone, cls))
+
+
+def hidden_dims(backbone):
+    """The sizes a policy reading a diffusers backbone's hidden states needs: feature_channels (the
+    first and last hidden states, stacked) and time_dim (the timestep embedding)."""
+    model = backbone.model
+    if family(backbone) == "sdxl":
+        channels, time_dim = model.config.block_out_channels[0], model.time_embedding.linear_2
+        return dict(feature_channels=2 * channels, time_dim=time_dim.out_features)
+    width = model.config.num_attention_heads * model.config.attention_head_dim
+    return dict(feature_channels=2 * width, time_dim=width)
+
+
+def token_grid(features):
+    """Tokens (N, h * w, D) of a square image -> (N, D, h, w); UNet maps (N, D, h, w) stay."""
+    if features.dim() == 4:
+        return features
+    side = math.isqrt(features.shape[1])
+    return features.transpose(1, 2).reshape(len(features), -1, side, side)
+
+
+@contextlib.contextmanager
+def hidden_states(backbone):
+    """Forward hooks on the backbone's HIDDEN_LAYERS; yields read() -> (features (N, 2D, h, w),
+    embedding (N, E)) float32 of the last model call, CFG-guided, as TPDM's predictor reads them."""
+    names = HIDDEN_LAYERS[family(backbone)]
+    captured, modules = {}, [backbone.model.get_submodule(name) for name in names]
+
+    def keep(module, inputs, output):
+        captured[module] = output
+
+    handles = [module.register_forward_hook(keep) for module in modules]
+
+    def read():
+        first, last, time = (backbone.guide(captured[module].float()) for module in modules)
+        return torch.cat([token_grid(first), token_grid(last)], dim=1), time
+
+    try:
+        yield read
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def time_features(time, step, steps):
@@ -105,14 +161,6 @@ class StepwisePolicy(SchedulePolicy):
             self.head[-1].weight.normal_(0.0, 0.001)
             self.head[-1].bias.zero_()
             self.rate_logits.copy_(rates)
-
-    @classmethod
-    def for_backbone(cls, steps, backbone_dims, inputs="sampler", **options):
-        """Built for what a backbone gives (Backbone.policy_dims), hidden-state sizes included."""
-        keys = ["latent_channels", "text_dim", "pooled_dim"]
-        if inputs == "hidden":  # the denoiser's hidden states (backbones/families.py)
-            keys += ["feature_channels", "time_dim"]
-        return cls(steps, inputs=inputs, **{key: backbone_dims.get(key) for key in keys}, **options)
 
     pipeline_refusal = (
         "a step-wise policy (TPDM) picks each time from the sampler's state inside the loop, "
@@ -183,7 +231,7 @@ class Stepper:
 
     def __enter__(self):
         if self.hidden:
-            self.hooks = self.backbone.hidden_states()
+            self.hooks = hidden_states(self.backbone)
             self.read = self.hooks.__enter__()  # () -> the last model call's hidden states
         return self
 
@@ -375,11 +423,14 @@ def check(config, settings, spec):
         raise ValueError(f"--ppo-clip must be a finite number > 0 (got {settings.ppo_clip})")
 
 
-def policy_options(config, settings):
-    """The step-wise policy's constructor options of a run (store.checkpoint.make_policy)."""
+def policy_options(config, settings, backbone):
+    """The step-wise policy's constructor options of a run (store.checkpoint.make_policy), the
+    sizes of the backbone's hidden states among them when it reads them."""
     if config.policy != "stepwise":
         return {}
     options = dict(inputs=settings.policy_inputs, inference=settings.inference)
+    if settings.policy_inputs == "hidden":
+        options.update(hidden_dims(backbone))
     return dict(options, init="tpdm") if config.init == "tpdm" else options
 
 

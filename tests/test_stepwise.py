@@ -195,7 +195,7 @@ def test_a_stepwise_policy_is_refused_by_the_stock_pipeline_in_one_line():
             call()
 
 
-# the layers each family's hidden states come from (rollout.py's hidden_layers): TPDM's choice on
+# the layers each family's hidden states come from (comparator.tpdm.HIDDEN_LAYERS): TPDM's choice on
 # SD3 (its transformer_sd3.py), the same places in Flux, their counterparts in the SD-XL UNet
 HIDDEN_LAYERS = {
     "sd3": ("pos_embed", "norm_out", "time_text_embed"),
@@ -212,7 +212,14 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     pipe = tiny_pipeline(family)
     backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
     steps = 3
-    policy = make_policy("stepwise", backbone.policy_dims, steps, init="tpdm", inputs="hidden")
+    policy = make_policy(
+        "stepwise",
+        backbone.policy_dims,
+        steps,
+        init="tpdm",
+        inputs="hidden",
+        **tpdm.hidden_dims(backbone),
+    )
     noise, cond = contexts_of(backbone, ["a cat", "a red house on a hill"])
     outputs = {name: [] for name in HIDDEN_LAYERS[family]}  # each model call's, in order
     handles = [
@@ -248,7 +255,7 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
         return value.transpose(1, 2).reshape(len(value), -1, side, side)
 
     features = torch.cat([grid(first), grid(last)], dim=1)
-    assert features.shape[1] == backbone.policy_dims["feature_channels"]
+    assert features.shape[1] == tpdm.hidden_dims(backbone)["feature_channels"]
     torch.testing.assert_close(seen[0]["latent"].float(), features)
     torch.testing.assert_close(seen[0]["embedding"].float(), embedding)
     record = stepper.record()
