@@ -408,7 +408,8 @@ def plot(path, results):
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(4.5 * len(results), 3.8), layout="tight")
-    for axes, ((name, steps), rows) in zip(figure.subplots(1, len(results)), results.items()):
+    panels = figure.subplots(1, len(results), squeeze=False)[0]
+    for axes, ((name, steps), rows) in zip(panels, results.items()):
         own = torch.tensor(rows["per-context best schedule"]["times"][:EXAMPLES])
         single = torch.tensor(rows["best single schedule"]["times"][0])
         for index, times in enumerate(own):

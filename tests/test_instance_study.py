@@ -1,0 +1,89 @@
+"""evidence/instance_study.py's pieces on cases with a known answer: the oracle searches, the
+supervised predictor, and the section's rows."""
+
+import pytest
+import torch
+
+from evidence import instance_study
+from policy import times_from_increments
+from store.checkpoint import make_policy
+
+DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
+
+
+def targets(count, steps, generator):
+    """Strictly decreasing schedules from t_0 = 1, one per context."""
+    increments = torch.distributions.Dirichlet(torch.full((steps + 1,), 5.0)).sample((count,))
+    return times_from_increments(increments)
+
+
+def test_the_searches_find_a_known_optimum():
+    """objective = -|times - target_c|^2: each context's own search reaches its target, and the
+    best single schedule for all reaches their mean (the minimiser of the mean squared distance)."""
+    torch.manual_seed(0)
+    goal = targets(12, 3, None)
+
+    def objective(index, times):
+        return -(times - goal[index]).square().sum(-1)
+
+    start = torch.linspace(1.0, 0.0, 4)
+    own = instance_study.best_each(objective, start.expand(12, -1), iterations=300)
+    assert (own - goal).abs().max() < 0.01
+    single = instance_study.best_single(objective, 12, start, 300, batch=12, seed=0)
+    assert (single - goal.mean(0)).abs().max() < 0.01
+    # a search keeps the best schedule it met: never worse than where it started
+    assert (objective(torch.arange(12), own) >= objective(torch.arange(12), start)).all()
+
+
+def test_the_supervised_predictor_learns_a_schedule_the_noise_determines():
+    """Targets set by the sign of the noise's mean (two schedules): fitted on 256 contexts, the
+    predictor's mean schedule on 128 others is within 0.05 of each one's target, where a predictor
+    blind to the noise could at best give their midpoint (0.1 away)."""
+    torch.manual_seed(0)
+    count, steps = 384, 2
+    latent = torch.randn(count, 1, 8, 8)
+    sign = latent.mean((1, 2, 3)) > 0
+    early, late = torch.tensor([1.0, 0.7, 0.2]), torch.tensor([1.0, 0.5, 0.2])
+    goal = torch.where(sign[:, None], early, late)
+    inputs = dict(
+        latent=latent,
+        text=torch.zeros(count, 4, 32),
+        text_mask=torch.ones(count, 4, dtype=torch.bool),
+        pooled=torch.zeros(count, 32),
+    )
+    part = {key: value[:256] for key, value in inputs.items()}
+    held = {key: value[256:] for key, value in inputs.items()}
+    policy = make_policy("instance", DIGITS, steps, torch.tensor([1.0, 0.6, 0.2]))
+    instance_study.fit_predictor(policy, part, goal[:256], held, goal[256:], seed=0)
+    with torch.no_grad():
+        alpha = policy(**held)
+    predicted = times_from_increments(alpha / alpha.sum(-1, keepdim=True))
+    assert (predicted - goal[256:])[:, 1].abs().mean() < 0.05
+
+
+def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of_the_gap():
+    def row(reward):
+        return dict(reward=reward, times=[[1.0, 0.5, 0.0]] * len(reward), frechet=1.0)
+
+    rows = {
+        "default": row([0.0, 0.0]),
+        "best single schedule": row([1.0, 2.0]),
+        "per-context best schedule": row([2.0, 3.0]),
+        "supervised (noise and prompt), 64 contexts, seed 0": row([1.5, 2.5]),
+        "supervised (noise and prompt), 64 contexts, seed 1": row([1.5, 2.5]),
+    }
+    text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows))
+    assert "| best single schedule | 1.500 | +0.000 ± 0.000 | +0% | 1.000 |" in text
+    assert "| per-context best schedule | 2.500 | +1.000 ± 0.000 | +100% | 1.000 |" in text
+    # two seeds are one row: their mean, their range, half the gap
+    assert "| supervised (noise and prompt), 64 contexts | 2.000 (2.000 to 2.000) | +0.500" in text
+    assert "+50% |" in text and "| default | 0.000 | -1.500 ± 6.353 | -150% |" in text
+
+
+@pytest.mark.parametrize("steps", [2, 3])
+def test_logits_start_from_pure_noise_with_a_stop_margin(steps):
+    default = torch.linspace(0.9, 0.0, steps + 1)  # SD-XL's starts below 1, ends at 0
+    times = instance_study.times_of(instance_study.logits_of(default))
+    margin = instance_study.STOP_MARGIN  # raised, then the increments renormalised
+    assert times[0] == 1.0 and times[-1] >= margin / (1 + margin) - 1e-7
+    assert (times[1:] < times[:-1]).all()
