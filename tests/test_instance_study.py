@@ -72,12 +72,13 @@ def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of
         "supervised (noise and prompt), 64 contexts, seed 0": row([1.5, 2.5]),
         "supervised (noise and prompt), 64 contexts, seed 1": row([1.5, 2.5]),
     }
-    text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows))
+    text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows, [0.1, 0.1]))
     assert "| best single schedule | 1.500 | +0.000 ± 0.000 | +0% | 1.000 |" in text
     assert "| per-context best schedule | 2.500 | +1.000 ± 0.000 | +100% | 1.000 |" in text
     # two seeds are one row: their mean, their range, half the gap
     assert "| supervised (noise and prompt), 64 contexts | 2.000 (2.000 to 2.000) | +0.500" in text
     assert "+50% |" in text and "| default | 0.000 | -1.500 ± 6.353 | -150% |" in text
+    assert "twice the search's iterations add +0.100 ± 0.000 on the first 2 contexts (+10%" in text
 
 
 @pytest.mark.parametrize("steps", [2, 3])
