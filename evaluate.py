@@ -130,6 +130,16 @@ def weights_digest(policy):
     return digest.hexdigest()[:16]
 
 
+def weights_identity(path):
+    """What scores of local weights depend on, short of reading them: the path, with the size and
+    time of change of a file (one replaced in place is another), or the path alone (a hub id, or
+    None for the default weights)."""
+    if not path or not os.path.isfile(path):
+        return path
+    stat = os.stat(path)
+    return f"{os.path.abspath(path)} ({stat.st_size} bytes, changed at {stat.st_mtime:.0f})"
+
+
 def check_args(args):
     """evaluate.py's command line against its checkpoints, before anything heavy loads (ValueError
     in one line): returns the run's config, name -> (path, policy) of the policies to evaluate, the
@@ -137,7 +147,9 @@ def check_args(args):
     checkpoint, learned = load_checkpoint(args.ckpt, args.backbone, args.steps)
     config = checkpoint["config"]
     backbones.check_trained_on(config, args.ckpt)
-    trained_on, trained_reward = config["backbone"], config["reward"]
+    trained_on, trained_reward = config["backbone"], config.get("reward")
+    if trained_reward is None and not args.rewards:
+        raise ValueError(f"{args.ckpt} names no training reward; pass --rewards NAME")
     policies = {"learned": (args.ckpt, learned)}
     if args.global_ckpt:  # the same backbone and L
         global_run, policy = load_checkpoint(args.global_ckpt, trained_on, config["steps"])
@@ -153,7 +165,7 @@ def check_args(args):
         if "=" not in item or not item.split("=", 1)[0]:
             example = "e.g. hpsv2=/path/HPS_v2.1_compressed.pt"
             raise ValueError(f"--reward-checkpoint takes NAME=PATH ({example}), got {item!r}")
-    local = {trained_reward: config["reward_checkpoint"]}  # reward -> its local weights
+    local = {trained_reward: config.get("reward_checkpoint")}  # reward -> its local weights
     local.update(item.split("=", 1) for item in args.reward_checkpoint)
     for name in args.rewards or []:  # as train.py refuses it
         reward_lib.check_digits(name, trained_on, backbones.BACKBONES[trained_on])
@@ -196,7 +208,7 @@ def main(argv=None):
         backbone = backbones.trained_backbone(config, device)
         for path, policy in policies.values():
             check_fits(policy, backbone, path)
-        backbone.check_prompts(prompt_list or [], config["reward"])
+        backbone.check_prompts(prompt_list or [], config.get("reward"))
         own = not (args.hpdv2 or args.prompts)  # train.py's held-out prompts: its count by default
         count = args.count or (config["eval_contexts"] if own else None)
         prompts, seeds = heldout_contexts(prompt_list or backbone.prompts, count, args.seed)
@@ -217,9 +229,9 @@ def main(argv=None):
 
         # every row with what its scores depend on (the backbone's settings, the policy's
         # weights), and every reward with its weights: stored scores of anything else are stale
-        settings = {
-            key: config.get(key) for key in ("backbone", "model_path", "resolution", "guidance")
-        }
+        settings = {key: config.get(key) for key in ("backbone", "resolution", "guidance")}
+        settings.update(model=weights_identity(config.get("model_path")), dtype=str(backbone.dtype))
+        settings.update(device=backbone.device.type)
         methods = {"default": default_schedule(backbone, steps)}
         identity = {"default": dict(settings, steps=steps)}
         for name, (_, policy) in policies.items():
@@ -244,7 +256,8 @@ def main(argv=None):
             f"backbone {trained_on}, L={steps}, {len(prompts)} contexts, rows {list(identity)}, "
             f"rewards {list(rewards)}, output {out_dir}"
         )
-        store = score_store(store_path, identity, {name: local.get(name) for name in rewards})
+        weights = {name: weights_identity(local.get(name)) for name in rewards}
+        store = score_store(store_path, identity, weights)
     except BaseException as error:  # a refused or failed start leaves the folder as it was
         if claim is not None:
             release(claim)

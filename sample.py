@@ -233,10 +233,10 @@ def save_figures(out_dir, contexts, results, label, measure):
 def run_reward(config, backbone, device):
     """The run's own reward and its name in the printed comparisons; None (minus the distance to
     the teacher, computed anyway) for the teacher reward or, with a note, one that cannot load."""
-    name = config["reward"]
-    if name != "teacher":
+    name = config.get("reward")
+    if name not in (None, "teacher"):
         try:
-            checkpoint = config["reward_checkpoint"]
+            checkpoint = config.get("reward_checkpoint")
             check_reward(name, checkpoint)
             reward = load_reward(name, backbone, device=device, checkpoint=checkpoint)
             return reward, f"the {name} reward"
@@ -279,7 +279,7 @@ def main(argv=None):
         torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
         backbone = backbones.trained_backbone(config, device)
         check_fits(policy, backbone, args.ckpt)
-        backbone.check_prompts(prompts, config["reward"])
+        backbone.check_prompts(prompts, config.get("reward"))
         contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
         if len(set(contexts)) < len(contexts):
             print(f"note: {len(contexts) - len(set(contexts))} repeated context(s) sampled once")
@@ -336,7 +336,7 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
         contexts, *learned[1:], *default[2:]
     ):
         times = ", ".join(f"{t:.3f}" for t in times.tolist())
-        scored = f"{config['reward']} reward {score:.4f} (default {default_score:.4f}), "
+        scored = f"{config.get('reward')} reward {score:.4f} (default {default_score:.4f}), "
         scored = "" if reward is None else scored
         print(
             f"{prompt!r} seed {seed}: learned times [{times}], {scored}distance to the teacher "
@@ -352,5 +352,8 @@ def produce(args, config, policy, backbone, contexts, out_dir, device):
 
 
 if __name__ == "__main__":
-    again = "the images already written stay; the same command samples them all again"
+    again = (
+        "the images written into a folder of an earlier sampling stay, a folder this sampling "
+        "made is removed; the same command samples them all again"
+    )
     run_quietly("sample.py", main, again)

@@ -21,7 +21,6 @@ checkpoint, or reports a finished one.
 """
 
 import argparse
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -249,11 +248,13 @@ def check(config, world_size):
         prompts, heldout, location = check_input(config, world_size)
     except ValueError as error:
         fail(error)
-    claim = None  # the folder taken (one writer, our marker) before its state is read
+    claim, unwritable = None, None  # the folder taken (one writer, our marker) before it is read
     try:
         if int(os.environ.get("RANK", "0")) == 0:
-            with contextlib.suppress(OSError):  # read-only: a finished run is still reported
+            try:
                 claim = files.claim_folder(config.out_dir, "train.py", files.RUN_FILES)
+            except files.WriteFailed as error:  # read-only: a finished run is still reported
+                unwritable = error
         found = checkpoint.existing_run(saved(config))
         if found and found.get("prompts_digest") not in (None, prompts_digest(prompts, heldout)):
             raise ValueError(
@@ -268,6 +269,8 @@ def check(config, world_size):
             )
         if not finished(config, found):
             files.check_writable(config.out_dir)
+            if unwritable:
+                raise unwritable
         return prompts, heldout, found, location, claim
     except BaseException as error:  # a refused or failed start leaves the folder as it was
         if claim is not None:
@@ -397,7 +400,8 @@ def report_finished(config, found):
     ignored = [flag for flag in ("figure", "track") if getattr(config, flag)]
     if ignored:
         flags = " and ".join("--" + flag for flag in ignored)
-        print(f"note: {flags} apply to a run that trains; this one is finished")
+        verb = "apply" if len(ignored) > 1 else "applies"
+        print(f"note: {flags} {verb} to a run that trains; this one is finished")
 
 
 # -----------------------------------------------------------------------------
@@ -433,32 +437,20 @@ def main(config):
     if config.threads:
         torch.set_num_threads(config.threads)
 
-    # ---------------- backbone, prompts, reward ----------------
+    # ---------------- backbone, prompts, reward, policy: whatever can refuse, before any write ----
     torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
-    try:  # the frozen backbone; a prompt it cannot take fails here, not at an iteration
+    try:  # a refused or failed start leaves the folder as it was
         backbone = backbones.trained_backbone(saved(config), device, location)
         prompts = train_prompts or backbone.prompts
         heldout = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
-        backbone.check_prompts(prompts + heldout[0], config.reward)
-    except BaseException as error:  # a refused or failed start leaves the folder as it was
-        if claim is not None:
-            files.release(claim)
-        if not isinstance(error, ValueError):
-            raise
-        fail(error)
-    lock, tracker = (claim or (None,))[0], None
-    try:
-        if master:
-            with files.write_or_exit(config.out_dir):
-                files.start_run(config.out_dir, fresh=not found)
+        backbone.check_prompts(prompts + heldout[0], config.reward)  # here, not at an iteration
         reward = reward_lib.load_reward(
             config.reward, backbone, device=device, checkpoint=config.reward_checkpoint
         )
         encode = prompt_encoder(backbone, prompts)
-
-        # ---------------- policy and optimiser: the method's, or the comparator's ----------------
+        # the method's policy, or the comparator's
         init_times = backbone.default_times(config.steps) if config.init == "default" else None
-        try:  # a concentration too small for the start's smallest increment
+        try:
             raw_policy = checkpoint.make_policy(
                 config.policy,
                 backbone.policy_dims,
@@ -469,8 +461,21 @@ def main(config):
                 concentration=config.concentration,
                 **tpdm.policy_options(config, config.tpdm, backbone),  # the step-wise policy's
             ).to(device)
-        except ValueError as error:
-            fail(f"--concentration {config.concentration}: {error}")
+        except ValueError as error:  # a concentration too small for the smallest increment
+            raise ValueError(f"--concentration {config.concentration}: {error}") from None
+    except BaseException as error:
+        if claim is not None:
+            files.release(claim)
+        if not isinstance(error, ValueError):
+            raise
+        fail(error)
+    lock, tracker = (claim or (None,))[0], None
+    try:
+        if master:
+            with files.write_or_exit(config.out_dir):
+                files.start_run(config.out_dir, fresh=not found)
+
+        # ---------------- update and optimiser: the method's, or the comparator's ----------------
         update = reinforce_update
         if config.optimizer == "ppo":  # TPDM's update: clipped steps on each batch
             update = functools.partial(tpdm.ppo_update, config.tpdm, config.seed)

@@ -169,7 +169,8 @@ def check_files(name, path=None):
         if not os.path.isfile(os.path.join(path, "model_index.json")):
             raise ValueError(
                 f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
-                f"that holds model_index.json, or drop --model-path to use {hub_id} from the hub"
+                "that holds model_index.json, or drop --model-path to use "
+                + (f"{hub_id} from the hub" if hub_id else "the miniature shipped here")
             )
     else:  # from the local hub cache, else downloaded
         location = hub_id
@@ -224,11 +225,11 @@ def trained_backbone(config, device, location=None):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
     return load_backbone(
         config["backbone"],
-        path=config["model_path"],
+        path=config.get("model_path"),
         device=device,
-        dtype=getattr(torch, config["dtype"]) if config["dtype"] else None,
-        resolution=config["resolution"],
-        guidance=config["guidance"],
+        dtype=getattr(torch, config["dtype"]) if config.get("dtype") else None,
+        resolution=config.get("resolution"),
+        guidance=config.get("guidance"),
         location=location,
     )
 

@@ -6,6 +6,7 @@ of contexts can be computed (evidence/ablation.py's oracles).
 
 import torch
 
+from prompts import shown
 from rollout import Backbone
 
 DIGIT_TOKENS = 4  # prompt tokens: "a", "handwritten", the digit, one padding token (masked out)
@@ -72,7 +73,7 @@ class MixtureBackbone(Backbone):
         if unknown:
             raise ValueError(
                 f"{self.name} knows only the prompts 'a handwritten 0' .. 'a handwritten 9', "
-                f"got {unknown[0]!r}"
+                f"got {shown(unknown[0])}"
             )
 
     def encode_prompts(self, prompts):

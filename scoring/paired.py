@@ -143,6 +143,9 @@ def summarize(scores):
                 counts = f"{name} has {values.numel()}, default has {default.numel()}"
                 raise ValueError(f"paired difference needs the same contexts: {counts}")
             row["diff_mean"], row["diff_ci95"] = mean_ci(values - default)
+        for key in ("ci95", "diff_ci95"):  # one context has no interval: null in JSON, not NaN
+            if row[key] is not None and math.isnan(row[key]):
+                row[key] = None
         rows.append(row)
     return rows
 

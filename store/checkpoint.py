@@ -172,7 +172,12 @@ def read_policy_folder(source):
                 raise ValueError(f"{source} is a run folder of train.py: pass {ways}")
             raise ValueError(missing)
         path, weights = (os.path.join(source, name) for name in names)
-    else:
+    else:  # a hub id, or a local path with a typo
+        missing = (
+            f"{source}: no such folder here ({os.path.abspath(source)}), nor a policy on the hub"
+        )
+        if os.path.isdir(source.split("/")[0]):  # more likely a typo than a hub id
+            raise ValueError(f"{source}: no such folder ({os.path.abspath(source)})")
         path, weights = (hub_file(source, name, missing) for name in names)
     saved = read_json(path, AGAIN)
     check_safetensors(weights, AGAIN)
@@ -184,6 +189,7 @@ def read_policy_folder(source):
     kind = saved.get("kind") or ("instance" if "latent_channels" in saved else "global")
     if not isinstance(training, dict):
         raise ValueError(f'{path}: "training_config" is not a mapping; {RESTORE}')
+    training = {"backbone": saved.get("backbone"), "steps": saved["steps"], **training}
     if kind not in POLICIES:
         known = ", ".join(POLICIES)
         raise ValueError(f'{path}: "kind" is {kind!r}, not a policy kind ({known}); {RESTORE}')

@@ -73,7 +73,9 @@ def write_failed(path, error, needed=None, then=None):
     folder = os.path.dirname(os.path.abspath(path))
     if error.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(folder).free
-        size = f"{needed / 2**20:.1f} MiB free" if needed else "more free space"
+        size = "more free space"
+        if needed:
+            size = f"{needed / 2**20:.1f} MiB free" if needed >= 2**20 else f"{needed:,} bytes"
         return WriteFailed(
             f"could not write {path}: the disk is full ({free / 2**20:.1f} MiB free in {folder}, "
             f"the write needs {size}); free some space and "
@@ -156,6 +158,7 @@ def run_quietly(program, main, kept):
     """main() with Ctrl-C a KeyboardInterrupt again; one that reaches here ends in one line,
     `<program>: interrupted: <kept>`, and exit 130, as a shell."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.stdout.reconfigure(errors="backslashreplace")  # the tables' "±" on any terminal
     try:
         main()
     except KeyboardInterrupt:
@@ -192,20 +195,31 @@ def lock_run(out_dir):
     return handle
 
 
-def claim_folder(out_dir, program, outputs):
+def claim_folder(out_dir, program, outputs, then="run the same command again"):
     """Take out_dir for `program` before anything reads its state: the lock, then the marker. A
-    folder without our marker is taken only if it holds none of `outputs` (a user's files are never
-    overwritten); else ValueError, the folder left as it was. Returns the claim for `release`."""
+    folder without our marker is taken only if it holds none of `outputs`, nor a <name>.tmp of one,
+    nor a run.lock that no run wrote (a user's files are never overwritten); else ValueError, the
+    folder left as it was. A failed write is a WriteFailed (`then`: what to do once it can
+    succeed). Returns the claim for `release`."""
     top = os.path.abspath(out_dir)  # the outermost folder this call will make, if any
     while not os.path.exists(os.path.dirname(top)):
         top = os.path.dirname(top)
     lock_path, marker = os.path.join(out_dir, "run.lock"), os.path.join(out_dir, MARKER)
+    ours = os.path.isfile(marker)
+    if os.path.isdir(lock_path) or not (ours or lock_left_by_a_run(lock_path)):
+        raise ValueError(
+            f"--out-dir {out_dir} holds run.lock, which no run of {program} wrote (there is no "
+            f"{MARKER}); pass another --out-dir, or move it away"
+        )
     added = [path for path in (lock_path, marker) if not os.path.exists(path)]
     if not os.path.exists(top):
         added = [top]
-    claim = (lock_run(out_dir), out_dir, added)
     try:
-        if os.path.isfile(marker):
+        claim = (lock_run(out_dir), out_dir, added)
+    except OSError as error:
+        raise write_failed(lock_path, error, then=then) from None
+    try:
+        if ours:
             owner = read_json(marker, "move it away, or pass another --out-dir")
             held = owner.get("program") if isinstance(owner, dict) else None
             if held != program:
@@ -214,17 +228,28 @@ def claim_folder(out_dir, program, outputs):
                     f"({MARKER}); pass another --out-dir"
                 )
             return claim
-        clash = [name for name in outputs if os.path.lexists(os.path.join(out_dir, name))]
+        names = [*outputs, *(name + ".tmp" for name in outputs)]
+        clash = [name for name in names if os.path.lexists(os.path.join(out_dir, name))]
         if clash:
             raise ValueError(
                 f"--out-dir {out_dir} holds {', '.join(clash)}, which no run of {program} wrote "
                 f"(there is no {MARKER}); pass another --out-dir, or move them away"
             )
-        write_json_atomic(marker, dict(program=program))
+        write_json_atomic(marker, dict(program=program), then=then)
         return claim
     except (ValueError, OSError):
         release(claim)
         raise
+
+
+def lock_left_by_a_run(path):
+    """Whether a run.lock is absent, empty or holds a PID alone (a run killed before its marker
+    was written): anything else is a user's file of that name."""
+    if not os.path.lexists(path):
+        return True
+    with open(path, errors="replace") as file:
+        content = file.read(64).strip()
+    return content == "" or content.isdigit()
 
 
 def release(claim):

@@ -541,7 +541,7 @@ CASES = [
         policy_copy(lambda folder: None),
         NONE,
         ["sample.py", "--ckpt", "policy/polcy"],
-        r"policy/polcy holds no policy saved by train.py .*\(no such folder: .*policy/polcy\)",
+        r"policy/polcy: no such folder \(.*policy/polcy\)$",
     ),
     (  # the hub mixin's default (strict=False) would leave the missing tensor random
         "policy-weights-missing-a-tensor",
@@ -660,6 +660,75 @@ CASES = [
         ["train.py", "--resolution", "16", "--out-dir", "{tmp}/out"],
         r"--resolution 16: digits draws 8x8 images",
     ),
+    # what a new user still hit (a user's files, refusals after the claim, messages)
+    (
+        "users-run-lock-with-notes",
+        lambda tmp, run: [
+            write("out/run.lock", "my notes")(tmp, run),
+            write("out/eval.json", "mine")(tmp, run),
+        ],  # fmt: skip
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/out"],
+        r"--out-dir .*out holds run.lock, which no run of train.py wrote",
+    ),
+    (
+        "users-folder-named-run-lock",
+        write("out/run.lock/notes.txt", "mine"),
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/out"],
+        r"--out-dir .*out holds run.lock, which no run of train.py wrote",
+    ),
+    (
+        "users-tmp-file-of-an-output",
+        write("out/ckpt.pt.tmp", "mine"),
+        NONE,
+        ["train.py", *RUN_ARGS, "--out-dir", "{tmp}/out"],
+        r"--out-dir .*out holds ckpt.pt.tmp, which no run of train.py wrote",
+    ),
+    (
+        "policy-training-config-empty",
+        edited_config(training_config={}),
+        NONE,
+        ["evaluate.py", "--ckpt", "{tmp}/policy", "--out-dir", "{tmp}/ev"],
+        r"policy names no training reward; pass --rewards NAME",
+    ),
+    (
+        "mixture-long-prompt-cut",
+        write("long.txt", "x" * 5000 + "\n"),
+        NONE,
+        ["train.py", "--prompts", "{tmp}/long.txt", "--out-dir", "{tmp}/out"],
+        r"knows only the prompts .*, got 'x+\.\.\.x+'$",
+    ),
+    (
+        "model-path-typo-on-a-miniature",
+        nothing,
+        NONE,
+        [
+            "train.py",
+            "--backbone",
+            "mini-sd3",
+            "--model-path",
+            "{tmp}/nowhere",
+            "--out-dir",
+            "{tmp}/out",
+        ],  # fmt: skip
+        r"nowhere is not a diffusers folder .* drop --model-path to use the miniature shipped",
+    ),
+    (
+        "policy-path-typo-in-its-first-folder",
+        nothing,
+        NONE,
+        ["sample.py", "--ckpt", "nowhere/policy", "--out-dir", "{tmp}/ev"],
+        r"nowhere/policy: no such folder here \(.*nowhere/policy\), nor a policy on the hub",
+    ),
+    (
+        "disk-full-marker-evaluate",
+        nothing,
+        full_disk("written-by.json.tmp"),
+        ["evaluate.py", "--ckpt", "{run}/ckpt.pt", "--out-dir", "{tmp}/ev"],
+        r"could not write .*ev/written-by.json: the disk is full \(.*the write needs \d+ bytes\); "
+        r"free some space and run the same command again$",
+    ),
     (
         "sample-seed-negative",
         nothing,
@@ -728,7 +797,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_last_one_and_the_rerun_continues(
     # exactly the run that had room all along: the same rows and the same policy
     whole = tmp_path / "whole"
     run_case(tmp_path, ["train.py", *RUN_ARGS, "--iterations", "3", "--out-dir", str(whole)], NONE)
-    timing = ("rollout_s", "step_s", "clip_fraction")  # clip_fraction: nan without PPO
+    timing = ("rollout_s", "step_s", "clip_fraction")  # clip_fraction: null without PPO
 
     def rows(folder):
         lines = (folder / "metrics.jsonl").read_text().splitlines()
@@ -976,3 +1045,61 @@ def test_a_model_half_in_the_hub_cache_is_left_for_from_pretrained_to_complete(
     (snapshot / "vae" / "config.json").write_text("{")
     with pytest.raises(ValueError, match=r"vae/config.json is damaged \(not JSON.*hub cache"):
         backbones.check_files("sd35m")
+
+
+def test_a_refusal_after_the_claim_leaves_no_folder(tmp_path):
+    """--concentration too small for the default schedule's smallest increment is known only once
+    the backbone has given that schedule: the refusal still leaves the folder as it was."""
+    out = tmp_path / "new" / "out"
+    config = train.parse_config([*RUN_ARGS, "--concentration", "1e-6", "--out-dir", str(out)])
+    with pytest.raises(SystemExit, match="--concentration 1e-06: every initial concentration"):
+        train.main(config)
+    assert not (tmp_path / "new").exists()
+
+
+def test_a_users_run_lock_and_tmp_files_are_left_as_they_were(tmp_path):
+    out = tmp_path / "out"
+    (out / "policy.tmp").mkdir(parents=True)
+    (out / "policy.tmp" / "keep.txt").write_text("mine")
+    (out / "run.lock").write_text("my notes")
+    with pytest.raises(SystemExit, match="holds run.lock"):
+        train.main(train.parse_config([*RUN_ARGS, "--out-dir", str(out)]))
+    (out / "run.lock").unlink()
+    with pytest.raises(SystemExit, match="holds policy.tmp, which no run of train.py wrote"):
+        train.main(train.parse_config([*RUN_ARGS, "--out-dir", str(out)]))
+    assert (out / "policy.tmp" / "keep.txt").read_text() == "mine"
+    assert sorted(path.name for path in out.iterdir()) == ["policy.tmp"]
+
+
+def test_one_held_out_context_writes_strict_json(tmp_path):
+    """No interval from one context: null in eval.json, which stays JSON (no NaN)."""
+    out = tmp_path / "out"
+    train.main(train.parse_config([*RUN_ARGS, "--eval-contexts", "1", "--out-dir", str(out)]))
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    report = json.loads((out / "eval.json").read_text(), parse_constant=refuse)
+    assert all(row["ci95"] is None for row in report["rows"])
+
+
+@pytest.mark.parametrize("script", ["sample.py", "evaluate.py"])
+def test_an_ascii_terminal_gets_every_table(tmp_path, finished_run, script):
+    """The tables' "±" on a terminal that cannot show it: escaped, and the run ends normally."""
+    env = dict(ENV, PYTHONIOENCODING="ascii")
+    command = [sys.executable, os.path.join(ROOT, script), "--ckpt", str(finished_run / "ckpt.pt")]
+    command += ["--out-dir", str(tmp_path / "out")]
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, timeout=300)
+    assert result.returncode == 0, result.stderr.decode()[-2000:]
+    assert b"Traceback" not in result.stderr
+
+
+def test_under_torchrun_only_rank_0_says_why(tmp_path, monkeypatch, capsys):
+    config = train.parse_config(["--contexts", "5", "--out-dir", str(tmp_path / "out")])
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as error:
+        train.check(config, world_size=2)
+    assert error.value.code == 1 and capsys.readouterr().err == ""
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit, match="--contexts 5 is not divisible by the 2 ranks"):
+        train.check(config, world_size=2)
