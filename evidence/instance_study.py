@@ -13,8 +13,10 @@ Could any instance policy gain on the trained miniatures, and does the learned o
   initial noise and the prompt's embeddings) trained supervised to output each training context's
   best full schedule (the Dirichlet likelihood of it), scored at its mean, for growing numbers of
   training contexts; the step with the best likelihood on validation contexts is kept. Beside it
-  the same network reading a richer input as well: the denoiser's first prediction of the clean
-  sample from x_T (one model call more per sample).
+  the same network on constant inputs (policy.GlobalPolicy), fitted the same way: what the targets
+  alone give, their average, so that the share is what the inputs add to it; and the network
+  reading a richer input as well: the denoiser's first prediction of the clean sample from x_T
+  (one model call more per sample).
 - What REINFORCE takes: train.py with the miniature's defaults, instance and global, over SEEDS;
   the instance policy's times averaged over training contexts into one schedule; and, at L =
   BUDGET_STEPS, the instance policy with BUDGET times the iterations and the rollouts, to see
@@ -321,7 +323,15 @@ def cell(args, name, steps):
     convergence = (scored(longer_search, heldout[:CHECKED])[1] - found).tolist()
     targets = own_best(training, single, SEARCH_ITERATIONS)
     validation_targets = own_best(validation, single, SEARCH_ITERATIONS)
-    preset = backbones.BACKBONES[name]["policy"]
+    preset, largest = backbones.BACKBONES[name]["policy"], SIZES[-1]
+    for seed in args.seeds:  # what the predictor gets from the targets alone: their average
+        policy = make_policy("global", backbone.policy_dims, steps, single, preset)
+        inputs = predictor_inputs(backbone, training[:largest], False)
+        held = predictor_inputs(backbone, validation, False)
+        fit_predictor(policy, inputs, targets[:largest], held, validation_targets, seed)
+        with torch.no_grad():
+            times = policy.times(backbone, heldout.noise, heldout.cond)
+        add(f"supervised (constant inputs), {largest} contexts, seed {seed}", times)
     for richer in (False, True):
         dims = dict(backbone.policy_dims)
         dims["latent_channels"] *= 2 if richer else 1
@@ -405,8 +415,17 @@ def cell_lines(name, steps, rows, convergence):
             f"{difference / gap:+.0%} | {frechet:.3f} |"
         )
     more, half = mean_ci(torch.tensor(convergence))
+    blind = reward.get(f"supervised (constant inputs), {SIZES[-1]} contexts")
+    lines.append("")
+    for what in ("noise and prompt", "noise, prompt and first prediction"):
+        seen = reward.get(f"supervised ({what}), {SIZES[-1]} contexts")
+        if seen is not None and blind is not None:
+            share, spread = mean_ci(seen.mean(0) - blind.mean(0))
+            lines.append(
+                f"- learnable share, {what}: supervised minus the same fit on constant inputs, "
+                f"{share:+.3f} ± {spread:.3f} ({share / gap:+.0%} of the gap)"
+            )
     lines += [
-        "",
         f"- convergence: twice the search's iterations add {more:+.3f} ± {half:.3f} on the first "
         f"{len(convergence)} contexts ({more / gap:+.0%} of the gap)",
     ]

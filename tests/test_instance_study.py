@@ -71,6 +71,8 @@ def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of
         "per-context best schedule": row([2.0, 3.0]),
         "supervised (noise and prompt), 64 contexts, seed 0": row([1.5, 2.5]),
         "supervised (noise and prompt), 64 contexts, seed 1": row([1.5, 2.5]),
+        "supervised (noise and prompt), 256 contexts, seed 0": row([1.2, 2.2]),
+        "supervised (constant inputs), 256 contexts, seed 0": row([1.0, 2.0]),
     }
     text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows, [0.1, 0.1]))
     assert "| best single schedule | 1.500 | +0.000 ± 0.000 | +0% | 1.000 |" in text
@@ -79,6 +81,8 @@ def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of
     assert "| supervised (noise and prompt), 64 contexts | 2.000 (2.000 to 2.000) | +0.500" in text
     assert "+50% |" in text and "| default | 0.000 | -1.500 ± 6.353 | -150% |" in text
     assert "twice the search's iterations add +0.100 ± 0.000 on the first 2 contexts (+10%" in text
+    assert "learnable share, noise and prompt: supervised minus the same fit on constant " in text
+    assert "inputs, +0.200 ± 0.000 (+20% of the gap)" in text
 
 
 @pytest.mark.parametrize("steps", [2, 3])
