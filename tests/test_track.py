@@ -133,5 +133,7 @@ def test_wandb_runs_offline_without_a_network(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = train_in_process(tmp_path / "out", *SHORT, "--track", "wandb")
     runs = list((out / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and (runs[0] / "run-out.wandb").stat().st_size > 0
+    assert len(runs) == 1
+    logs = list(runs[0].glob("run-out-*.wandb"))  # its id: the folder's name, its path's hash
+    assert len(logs) == 1 and logs[0].stat().st_size > 0
     assert len(metric_rows(out)) == 4
