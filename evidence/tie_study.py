@@ -12,8 +12,8 @@ its prediction before it runs, and sizes it by a power calculation:
 2. the rates, in two arms, from one grid (RATES) scored on tuning contexts (the pair's training
    prompts with noise seeds of their own, prompts.TUNING_SEED) over TUNING_SEEDS; a best rate at
    the grid's edge widens the grid on that side until it is inside (at most WIDENINGS times).
-   Arm A gives each row its own best rate. Arm B gives all rows the rate where doubling RLOO's
-   batch gains most (the regime study's rule: where the update is most noise-limited);
+   Arm A gives each row its own best rate. Arm B gives all rows one rate, by a rule that compares
+   no baselines: the largest rate at which the JS tuning run stays at the tie (at_the_tie);
 3. per arm, the prediction: rho along the JS tuning run at its rate (its snapshots), the plug-in
    JS's effective batch over RLOO and over cross-context at each (bound.bound_cell, simulated),
    turned into reward by the doubling gain measured in tuning (reward linear in log2 of the
@@ -62,6 +62,7 @@ WIDENINGS = 3  # at most this many rates added on each side
 TUNING_SEEDS, TUNING_CONTEXTS = (100, 101, 102, 103), 128
 VARIANCE_CONTEXTS, VARIANCE_ROLLOUTS = 64, 8  # contexts x rollouts drawn to measure rho
 TRAJECTORY = (0, 10, 20, 30)  # iterations of the JS tuning run at which rho is measured
+BAND = 2.0  # arm B's rate keeps rho within this factor of the tie at every TRAJECTORY point
 PILOT_SEEDS = tuple(range(1000, 1020))
 MAX_SEEDS = 100
 PRIMARY = "area"  # the measure of the headline, chosen before the run
@@ -220,6 +221,30 @@ def trajectory(out_dir, backbone, reward, rate):
     return points
 
 
+def at_the_tie(out_dir, backbone, reward, rates):
+    """Arm B's one rate for all, by a rule that compares no baselines: the largest rate of the grid
+    whose JS tuning run stays at the tie, rho within a factor BAND of it at every TRAJECTORY point
+    (where the bound says JS leads; a faster rate concentrates the policy and rho runs off).
+    Returns that rate (the smallest rate if none stays) and {rate: trajectory}; kept in
+    trajectories.json."""
+    path, paths = os.path.join(out_dir, "trajectories.json"), {}
+    if os.path.isfile(path):
+        with open(path) as file:
+            paths = {float(rate): points for rate, points in json.load(file).items()}
+    for rate in rates:
+        if rate not in paths:
+            paths[rate] = trajectory(out_dir, backbone, reward, rate)
+    with open(path, "w") as file:
+        json.dump({f"{rate:g}": points for rate, points in sorted(paths.items())}, file)
+    tie = bound.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
+    stays = [
+        rate
+        for rate in rates
+        if all(tie / BAND <= rho <= tie * BAND for rho in paths[rate].values())
+    ]
+    return max(stays, default=min(rates)), {rate: paths[rate] for rate in rates}
+
+
 def plug_in_factors(ratio, generator):
     """The plug-in JS's effective batch per unit of signal over RLOO and over cross-context, and
     JS with a*'s, at B = CONTEXTS, K = ROLLOUTS (evidence/bound.py)."""
@@ -281,7 +306,7 @@ def p_value(values):
 
 def setting_lines(measured, pair, tuning):
     """The section's head: the setting, the pair, the tuning table and each arm's rates."""
-    chosen, mean, rates, shared = tuning
+    chosen, mean, rates, shared, paths = tuning
     tie = bound.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
     lines = [
         f"{NAME}, B = {CONTEXTS}, K = {ROLLOUTS}, L = {STEPS}, flat start, {ITERATIONS} "
@@ -296,8 +321,14 @@ def setting_lines(measured, pair, tuning):
         "",
         "2. The rates: mean preference reward on tuning contexts over seeds "
         f"{', '.join(map(str, TUNING_SEEDS))}. Arm A gives each row its best rate; arm B one "
-        f"rate for all, {shared:g}, where doubling RLOO's batch gains most (the regime study's "
-        "rule: RLOO's noisiest point, which favours the less noisy baselines).",
+        f"rate for all, {shared:g}, the largest at which the JS tuning run stays at the tie (rho "
+        f"within a factor {BAND:g} of it at iterations {', '.join(map(str, TRAJECTORY))}), a "
+        "rule that compares no baselines. rho along the JS tuning run per rate: "
+        + "; ".join(
+            f"{rate:g}: " + ", ".join(f"{rho:.2f}" for rho in points.values())
+            for rate, points in paths.items()
+        )
+        + ".",
         "",
         "| row | " + " | ".join(f"lr {rate:g}" for rate in rates) + " | arm A |",
         "|---|" + "---|" * (len(rates) + 1),
@@ -423,9 +454,8 @@ def main(args):
         write_lines_atomic(path, [prompt + "\n" for prompt in prompts])
     with ThreadPoolExecutor(args.jobs) as pool:
         chosen, mean, rates = tune(args.out_dir, pool, backbone, reward)
-        doubling = {r: mean[(DOUBLED, r)] - mean[("rloo", r)] for r in rates}
-        shared = max(rates, key=doubling.get)
-        lines = setting_lines(measured, pair, (chosen, mean, rates, shared))
+        shared, paths = at_the_tie(args.out_dir, backbone, reward, rates)
+        lines = setting_lines(measured, pair, (chosen, mean, rates, shared, paths))
         arms = {
             "A": ("Arm A: each row its own best rate", chosen),
             "B": (f"Arm B: one rate for all, {shared:g}", dict.fromkeys(ROWS, shared)),

@@ -48,13 +48,16 @@ def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
     mean = {(row, rate): 0.1 * k for row in tie_study.ROWS for k, rate in enumerate(rates)}
     chosen = dict.fromkeys(tie_study.ROWS, 1e-3)
     chosen["js"] = 3e-3
-    head = tie_study.setting_lines({"28": 0.93, "23": 0.39}, (2, 8), (chosen, mean, rates, 1e-3))
+    paths = {rate: {0: 0.66, 30: 0.9} for rate in rates}
+    tuning = (chosen, mean, rates, 1e-3, paths)
+    head = tie_study.setting_lines({"28": 0.93, "23": 0.39}, (2, 8), tuning)
     text = "\n".join(head)
     assert (
         "chosen {2, 8}" in text and "{2,8} 0.93" in text and "arm B one rate for all, 0.001" in text
     )
     assert "| js | 0.000 | 0.100 | 0.200 | 0.003 (grid's edge) |" in text
     assert "| rloo | 0.000 | 0.100 | 0.200 | 0.001 |" in text
+    assert "stays at the tie" in text and "0.001: 0.66, 0.90" in text
 
     runs = {"js": rows(1.3, 0.2), "rloo": rows(1.0, 0.1), "xctx": rows(1.2, 0.1)}
     runs[tie_study.DOUBLED] = rows(1.6, 0.1)
@@ -118,3 +121,20 @@ def test_the_grid_widens_until_every_best_rate_is_inside(tmp_path, monkeypatch):
     monkeypatch.setattr(tie_study, "score_methods", peaked_at(10.0))
     chosen, _, rates = tie_study.tune(str(tmp_path / "b"), Pool(), None, None)
     assert len(rates) == len(tie_study.RATES) + tie_study.WIDENINGS and rates[-1] == chosen["js"]
+
+
+def test_arm_b_takes_the_largest_rate_that_stays_at_the_tie(tmp_path, monkeypatch):
+    """rho runs off the tie faster the larger the rate: arm B takes the largest rate whose JS
+    tuning run keeps rho within a factor BAND of the tie, whatever the rows' rewards."""
+    tie = bound.largest_factor_over_best(tie_study.ROLLOUTS, tie_study.CONTEXTS)[0]
+    drift = {3e-4: 1.0, 1e-3: 1.5, 3e-3: 3.0, 9e-3: 40.0}  # rho's growth over the run, per rate
+
+    def trajectory(out_dir, backbone, reward, rate):
+        return {i: tie * drift[rate] ** (i / 30) for i in tie_study.TRAJECTORY}
+
+    monkeypatch.setattr(tie_study, "trajectory", trajectory)
+    rate, paths = tie_study.at_the_tie(str(tmp_path), None, None, sorted(drift))
+    assert rate == 1e-3 and set(paths) == set(drift)
+    assert (tmp_path / "trajectories.json").is_file()  # read back, not measured again
+    monkeypatch.setattr(tie_study, "trajectory", None)
+    assert tie_study.at_the_tie(str(tmp_path), None, None, sorted(drift))[0] == 1e-3
