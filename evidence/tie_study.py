@@ -412,14 +412,18 @@ def run_arm(args, pool, backbone, reward, arm, chosen, mean):
     """One arm: the prediction (written once, before its pilot), the pilot, the seed count and
     the main runs. Returns (prediction, pilot, seeds, runs)."""
     path = os.path.join(args.out_dir, f"prediction-{arm}.json")
-    if not os.path.isfile(path):
+    rates = {row: f"{rate:g}" for row, rate in chosen.items()}
+    prediction = None
+    if os.path.isfile(path):
+        with open(path) as file:
+            prediction = json.load(file)
+    if prediction is None or prediction.get("rates") != rates:  # none yet, or for other rates
         rhos = trajectory(args.out_dir, backbone, reward, chosen["js"])
         doubling = mean[(DOUBLED, chosen[DOUBLED])] - mean[("rloo", chosen["rloo"])]
-        prediction = predict(rhos, doubling, torch.Generator().manual_seed(0))
+        made = dict(predict(rhos, doubling, torch.Generator().manual_seed(0)), rates=rates)
         with open(path, "w") as file:
-            json.dump(prediction, file)
-    with open(path) as file:
-        prediction = json.load(file)
+            json.dump(made, file)
+        prediction = json.loads(json.dumps(made))  # as read back: keys are strings
     for key in ("rho", "factors"):
         prediction[key] = {int(k): v for k, v in prediction[key].items()}
 
