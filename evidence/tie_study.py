@@ -1,7 +1,7 @@
 """
 James-Stein against RLOO and cross-context at once, where theory says it leads: at the tie.
 
-    python -m evidence.tie_study --jobs 2   # about an hour on 2 cores (its time is recorded)
+    python -m evidence.tie_study --jobs 2   # about 1,000 trainings: 1.5 to 2 hours on 2 cores
 
 With the plug-in weight that trains, JS's lead over the better of RLOO and cross-context is
 largest where the two tie, rho = delta^2 / sigma^2 near 1 - 1/(BK) (evidence/bound.py: about 1.15x
@@ -26,7 +26,8 @@ its prediction before it runs, and sizes it by a power calculation:
    reported beside it; JS - RLOO and JS - cross-context with Holm-adjusted p-values, and the
    headline JS - the better of the two (by mean over the seeds).
 Setting: B = 4, K = 2, L = 2, a flat start, 30 iterations. Runs already finished are read, not
-repeated. The report goes to docs/RESULTS.md (section "tie").
+repeated (the time recorded is the writing run's own). The report goes to docs/RESULTS.md
+(section "tie").
 """
 
 import argparse
