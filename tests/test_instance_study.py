@@ -83,6 +83,24 @@ def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of
     assert "twice the search's iterations add +0.100 ± 0.000 on the first 2 contexts (+10%" in text
     assert "learnable share, noise and prompt: supervised minus the same fit on constant " in text
     assert "inputs, +0.200 ± 0.000 (+20% of the gap)" in text
+    assert "- the best single schedule against its checks" not in text  # no check in the rows
+
+
+def test_a_cell_says_when_a_check_beats_the_best_single_schedule():
+    def row(reward):
+        return dict(reward=reward, times=[[1.0, 0.5, 0.0]] * len(reward), frechet=1.0)
+
+    rows = {
+        "best single schedule": row([1.0, 2.0, 3.0]),
+        "per-context best schedule": row([2.0, 3.0, 4.0]),
+        "best single schedule, twice the iterations": row([1.0, 2.1, 2.9]),
+    }
+    text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows, [0.1]))
+    assert "checks (best single schedule, twice the iterations +0.000 ± 0.248): none" in text
+    rows["REINFORCE global, seed 0"] = row([1.5, 2.5, 3.5])  # above by 0.5 at every context
+    text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows, [0.1]))
+    assert "REINFORCE global +0.500 ± 0.000): not found: REINFORCE global above it" in text
+    assert "the gap is no bound" in text
 
 
 @pytest.mark.parametrize("steps", [2, 3])
