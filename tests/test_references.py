@@ -23,7 +23,8 @@ ALLOWED = (
     "out/* out_dir/* OUT_DIR/* snapshots/* samples/ eval/ policy/ run.lock ckpt.pt metrics.jsonl"
     " metrics.jsonl.failed eval.json train.png grid.png schedule.json schedules.json schedules.png"
     " scores.json results.md results.png *_default.png *_learned.png *_teacher.png oracles.json"
-    " tuning.json toy_js.png written-by.json prediction-*.json pairs.json cell.json trajectories.json"
+    " tuning.json toy_js.png written-by.json prediction-*.json pairs.json cell.json"
+    " trajectories.json"
     # files on the Hub: HPSv2's weights, HPDv2's prompts, the files of a diffusers model folder
     " HPS_v2*.pt train.json benchmark/* model_index.json config.json model.safetensors"
     " scheduler_config.json scheduler/scheduler_config.json vae/config.json transformer/config.json"
