@@ -25,18 +25,20 @@ Could any instance policy gain on the trained miniatures, and does the learned o
 The full schedules are found by gradient ascent through the sampler, the VAE and the preference
 scorer (all differentiable): times from a softmax over the L+1 increments, Adam, the scorer reading
 the decoded pixels before the 8-bit rounding the reward applies. The best single schedule is fitted
-on random batches of training contexts from the best single shift (fitted again with twice the
-iterations, and set against REINFORCE's global schedule: the checks that it was found; the section
-says where one of them is above it beyond the interval); each context's own search starts from it
-and keeps the best schedule it met, scored by the reward itself; the search is run again on the
-first CHECKED held-out contexts with twice the iterations, and the change in its mean is the
-convergence check. Each context's best found is a lower bound on its true best; the gap is one
+on random batches of training contexts from the best, on them, of the best single shift, the
+uniform schedule and REINFORCE's global schedules (a local search stays in its basin), fitted
+again with twice the iterations and set against REINFORCE's global schedule: the checks that it
+was found; the section says where one of them is above it beyond the interval. Each context's
+own search starts from it and keeps the best schedule it met, scored by the reward itself; the
+search is run again on the first CHECKED held-out contexts with twice the iterations, and the
+change in its mean is the convergence check. Each context's best found is a lower bound on its true best; the gap is one
 too only where the best single schedule was found.
 
     python -m evidence.instance_study --jobs 2   # 3 miniatures x L = 2, 3, 4; its time recorded
     python -m evidence.instance_study --backbones mini-sdxl --steps 2 --jobs 2   # a part of it
 
-Trainings already finished and cells already computed (oracles.json) are read, not repeated.
+Trainings already finished and cells already computed (oracles.json) are read, not repeated: delete
+a cell's oracles.json after changing how it is computed.
 """
 
 import argparse
@@ -314,7 +316,21 @@ def cell(args, name, steps):
     per_shift = torch.stack([scored(times)[1] for times in shifts])  # (S, N)
     add("best single shift", shifts[int(fitted.argmax())])
     add("per-context best shift", shifts[per_shift.argmax(0)])
-    start = shifts[int(fitted.argmax())]
+    # restarts: the fit starts from the best, on training contexts, of the best shift, the
+    # uniform schedule and REINFORCE's global schedules (a local search stays in its basin)
+    starts = {
+        "best shift": shifts[int(fitted.argmax())],
+        "uniform": torch.linspace(1, 0, steps + 1),
+    }
+    for seed in args.seeds:
+        folder = run_dir(args, name, steps, "global", seed)
+        policy = load_checkpoint(os.path.join(folder, "ckpt.pt"))[1]
+        with torch.no_grad():
+            starts[f"REINFORCE global, seed {seed}"] = policy.times(
+                backbone, training.noise[:1], training.cond[:1]
+            )[0]
+    tried = {what: scored(times, training)[1].mean().item() for what, times in starts.items()}
+    start = starts[max(tried, key=tried.get)]
     single = best_single(
         objective(training), TRAINING, start, SINGLE_ITERATIONS, SINGLE_BATCH, seed=0
     )
@@ -353,7 +369,7 @@ def cell(args, name, steps):
                     times = times_from_increments(mean_increments(policy(**test)))
                 what = "noise, prompt and first prediction" if richer else "noise and prompt"
                 add(f"supervised ({what}), {size} contexts, seed {seed}", times)
-    result = dict(rows=rows, convergence=convergence, seconds=time.time() - started)
+    result = dict(rows=rows, convergence=convergence, starts=tried, seconds=time.time() - started)
     write_json_atomic(path, result)
     return result
 
@@ -395,11 +411,12 @@ def grouped(rows):
     return groups
 
 
-def cell_lines(name, steps, rows, convergence):
+def cell_lines(name, steps, rows, convergence, starts=None):
     """The cell's table: per row its mean reward (mean over seeds, their range), the paired gain
     over the best single schedule with its 95% interval over the contexts (per context, the mean
     over seeds), the share of the per-instance gap, and realism (Frechet distance); then what twice
-    the search's iterations add (convergence: per checked context)."""
+    the search's iterations add (convergence: per checked context), and the best single
+    schedule's starts (their mean reward on training contexts) where the cell tried several."""
     groups = grouped(rows)
     reward = {row: torch.tensor([v["reward"] for v in members]) for row, members in groups.items()}
     single = reward["best single schedule"][0]
@@ -435,6 +452,11 @@ def cell_lines(name, steps, rows, convergence):
         f"- convergence: twice the search's iterations add {more:+.3f} ± {half:.3f} on the first "
         f"{len(convergence)} contexts ({more / gap:+.0%} of the gap)",
     ]
+    if starts:
+        tried = ", ".join(f"{what} {value:.3f}" for what, value in starts.items())
+        lines.append(
+            f"- the best single schedule's starts, mean reward on training contexts: {tried}"
+        )
     checks = [row for row in CHECKS if row in reward]  # what the best single schedule must beat
     if checks:
         beyond = {row: mean_ci(reward[row].mean(0) - single) for row in checks}
@@ -476,8 +498,8 @@ def main(args):
         ThreadPoolExecutor(args.jobs) as threads,
         ProcessPoolExecutor(args.jobs, mp_context=context) as processes,
     ):
-        oracles = [processes.submit(cell, args, *key) for key in cells]
         list(threads.map(lambda run: train(args, run), trainings(args)))
+        oracles = [processes.submit(cell, args, *key) for key in cells]
         learned = [processes.submit(reinforce_rows, args, *key) for key in cells]
         results = {
             key: {**made.result(), "rows": {**made.result()["rows"], **more.result()}}
@@ -498,7 +520,7 @@ def main(args):
         "the iterations and the rollouts."
     ]
     for key, result in results.items():
-        lines += cell_lines(*key, result["rows"], result["convergence"])
+        lines += cell_lines(*key, result["rows"], result["convergence"], result.get("starts"))
     middle = args.steps[len(args.steps) // 2]
     middle = {key: result["rows"] for key, result in results.items() if key[1] == middle}
     plot(os.path.join(REPOSITORY, "docs", "instance.png"), middle)

@@ -101,6 +101,9 @@ def test_a_cell_says_when_a_check_beats_the_best_single_schedule():
     text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows, [0.1]))
     assert "REINFORCE global +0.500 ± 0.000): not found: REINFORCE global above it" in text
     assert "the gap is no bound" in text
+    starts = {"best shift": 1.0, "uniform": 0.5, "REINFORCE global, seed 0": 2.0}
+    text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows, [0.1], starts))
+    assert "starts, mean reward on training contexts: best shift 1.000, uniform 0.500, " in text
 
 
 @pytest.mark.parametrize("steps", [2, 3])
