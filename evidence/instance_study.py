@@ -31,8 +31,8 @@ again with twice the iterations and set against REINFORCE's global schedule: the
 was found; the section says where one of them is above it beyond the interval. Each context's
 own search starts from it and keeps the best schedule it met, scored by the reward itself; the
 search is run again on the first CHECKED held-out contexts with twice the iterations, and the
-change in its mean is the convergence check. Each context's best found is a lower bound on its true best; the gap is one
-too only where the best single schedule was found.
+change in its mean is the convergence check. Each context's best found is a lower bound on its
+true best; the gap is one too only where the best single schedule was found.
 
     python -m evidence.instance_study --jobs 2   # 3 miniatures x L = 2, 3, 4; its time recorded
     python -m evidence.instance_study --backbones mini-sdxl --steps 2 --jobs 2   # a part of it
