@@ -325,10 +325,10 @@ def cell(args, name, steps):
     for seed in args.seeds:
         folder = run_dir(args, name, steps, "global", seed)
         policy = load_checkpoint(os.path.join(folder, "ckpt.pt"))[1]
+        first = training[:1]  # a global policy's schedule is the same for every context
         with torch.no_grad():
-            starts[f"REINFORCE global, seed {seed}"] = policy.times(
-                backbone, training.noise[:1], training.cond[:1]
-            )[0]
+            times = policy.times(backbone, first.noise, first.cond)[0]
+        starts[f"REINFORCE global, seed {seed}"] = times
     tried = {what: scored(times, training)[1].mean().item() for what, times in starts.items()}
     start = starts[max(tried, key=tried.get)]
     single = best_single(
