@@ -316,14 +316,12 @@ def cell(args, name, steps):
     shifts = torch.stack([shifted(default, s) for s in SHIFTS])  # (S, L+1)
     fitted = torch.stack([scored(times, training)[1].mean() for times in shifts])
     per_shift = torch.stack([scored(times)[1] for times in shifts])  # (S, N)
-    add("best single shift", shifts[int(fitted.argmax())])
+    best_shift = shifts[int(fitted.argmax())]
+    add("best single shift", best_shift)
     add("per-context best shift", shifts[per_shift.argmax(0)])
     # restarts: the fit starts from the best, on training contexts, of the best shift, the
     # uniform schedule and REINFORCE's global schedules (a local search stays in its basin)
-    starts = {
-        "best shift": shifts[int(fitted.argmax())],
-        "uniform": torch.linspace(1, 0, steps + 1),
-    }
+    starts = {"best shift": best_shift, "uniform": torch.linspace(1, 0, steps + 1)}
     for seed in args.seeds:
         folder = run_dir(args, name, steps, "global", seed)
         policy = load_checkpoint(os.path.join(folder, "ckpt.pt"))[1]

@@ -51,7 +51,7 @@ from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_fi
 from rewards import digit_of, load_reward
 from scoring.paired import mean_ci, policy_schedule, score_methods
 from store.checkpoint import load_checkpoint, make_policy
-from store.files import REPOSITORY, write_lines_atomic
+from store.files import REPOSITORY, write_json_atomic, write_lines_atomic
 
 CELLS = {"mini-sd3": 2, "mini-sdxl": 2}  # miniature: the digit whose prompts make its contexts
 STEPS, CONTEXTS, ROLLOUTS, ITERATIONS, CURVE = 2, 4, 2, 30, 2
@@ -131,20 +131,17 @@ def tune(args, pool, name):
     if os.path.isfile(path):
         with open(path) as file:
             gains = {float(rate): gain for rate, gain in json.load(file).items()}
-        return gains, max(gains, key=gains.get)
-    runs = [
-        (row, seed, rate) for rate in RATES for row in ("rloo", DOUBLED) for seed in TUNING_SEEDS
-    ]
-    list(pool.map(lambda run: train(args, name, *run), runs))
-    score = tuning_scores(args, name, runs)
-    gains = {
-        rate: statistics.mean(
-            score[(DOUBLED, seed, rate)] - score[("rloo", seed, rate)] for seed in TUNING_SEEDS
-        )
-        for rate in RATES
-    }
-    with open(path, "w") as file:
-        json.dump({f"{rate:g}": gain for rate, gain in gains.items()}, file)
+    else:
+        runs = [(row, seed, r) for r in RATES for row in ("rloo", DOUBLED) for seed in TUNING_SEEDS]
+        list(pool.map(lambda run: train(args, name, *run), runs))
+        score = tuning_scores(args, name, runs)
+        gains = {
+            rate: statistics.mean(
+                score[(DOUBLED, seed, rate)] - score[("rloo", seed, rate)] for seed in TUNING_SEEDS
+            )
+            for rate in RATES
+        }
+        write_json_atomic(path, {f"{rate:g}": gain for rate, gain in gains.items()})
     return gains, max(gains, key=gains.get)
 
 

@@ -51,7 +51,7 @@ from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_fi
 from rewards import digit_of, load_reward
 from scoring.paired import policy_schedule, score_methods
 from store.checkpoint import load_checkpoint, make_policy
-from store.files import write_lines_atomic
+from store.files import write_json_atomic, write_lines_atomic
 
 NAME = "mini-sd3"
 PAIRS = ((2, 8), (2, 3), (3, 8), (1, 7), (4, 9), (0, 6))  # candidate digit pairs, {2, 8} first
@@ -126,8 +126,7 @@ def choose_pair(out_dir, backbone, reward):
         for pair in PAIRS:
             sigma2, delta2 = variances(backbone, reward, policy, pair_prompts(pair)[0], TUNING_SEED)
             measured["".join(map(str, pair))] = delta2 / sigma2
-        with open(path, "w") as file:
-            json.dump(measured, file)
+        write_json_atomic(path, measured)
     with open(path) as file:
         measured = json.load(file)
     tie = bound.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
@@ -194,8 +193,7 @@ def tune(out_dir, pool, backbone, reward):
             scores[run] = (
                 score_methods(backbone, reward, *contexts, method)["learned"].mean().item()
             )
-        with open(path, "w") as file:
-            json.dump([[*run, score] for run, score in scores.items()], file)
+        write_json_atomic(path, [[*run, score] for run, score in scores.items()])
         chosen, mean = best_rates(scores, rates)
         edges = {rates[0]: ("low", rates[0] / 3), rates[-1]: ("high", rates[-1] * 3)}
         wider = [
@@ -235,8 +233,7 @@ def at_the_tie(out_dir, backbone, reward, rates):
     for rate in rates:
         if rate not in paths:
             paths[rate] = trajectory(out_dir, backbone, reward, rate)
-    with open(path, "w") as file:
-        json.dump({f"{rate:g}": points for rate, points in sorted(paths.items())}, file)
+    write_json_atomic(path, {f"{rate:g}": points for rate, points in sorted(paths.items())})
     tie = bound.largest_factor_over_best(ROLLOUTS, CONTEXTS)[0]
     stays = [
         rate
@@ -422,8 +419,7 @@ def run_arm(args, pool, backbone, reward, arm, chosen, mean):
         rhos = trajectory(args.out_dir, backbone, reward, chosen["js"])
         doubling = mean[(DOUBLED, chosen[DOUBLED])] - mean[("rloo", chosen["rloo"])]
         made = dict(predict(rhos, doubling, torch.Generator().manual_seed(0)), rates=rates)
-        with open(path, "w") as file:
-            json.dump(made, file)
+        write_json_atomic(path, made)
         prediction = json.loads(json.dumps(made))  # as read back: keys are strings
     for key in ("rho", "factors"):
         prediction[key] = {int(k): v for k, v in prediction[key].items()}
