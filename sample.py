@@ -23,35 +23,26 @@ and *_learned.png from the diffusers pipeline itself (backbones.pipeline.generat
 """
 
 import argparse
-import contextlib
 import json
 import math
 import os
 import re
-import sys
-
-if __name__ == "__main__":  # Ctrl-C while torch and diffusers import: one line, not a traceback
-    from store.files import interrupt_quietly
-
-    interrupt_quietly("sample.py")
 
 import torch
 
 import backbones
+from evaluate import MAIN_RUN, default_schedule, policy_schedule, run_method
+from policy import load_policy
 from prompts import context_noise, load_prompt_file, noise_seed
-from rewards import check_reward, load_reward
-from scoring.figures import context_labels, draw_schedules
-from scoring.paired import default_schedule, policy_schedule, run_method
-from store.checkpoint import MAIN_RUN, check_fits, load_checkpoint
-from store.files import check_writable, claim_folder, release, run_quietly, write_failed
+from rewards import load_reward
 
 # -----------------------------------------------------------------------------
 # configuration
 parser = argparse.ArgumentParser(description="Sample with a learned schedule next to the default.")
-parser.error = lambda message: parser.exit(2, f"sample.py: error: {message}\n")  # no usage
 add = parser.add_argument
 # I/O
-add("--ckpt", default=MAIN_RUN, help="train.py's checkpoint, or its policy folder / a hub id")
+add("--ckpt", default=MAIN_RUN, help=f"train.py's ckpt.pt, its policy/ folder or a hub id "
+    f"(default: {MAIN_RUN})")  # fmt: skip
 add("--out-dir", help="output folder; default: samples/ next to --ckpt")
 # contexts
 add("--prompt", action="append", default=[], help="a prompt (repeatable)")
@@ -62,46 +53,12 @@ add("--stochastic", action="store_true", help="draw the schedule (Dirichlet / Be
 add("--draw-seed", type=noise_seed, default=0, help="seed of the Dirichlet draws with --stochastic")
 add("--pipeline", action="store_true", help="through the stock diffusers pipeline (generate)")
 add("--export", metavar="JSON", help="write a global policy's schedule (times, sigmas) and exit")
-# consistency checks against the checkpoint
-add("--backbone", help="expected backbone; an error if the checkpoint was trained on another")
-add("--steps", type=int, help="expected L; an error if the checkpoint was trained for another")
 # system
 add("--batch-size", type=int, default=8, help="contexts per backbone call")
-add("--device", help="default: cuda when available, else cpu")
+add("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
 
 MIN_SIDE = 128  # smaller images (digits: 8x8) are upscaled with nearest neighbours to at least this
 GRID_CONTEXTS = 16  # contexts drawn in grid.png (each context's images are written whole)
-AGAIN = "run the same command again"
-# what sample.py writes into its --out-dir: these, and one image per context and method
-OUTPUTS = ("grid.png", "schedules.png", "schedules.json")
-IMAGE = re.compile(r"\d{3,}_[a-z0-9-]+_seed\d+_(default|learned|teacher)\.png")
-
-
-def check_args(args):
-    """sample.py's command line against its checkpoint, before anything heavy loads (ValueError in
-    one line): returns the run's config, policy, prompts, device and output folder."""
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size})")
-    device = backbones.check_device(args.device)
-    ckpt, policy = load_checkpoint(args.ckpt, args.backbone, args.steps)
-    config = ckpt["config"]
-    backbones.check_trained_on(config, args.ckpt)
-    prompts = args.prompt + (load_prompt_file(args.prompts) if args.prompts else [])
-    spec = backbones.BACKBONES[config["backbone"]]
-    if not prompts and spec.get("prompts"):  # the miniatures' held-out paraphrases
-        prompts = load_prompt_file(spec["prompts"][1])[:10]
-    if not prompts and spec["family"] != "mixture":
-        raise ValueError(f"backbone {config['backbone']!r} needs --prompt TEXT or --prompts FILE")
-    if args.pipeline and policy.pipeline_refusal:
-        raise ValueError(policy.pipeline_refusal)
-    if args.pipeline and spec["family"] == "mixture":
-        raise ValueError(f"--pipeline needs a diffusers backbone, not {config['backbone']!r}")
-    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
-    if args.export:
-        check_writable(os.path.dirname(os.path.abspath(args.export)), "--export")
-    else:
-        check_writable(out_dir)
-    return config, policy, prompts, device, out_dir
 
 
 def to_pil(image):
@@ -171,24 +128,15 @@ def pipeline_contexts(backbone, policy, prompts, seeds):
     return results
 
 
-def gains(results):
-    """learned - default score per context (> 0: the learned schedule is better)."""
-    return (results["learned"][3] - results["default"][3]).tolist()
-
-
-def verdict(results, measure):
-    """The per-context wins and losses and the mean gain, in words, without claiming a gain that
-    is not there."""
-    per_context = gains(results)
-    better, count = sum(gain > 0 for gain in per_context), len(per_context)
-    mean = sum(per_context) / count
+def verdict(gains, measure):
+    """The per-context wins and losses and the mean gain (learned - default), in words, without
+    claiming a gain that is not there."""
+    better, count, mean = sum(gain > 0 for gain in gains), len(gains), sum(gains) / len(gains)
     text = (
         f"by {measure}, the learned schedule is better on {better} of {count} contexts, worse on "
         f"{count - better}, {'better' if mean > 0 else 'worse'} by {abs(mean):.4f} on average"
     )
-    if mean > 0 and better < count:
-        text += ": a mean gain comes with per-context losses"
-    return text
+    return text + (": a mean gain comes with per-context losses" if 0 < better < count else "")
 
 
 def save_figures(out_dir, contexts, results, label, measure):
@@ -199,32 +147,33 @@ def save_figures(out_dir, contexts, results, label, measure):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names, per_context = list(results), gains(results)
+    gains = (results["learned"][3] - results["default"][3]).tolist()
     contexts = contexts[:GRID_CONTEXTS]  # a readable grid; every context's images are written
-    size = (2.4 * len(names), 2.5 * len(contexts))
-    figure, axes = plt.subplots(len(contexts), len(names), figsize=size, squeeze=False)
+    size = (2.4 * len(results), 2.5 * len(contexts))
+    figure, axes = plt.subplots(len(contexts), len(results), figsize=size, squeeze=False)
     for row, (prompt, seed) in enumerate(contexts):
-        for ax, name in zip(axes[row], names):
-            images, _, _, scores = results[name]
+        for ax, (name, (images, _, _, scores)) in zip(axes[row], results.items()):
             ax.imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
-            gain = per_context[row]
             title = "teacher" if name == "teacher" else f"{name}: {scores[row]:.4f}"
             if name == "learned":  # this context's gain or loss: a mean gain has per-context losses
-                title += f"\n{'better' if gain > 0 else 'worse'} by {abs(gain):.4f}"
+                title += f"\n{'better' if gains[row] > 0 else 'worse'} by {abs(gains[row]):.4f}"
             ax.set(xticks=[], yticks=[], title=title)
             ax.title.set_fontsize(7)
-            if name == "learned":
-                ax.title.set_color("tab:green" if gain > 0 else "tab:red")
         axes[row][0].set_ylabel(f"{prompt[:40]}\nseed {seed}", fontsize=7)
-    title = f"each image's {measure} (higher is better); {verdict(results, measure)}"
+    title = f"each image's {measure} (higher is better); {verdict(gains, measure)}"
     figure.suptitle(title, fontsize=7, wrap=True)
     figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (2.5 * len(contexts))))  # room for the title
     figure.savefig(os.path.join(out_dir, "grid.png"), dpi=150)
     plt.close(figure)
-    figure, ax = plt.subplots(figsize=(6, 4))
-    labels = context_labels(*zip(*contexts))
-    draw_schedules(ax, results["learned"][1][: len(contexts)], results["default"][1][0], labels)
-    ax.set_title(label, fontsize=9)
+    figure, ax = plt.subplots(figsize=(6, 4))  # time per step index, a colour per context
+    learned, default = results["learned"][1][: len(contexts)], results["default"][1][0]
+    steps, colors = range(len(default)), matplotlib.colormaps["viridis"].resampled(len(contexts))
+    for index, ((prompt, seed), times) in enumerate(zip(contexts, learned)):
+        ax.plot(steps, times, "-", marker=".", color=colors(index), label=f"{prompt[:30]}, {seed}")
+    ax.plot(steps, default, "k--o", markersize=4, label="default")
+    ax.set(xlabel="step index l", ylabel="time t_l (1 = noise, 0 = data)", title=label)
+    ax.title.set_fontsize(9)
+    ax.legend(fontsize=6)
     figure.tight_layout()
     figure.savefig(os.path.join(out_dir, "schedules.png"), dpi=120)
     plt.close(figure)
@@ -237,7 +186,6 @@ def run_reward(config, backbone, device):
     if name not in (None, "teacher"):
         try:
             checkpoint = config.get("reward_checkpoint")
-            check_reward(name, checkpoint)
             reward = load_reward(name, backbone, device=device, checkpoint=checkpoint)
             return reward, f"the {name} reward"
         except (ImportError, ValueError, OSError) as error:
@@ -245,115 +193,79 @@ def run_reward(config, backbone, device):
     return None, "minus the distance to the teacher"
 
 
-def our_outputs(out_dir):
-    """The files of sample.py's names that out_dir holds."""
-    names = sorted(os.listdir(out_dir)) if os.path.isdir(out_dir) else []
-    return [name for name in names if name in OUTPUTS or IMAGE.fullmatch(name)]
-
-
-@contextlib.contextmanager
-def writing(out_dir, contexts, pictures):
-    """Write one PNG per context and method (pictures: method -> PIL images) into out_dir (ours:
-    store.files.claim_folder took it), then the caller's files, after removing what an earlier
-    sampling wrote there, so that two samplings never mix; a failed write is a WriteFailed."""
-    try:
-        for name in our_outputs(out_dir):
-            os.remove(os.path.join(out_dir, name))
-        for index, (prompt, seed) in enumerate(contexts):
-            for name, images in pictures.items():
-                images[index].save(
-                    os.path.join(out_dir, f"{index:03d}_{slug(prompt)}_seed{seed}_{name}.png")
-                )
-        yield
-    except OSError as error:
-        raise write_failed(error.filename or out_dir, error, then=AGAIN) from None
+def write_images(out_dir, contexts, pictures):
+    """One PNG per context and method (pictures: method -> PIL images)."""
+    os.makedirs(out_dir, exist_ok=True)
+    for index, (prompt, seed) in enumerate(contexts):
+        for name, images in pictures.items():
+            path = os.path.join(out_dir, f"{index:03d}_{slug(prompt)}_seed{seed}_{name}.png")
+            images[index].save(path)
 
 
 def main(argv=None):
     args = parser.parse_args(argv)
-    claim = None  # the output folder, once taken
-    try:  # every input is checked before the backbone loads, and nothing is written before
-        config, policy, prompts, device, out_dir = check_args(args)
-        if not args.export:  # ours only: a folder of a user's files is refused (one writer)
-            claim = claim_folder(out_dir, "sample.py", our_outputs(out_dir))
-        torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
-        backbone = backbones.trained_backbone(config, device)
-        check_fits(policy, backbone, args.ckpt)
-        backbone.check_prompts(prompts, config.get("reward"))
-        contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
-        if len(set(contexts)) < len(contexts):
-            print(f"note: {len(contexts) - len(set(contexts))} repeated context(s) sampled once")
-            contexts = list(dict.fromkeys(contexts))
-        produce(args, config, policy, backbone, contexts, out_dir, device)
-    except BaseException as error:  # refused, failed, a full disk, Ctrl-C: a folder made goes
-        if claim:
-            release(claim)
-        if not isinstance(error, ValueError):
-            raise
-        sys.exit(f"sample.py: error: {error}")
-    if claim:
-        claim[0].close()
+    # ---------------- the door ----------------
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1 (got {args.batch_size})")
+    policy, config = load_policy(args.ckpt)
+    spec = backbones.BACKBONES[config["backbone"]]
+    prompts = args.prompt + (load_prompt_file(args.prompts) if args.prompts else [])
+    if not prompts and spec.get("prompts"):  # the miniatures' held-out paraphrases
+        prompts = load_prompt_file(spec["prompts"][1])[:10]
+    if not prompts and spec["family"] != "mixture":
+        parser.error(f"backbone {config['backbone']} needs --prompt TEXT or --prompts FILE")
+    if args.pipeline and (policy.pipeline_refusal or spec["family"] == "mixture"):
+        parser.error(policy.pipeline_refusal or "--pipeline needs a diffusers backbone")
+    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
 
-
-def produce(args, config, policy, backbone, contexts, out_dir, device):
-    """Sample the contexts (or export the schedule) and write what main() checked."""
+    # ---------------- backbone, contexts ----------------
+    use_cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.device("cuda" if use_cuda else "cpu")
+    torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
+    backbone = backbones.trained_backbone(config, device)
     if args.export:
         from backbones.pipeline import schedule_json
 
-        schedule = schedule_json(policy, backbone)
-        try:
-            with open(args.export, "w") as handle:
-                json.dump(schedule, handle, indent=1)
-        except OSError as error:
-            raise write_failed(args.export, error, then=AGAIN) from None
+        with open(args.export, "w") as handle:
+            json.dump(schedule_json(policy, backbone), handle, indent=1)
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
+    backbone.check_prompts(prompts, config.get("reward"))
+    contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
+    contexts = list(dict.fromkeys(contexts))  # a repeated context is sampled once
     label = policy.described[args.stochastic]
     print(f"backbone {config['backbone']}, L={policy.steps}, {len(contexts)} contexts, {label}")
     prompts, seeds = [prompt for prompt, _ in contexts], [seed for _, seed in contexts]
     policy = policy.to(backbone.device)
     if args.pipeline:
-        pictures = pipeline_contexts(backbone, policy, prompts, seeds)
-        with writing(out_dir, contexts, pictures):
-            print(f"wrote {2 * len(contexts)} images from the diffusers pipeline to {out_dir}")
-        return
+        write_images(out_dir, contexts, pipeline_contexts(backbone, policy, prompts, seeds))
+        return print(f"wrote {2 * len(contexts)} images from the diffusers pipeline to {out_dir}")
 
+    # ---------------- sample: default, learned and teacher from the same noise ----------------
     reward, measure = run_reward(config, backbone, device)
     draws = torch.Generator().manual_seed(args.draw_seed) if args.stochastic else None
     results = sample_contexts(backbone, policy, prompts, seeds, draws, args.batch_size, reward)
     learned, default = results["learned"], results["default"]
+    scores = learned[3], default[3]
     pictures = {name: [to_pil(image) for image in images] for name, (images, *_) in results.items()}
-    with writing(out_dir, contexts, pictures):
-        save_figures(out_dir, contexts, results, label, measure)
-        per_context = [
-            dict(prompt=prompt, seed=seed, learned=times.tolist())
-            for (prompt, seed), times in zip(contexts, learned[1])
-        ]
-        mode = "sample" if args.stochastic else "mean"
-        saved = dict(default=default[1][0].tolist(), learned_mode=mode, contexts=per_context)
-        with open(os.path.join(out_dir, "schedules.json"), "w") as handle:
-            json.dump(saved, handle, indent=1)
-    for (prompt, seed), times, error, score, default_error, default_score in zip(
-        contexts, *learned[1:], *default[2:]
-    ):
-        times = ", ".join(f"{t:.3f}" for t in times.tolist())
-        scored = f"{config.get('reward')} reward {score:.4f} (default {default_score:.4f}), "
-        scored = "" if reward is None else scored
-        print(
-            f"{prompt!r} seed {seed}: learned times [{times}], {scored}distance to the teacher "
-            f"{error:.4f} (default {default_error:.4f})"
-        )
-    print(f"default times [{', '.join(f'{t:.3f}' for t in default[1][0].tolist())}]")
-    print(verdict(results, measure))
+    write_images(out_dir, contexts, pictures)
+    save_figures(out_dir, contexts, results, label, measure)
+    per_context = [
+        dict(prompt=prompt, seed=seed, learned=times.tolist())
+        for (prompt, seed), times in zip(contexts, learned[1])
+    ]
+    mode = "sample" if args.stochastic else "mean"
+    saved = dict(default=default[1][0].tolist(), learned_mode=mode, contexts=per_context)
+    with open(os.path.join(out_dir, "schedules.json"), "w") as handle:
+        json.dump(saved, handle, indent=1)
+    print(f"scores: {measure}; default times {[round(t, 3) for t in default[1][0].tolist()]}")
+    for (prompt, seed), times, score, default_score in zip(contexts, learned[1], *scores):
+        times = [round(t, 3) for t in times.tolist()]
+        print(f"{prompt!r} seed {seed}: {score:.4f} (default {default_score:.4f}), times {times}")
+    print(verdict((learned[3] - default[3]).tolist(), measure))
     print(
-        f"wrote {3 * len(contexts)} images to {out_dir}, the grid "
-        f"{os.path.join(out_dir, 'grid.png')}, the schedules "
-        f"{os.path.join(out_dir, 'schedules.png')} and schedules.json"
+        f"wrote {3 * len(contexts)} images, grid.png, schedules.png and schedules.json to {out_dir}"
     )
 
 
 if __name__ == "__main__":
-    again = (
-        "the images written into a folder of an earlier sampling stay, a folder this sampling "
-        "made is removed; the same command samples them all again"
-    )
-    run_quietly("sample.py", main, again)
+    main()

@@ -1,7 +1,6 @@
 """
 Every backbone by name (BACKBONES) and load_backbone(name), which builds it frozen: a diffusers
-pipeline of families.py or an embedded mixture of mixture.py. check_files finds a model's files
-and says in one line what is wrong with missing or damaged ones before anything loads.
+pipeline of families.py or an embedded mixture of mixture.py.
 """
 
 import os
@@ -10,30 +9,25 @@ import torch
 
 from backbones.families import FluxBackbone, SD3Backbone, SDXLBackbone
 from backbones.mixture import MixtureBackbone
-from store.files import REPOSITORY, check_safetensors, hub_file, read_json
+
+# the checkout's root: the shipped miniatures' folders are relative to it
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # +0.5 on the top four rows of an 8x8 digit, -0.5 on the bottom four; digits-xor's (even, odd)
 TOP = torch.tensor([0.5] * 32 + [-0.5] * 32, dtype=torch.float64)
 XOR_CLASSES = [[(1.5, 0.02, TOP), (1.0, 0.5, -TOP)], [(1.0, 0.5, TOP), (1.5, 0.02, -TOP)]]
 
-# the diffusers families (families.py), and the pipeline class each loads
+# the diffusers families (families.py); each names the pipeline class it runs
 FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
-PIPELINES = {
-    "sd3": "StableDiffusion3Pipeline",
-    "flux": "FluxPipeline",
-    "sdxl": "StableDiffusionXLPipeline",
-}
-PIPELINE_FAMILIES = {pipeline: family for family, pipeline in PIPELINES.items()}
 
 
-def from_pipeline(pipe, family=None, name=None, resolution=None, guidance=None):
+def from_pipeline(pipe, name=None, resolution=None, guidance=None):
     """Wrap an already built diffusers pipeline (the tests' tiny random ones)."""
-    family = family or PIPELINE_FAMILIES.get(type(pipe).__name__)
-    if family not in FAMILIES:
-        raise ValueError(
-            f"cannot tell the family of {type(pipe).__name__}; pass family= one of "
-            f"{', '.join(FAMILIES)}"
-        )
+    kind = type(pipe).__name__
+    family = next((key for key, value in FAMILIES.items() if value.pipeline == kind), None)
+    if family is None:
+        pipelines = ", ".join(value.pipeline for value in FAMILIES.values())
+        raise ValueError(f"cannot tell the family of {kind}: not a {pipelines}")
     return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)
 
 
@@ -43,7 +37,7 @@ def _real(family, hub_id, guidance):
 
 # Model facts per backbone (train.py's PRESETS hold the training configurations). guidance: the
 # true-CFG scale (SD3.5, SD-XL: their model cards' and pipeline's values), Flux-Dev's distilled
-# guidance embedding, or None (no guidance input). policy: the size in store.checkpoint.PRESETS.
+# guidance embedding, or None (no guidance input). policy: the size in policy.NETWORKS.
 EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded")
 DIGIT_PROMPTS = ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
 MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", prompts=DIGIT_PROMPTS)
@@ -87,141 +81,27 @@ BACKBONES = {
 DISTILLED = {"flux-dev": "flux-schnell", "mini-flux": "mini-flux-schnell"}
 
 
-def update_cost(name, contexts, rollouts, steps, guidance=None):
-    """One REINFORCE update in model evaluations and reward calls, as a line to print."""
-    spec, samples = BACKBONES[name], contexts * rollouts
-    guidance = spec["guidance"] if guidance is None else guidance
-    cfg = spec["family"] in ("sd3", "sdxl") and guidance is not None and guidance > 1  # doubles
-    return (
-        f"one update: B x K x L = {contexts} x {rollouts} x {steps} = {samples * steps:,} "
-        f"model evaluations{' (each a CFG pair)' if cfg else ''}, {samples} reward calls"
-    )
-
-
-def load_backbone(
-    name, path=None, device=None, dtype=None, resolution=None, guidance=None, location=None
-):
-    """Build a backbone by name, frozen; `path`: a local diffusers folder instead of the hub id.
-    Its files are checked first (check_files) unless the caller passes their `location`. Real
-    models load in bfloat16 on CUDA. Weights that do not load end in one line (ValueError)."""
+def load_backbone(name, path=None, device=None, dtype=None, resolution=None, guidance=None):
+    """Build a backbone by name, frozen. A diffusers backbone loads with from_pretrained from
+    `path` (a local diffusers folder), else the miniature shipped in this checkout, else its hub
+    id, on `device` (None: cuda when available, else cpu); real models in bfloat16 on CUDA."""
     spec = BACKBONES[name]
     if spec["family"] == "mixture":
         return MixtureBackbone(name, spec["populations"], device, spec.get("teacher"))
-    location = location or check_files(name, path)
     import diffusers
 
-    device = check_device(device)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    pipeline_class = getattr(diffusers, PIPELINES[spec["family"]])
-    try:
-        pipe = pipeline_class.from_pretrained(location, dtype=dtype)
-    except OSError as error:  # a weight file missing, a partial download or one the hub refuses
-        if os.path.isdir(location):  # a local folder: no licence involved
-            reason = f"{type(error).__name__}: {str(error).splitlines()[0]}"
-            raise ValueError(
-                f"{name}: the files at {location} are incomplete or damaged ({reason}); download "
-                "them again, retrain a miniature with `python -m miniatures.build`, or pass "
-                "another --model-path"
-            ) from None
-        raise ValueError(
-            f"{name}: the weights at {location} are incomplete ({type(error).__name__}); run "
-            f"`hf auth login`, accept the licence on https://huggingface.co/{spec['hub_id']} and "
-            "download again, or pass --model-path"
-        ) from None
-    except ValueError as error:  # shapes other than the configuration says
-        reason = str(error).splitlines()[0]
-        raise ValueError(
-            f"{name}: {location} does not load ({reason}); pass the folder of a {name} model"
-        ) from None
-    resolution = resolution or spec["resolution"]
+    location = path or spec["hub_id"]
+    if path is None and "folder" in spec:  # a miniature: shipped in this checkout
+        location = os.path.join(REPOSITORY, spec["folder"])
+    family = FAMILIES[spec["family"]]
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(location, dtype=dtype)
     guidance = spec["guidance"] if guidance is None else guidance
-    return from_pipeline(pipe.to(device), spec["family"], name, resolution, guidance)
+    return family(pipe.to(device), name, resolution or spec["resolution"], guidance)
 
 
-# the files a tokenizer reads its vocabulary from (fast tokenizers, CLIP's BPE, T5's SentencePiece)
-VOCABULARIES = ("tokenizer.json", "vocab.json", "spiece.model", "vocab.txt")
-# the configuration each kind of component is loaded from (config.json for the models)
-CONFIG_FILES = {"scheduler": "scheduler_config.json", "tokenizer": "tokenizer_config.json"}
-
-
-def check_files(name, path=None):
-    """Where from_pretrained loads backbone `name` from (None for a mixture): the diffusers folder
-    `path`, a miniature shipped in this checkout or its hub id. Checked before anything loads: the
-    family's pipeline class, every component's configuration and whole weight files. ValueError in
-    one line naming the file, what is wrong and what to do (restore, log in, --model-path)."""
-    spec = BACKBONES[name]
-    hub_id, shipped = spec["hub_id"], spec.get("folder")
-    if spec["family"] == "mixture":
-        return None
-    if path is None and shipped is not None:
-        folder = location = os.path.join(REPOSITORY, shipped)
-        advice = (  # mini-flux-schnell: --family flux-schnell
-            f"restore it with `git checkout {shipped}`, or retrain it with "
-            f"`python -m miniatures.build --family {name[len('mini-') :]}`"
-        )
-        index = os.path.join(shipped, "model_index.json")
-        if not os.path.isfile(os.path.join(REPOSITORY, index)):
-            what = index if os.path.isdir(folder) else shipped  # one file lost, or the whole folder
-            raise ValueError(f"{name}: {what} is missing from this checkout; {advice}")
-    elif path is not None:
-        folder = location = path
-        advice = "download the model again, or pass another --model-path"
-        if not os.path.isfile(os.path.join(path, "model_index.json")):
-            raise ValueError(
-                f"{name}: {path} is not a diffusers folder (no model_index.json); pass the folder "
-                "that holds model_index.json, or drop --model-path to use "
-                + (f"{hub_id} from the hub" if hub_id else "the miniature shipped here")
-            )
-    else:  # from the local hub cache, else downloaded
-        location = hub_id
-        advice = f"delete {hub_id} from the hub cache and run again to download it afresh"
-        unavailable = (
-            f"{name}: the weights of {hub_id} are not available; run `hf auth login` and accept "
-            f"the licence on https://huggingface.co/{hub_id}, or pass a local diffusers folder "
-            "with --model-path"
-        )
-        folder = os.path.dirname(hub_file(hub_id, "model_index.json", unavailable))
-    index = read_json(os.path.join(folder, "model_index.json"), advice)
-    wanted = PIPELINES[spec["family"]]
-    held = index.get("_class_name") if isinstance(index, dict) else None
-    if held != wanted:
-        raise ValueError(
-            f"{folder} holds a {held}, not the {wanted} that {name} runs; pass the folder of "
-            f"a {spec['family']} model"
-        )
-    cached = location == hub_id  # files the cache lacks are downloaded by from_pretrained
-    for component, entry in index.items():
-        if component.startswith("_") or not isinstance(entry, list) or None in entry:
-            continue
-        subfolder = os.path.join(folder, component)
-        files = os.listdir(subfolder) if os.path.isdir(subfolder) else []
-        configs = [file for file in files if file.endswith("config.json")]
-        if cached and not configs:  # not downloaded yet: only what is there is checked
-            continue
-        if not configs:  # the file from_pretrained reads first: scheduler_config.json, ...
-            wanted = CONFIG_FILES.get(component.rstrip("_0123456789"), "config.json")
-            raise ValueError(f"{os.path.join(subfolder, wanted)} is missing; {advice}")
-        # without its vocabulary a tokenizer can load as nothing at all, and its encoder goes unused
-        if "Tokenizer" in entry[1] and not any(file in VOCABULARIES for file in files):
-            raise ValueError(f"{subfolder} has no vocabulary ({entry[1]}); {advice}")
-        for file in configs:
-            read_json(os.path.join(subfolder, file), advice)
-        for file in files:
-            if file.endswith(".safetensors"):
-                check_safetensors(os.path.join(subfolder, file), advice)
-    return location
-
-
-def check_trained_on(config, source):
-    """ValueError in one line unless the checkpoint `source` names a backbone of BACKBONES."""
-    if config.get("backbone") not in BACKBONES:
-        raise ValueError(
-            f'{source}: "backbone" is {config.get("backbone")!r}, not a backbone here; restore '
-            "the file from the run folder it came from, or train again"
-        )
-
-
-def trained_backbone(config, device, location=None):
+def trained_backbone(config, device):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
     return load_backbone(
         config["backbone"],
@@ -230,21 +110,4 @@ def trained_backbone(config, device, location=None):
         dtype=getattr(torch, config["dtype"]) if config.get("dtype") else None,
         resolution=config.get("resolution"),
         guidance=config.get("guidance"),
-        location=location,
     )
-
-
-def check_device(name):
-    """The torch.device of a --device flag (None: cuda when available, else cpu); ValueError in one
-    line for a name that is not a device here."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device {name!r} is not a device: pass cpu, cuda or cuda:N")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}, but this machine has no CUDA device; pass --device cpu")
-    return device

@@ -25,7 +25,7 @@ DECODE_PIXELS = 4 * 1024**2
 
 
 class PipelineBackbone(Backbone):
-    """What the three families share. Each sets `vae_input(latents)`."""
+    """What the three families share."""
 
     cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
 
@@ -107,6 +107,11 @@ class PipelineBackbone(Backbone):
             [vae.decode(self.vae_input(p).to(vae.dtype), return_dict=False)[0] for p in parts]
         )
 
+    def vae_input(self, latents):
+        """What the VAE decodes: the flows' latents unscaled and unshifted (SD-XL has its own)."""
+        config = self.pipe.vae.config
+        return self.as_image(latents) / config.scaling_factor + config.shift_factor
+
 
 def _call_default(pipe, argument):
     """The pipeline's own default for a __call__ argument."""
@@ -137,6 +142,8 @@ def _transformer_dims(config, latent_channels):
 
 class SD3Backbone(PipelineBackbone):
     """Stable Diffusion 3 / 3.5 (rectified flow, MMDiT); t is the flow sigma."""
+
+    pipeline = "StableDiffusion3Pipeline"  # the diffusers pipeline it runs in
 
     def __init__(self, pipe, name="sd3", resolution=None, guidance=None):
         multiple = pipe.vae_scale_factor * pipe.transformer.config.patch_size
@@ -180,14 +187,12 @@ class SD3Backbone(PipelineBackbone):
 
         return velocity, noise.float(), None
 
-    def vae_input(self, latents):
-        config = self.pipe.vae.config
-        return latents / config.scaling_factor + config.shift_factor
-
 
 class FluxBackbone(PipelineBackbone):
     """FLUX.1 dev / schnell (rectified flow, packed 2x2 latent tokens); t is the flow sigma.
     Flux-Dev takes the distilled guidance embedding, Flux-Schnell no guidance; no CFG batch."""
+
+    pipeline = "FluxPipeline"
 
     def __init__(self, pipe, name="flux", resolution=None, guidance=None):
         multiple = pipe.vae_scale_factor * 2
@@ -260,15 +265,13 @@ class FluxBackbone(PipelineBackbone):
 
         return velocity, noise.float(), None
 
-    def vae_input(self, latents):
-        config = self.pipe.vae.config
-        return self.as_image(latents) / config.scaling_factor + config.shift_factor
-
 
 class SDXLBackbone(PipelineBackbone):
     """Stable Diffusion XL (epsilon prediction) integrated as the Euler sampler does: x = x_0 +
     sigma * noise, the model sees x / sqrt(sigma^2 + 1) at timestep t * 999, dx / dsigma = the
     predicted noise, sigma(t) interpolated in the noise table, sigma(0) = 0."""
+
+    pipeline = "StableDiffusionXLPipeline"
 
     def __init__(self, pipe, name="sdxl", resolution=None, guidance=None):
         multiple = pipe.vae_scale_factor * 2 ** (len(pipe.unet.config.block_out_channels) - 1)
@@ -351,10 +354,6 @@ class SDXLBackbone(PipelineBackbone):
         return epsilon, noise.float() * scale, self.sigma
 
     def vae_input(self, latents):
-        config = self.pipe.vae.config
-        mean, std = getattr(config, "latents_mean", None), getattr(config, "latents_std", None)
-        if mean is not None and std is not None:
-            mean = torch.tensor(mean).view(1, -1, 1, 1).to(latents.device)
-            std = torch.tensor(std).view(1, -1, 1, 1).to(latents.device)
-            return latents * std / config.scaling_factor + mean
+        config = self.pipe.vae.config  # SD-XL's pipeline scales, and shifts by no shift_factor
+        assert getattr(config, "latents_mean", None) is None, "a VAE with latents_mean: not SD-XL's"
         return latents / config.scaling_factor

@@ -4,6 +4,8 @@ mixtures over scikit-learn's 8x8 digits with a closed-form flow, so that the bes
 of contexts can be computed (evidence/ablation.py's oracles).
 """
 
+import functools
+
 import torch
 
 from prompts import shown
@@ -45,23 +47,18 @@ class MixtureBackbone(Backbone):
         self.policy_dims = dict(latent_channels=1, text_dim=DIGIT_WIDTH, pooled_dim=DIGIT_WIDTH)
         pixels = torch.tensor(digits.images.reshape(-1, 64), dtype=torch.float64) / 8.0 - 1.0
         labels = torch.tensor(digits.target)
-        classes = []  # per class: centres (M_d, 64) and stds (M_d,)
+        centres, variances = [], []  # per class: (M_d, 64) and s_m^2 (M_d,)
         for digit in range(10):
             members = pixels[labels == digit]
             mean, groups = members.mean(0), populations[digit]
-            centres = [mean + spread * (members - mean) + shift for spread, _, shift in groups]
-            stds = [torch.full((len(members),), float(std)) for _, std, _ in groups]
-            classes.append((torch.cat(centres), torch.cat(stds)))
+            centres.append(torch.cat([mean + k * (members - mean) + b for k, _, b in groups]))
+            stds = torch.cat([torch.full((len(members),), float(s)) for _, s, _ in groups])
+            variances.append((stds**2).double())
         # padded per class to the largest, so one batched matmul gives every sample its own
-        # class's logits; padding has log-weight -1e30 (and a harmless std of 1)
-        size = max(len(centres) for centres, _ in classes)
-        self.centres = torch.zeros(10, size, 64, dtype=torch.float64)
-        self.variances = torch.ones(10, size, dtype=torch.float64)  # s_m^2
-        self.log_weights = torch.full((10, size), -1e30, dtype=torch.float64)
-        for digit, (centres, stds) in enumerate(classes):
-            self.centres[digit, : len(centres)] = centres
-            self.variances[digit, : len(centres)] = stds**2
-            self.log_weights[digit, : len(centres)] = 0.0
+        # class's logits; padding has log-weight -1e30 (and a harmless variance of 1)
+        pad = functools.partial(torch.nn.utils.rnn.pad_sequence, batch_first=True)
+        self.centres, self.variances = pad(centres), pad(variances, padding_value=1.0)
+        self.log_weights = pad([torch.zeros_like(part) for part in variances], padding_value=-1e30)
         self.norms = self.centres.square().sum(2)  # (10, M) |mu_m|^2
         # a fixed tiny text encoder: seeded word and position embeddings the policy attends to
         generator = torch.Generator().manual_seed(0)

@@ -3,7 +3,7 @@ A trained schedule inside a stock diffusers pipeline.
 
     model = "stabilityai/stable-diffusion-3.5-medium"
     pipe = StableDiffusion3Pipeline.from_pretrained(model, torch_dtype=torch.bfloat16).to("cuda")
-    policy = load_policy("out/sd35m-L10-instance-s0/policy").to("cuda")  # or a hub id
+    policy = load_policy("out/sd35m-L10-instance-s0/policy")[0].to("cuda")  # or a hub id
     generator = torch.Generator("cuda").manual_seed(0)
     images = generate(pipe, policy, "a red fox in fresh snow", generator=generator).images
 
@@ -14,8 +14,7 @@ stop margin t_L). schedule_json() exports a global policy's schedule for other t
 """
 
 import contextlib
-import importlib
-import inspect
+import sys
 
 import torch
 from diffusers import EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
@@ -24,7 +23,6 @@ from diffusers.utils.torch_utils import randn_tensor
 import backbones
 from backbones import families
 from policy import mean_increments, times_from_increments
-from prompts import shown
 
 
 class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
@@ -91,12 +89,6 @@ TEXT = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negativ
 TEXT += ("clip_skip", "max_sequence_length")
 EMBEDS = ("prompt_embeds", "pooled_prompt_embeds")
 EMBEDS += ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
-# what each family's pipeline returns
-OUTPUTS = {
-    "sd3": ("stable_diffusion_3.pipeline_output", "StableDiffusion3PipelineOutput"),
-    "flux": ("flux.pipeline_output", "FluxPipelineOutput"),
-    "sdxl": ("stable_diffusion_xl.pipeline_output", "StableDiffusionXLPipelineOutput"),
-}
 
 
 @contextlib.contextmanager
@@ -119,9 +111,8 @@ def trained_guidance(policy):
     """The guidance a policy's schedule was learned at: its training --guidance, else its
     backbone's default, else None."""
     guidance = (policy.training_config or {}).get("guidance")
-    if guidance is None:
-        guidance = backbones.BACKBONES.get(policy.backbone, {}).get("guidance")
-    return guidance
+    default = backbones.BACKBONES.get(policy.backbone, {}).get("guidance")
+    return default if guidance is None else guidance
 
 
 @torch.no_grad()
@@ -134,23 +125,6 @@ def generate(
     The pipeline is left as found (modules' modes, grad flags, progress bar)."""
     if policy.pipeline_refusal:
         raise ValueError(policy.pipeline_refusal)
-    family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
-    if family not in (None, *backbones.FAMILIES):
-        raise ValueError(
-            f"this policy was trained on the embedded {policy.backbone} backbone, which no "
-            "diffusers pipeline runs: sample it with sample.py"
-        )
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    strings = isinstance(prompts, (list, tuple)) and all(isinstance(text, str) for text in prompts)
-    if "prompt_embeds" not in pipe_kwargs and not (strings and prompts):
-        raise ValueError(
-            f"prompt takes a string or a non-empty list of strings, got {shown(prompt)}"
-        )
-    if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
-        raise ValueError(f"num_images_per_prompt must be at least 1, got {num_images_per_prompt!r}")
-    for key in ("timesteps", "sigmas"):
-        if key in pipe_kwargs:
-            raise ValueError(f"generate() runs the policy's own schedule: drop {key}=")
     steps = pipe_kwargs.pop("num_inference_steps", policy.steps)
     if steps != policy.steps:
         raise ValueError(
@@ -163,32 +137,23 @@ def generate(
         raise ValueError("the learned schedules are trained on square images: pass height == width")
     output_type = pipe_kwargs.pop("output_type", "pil")
     return_dict = pipe_kwargs.pop("return_dict", True)
-    others = sorted(set(pipe_kwargs) - set(TEXT + EMBEDS))
+    others = sorted(set(pipe_kwargs) - set(TEXT + EMBEDS))  # e.g. sigmas=: the policy's are used
     if others:
         raise ValueError(
             f"generate() samples every image in one batch with this repository's loop and takes "
             f"no {', '.join(others)}; install learned_scheduler(backbone, times) as pipe.scheduler "
             "and call the pipeline yourself"
         )
+    family = backbones.BACKBONES.get(policy.backbone, {}).get("family")
     with _left_as_found(pipe):
         backbone = backbones.from_pipeline(pipe, resolution=height, guidance=guidance)
-        if family and not isinstance(backbone, backbones.FAMILIES[family]):
+        # a policy of another family, or of an embedded backbone that no pipeline runs
+        if family and backbones.FAMILIES.get(family) is not type(backbone):
             raise ValueError(
                 f"this policy was trained on {policy.backbone} ({family}), "
                 f"not for a {type(pipe).__name__}"
             )
-        keys = ("latent_channels", "text_dim", "pooled_dim")  # what an instance policy reads
-        dims = {key: policy.config.get(key) for key in keys}
-        wanted = {key: backbone.policy_dims[key] for key in keys}
-        if policy.config["kind"] == "instance" and dims != wanted:
-            raise ValueError(
-                f"this policy was built for {dims}, the pipeline has {wanted}: "
-                "train one for this model"
-            )
-        accepted = inspect.signature(pipe.encode_prompt).parameters
-        refused = sorted(key for key in pipe_kwargs if key not in accepted)
-        if refused:  # e.g. a negative prompt for Flux, which runs no CFG
-            raise ValueError(f"{type(pipe).__name__} takes no {', '.join(refused)}")
+        prompts = [prompt] if isinstance(prompt, str) else prompt
         cond = backbone.encode_prompts(
             None if "prompt_embeds" in pipe_kwargs else list(prompts), **pipe_kwargs
         )
@@ -204,8 +169,8 @@ def generate(
             )
     if not return_dict:
         return (images,)
-    module, name = OUTPUTS[backbones.PIPELINE_FAMILIES[type(pipe).__name__]]
-    output = getattr(importlib.import_module(f"diffusers.pipelines.{module}"), name)
+    # the pipeline's output class, which its module imports: e.g. FluxPipelineOutput
+    output = getattr(sys.modules[type(pipe).__module__], f"{type(pipe).__name__}Output")
     return output(images=images)
 
 

@@ -19,7 +19,6 @@ At inference the rate is the Beta's mode, TPDM's (modeling_sd3_pnt.py, `predict`
 
 import contextlib
 import math
-from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -37,7 +36,6 @@ from policy import (
 )
 
 FREQUENCIES = 8  # sin and cos of 2^k pi t, k < 8: the time's features
-INPUTS, INFERENCE = ["sampler", "hidden"], ["mean", "mode"]
 TPDM_LOGITS = (2.5, 1.0)  # TPDM's head bias (a, b): alpha = 1 + e^2.5, beta = 1 + e^1
 # The denoiser's modules whose outputs the time predictor reads: the first and last hidden states
 # and the timestep embedding (TPDM's on SD3, modeling_sd3_pnt.py; their counterparts on Flux and
@@ -49,15 +47,11 @@ HIDDEN_LAYERS = {
 }
 
 
-def family(backbone):
-    return next(name for name, cls in FAMILIES.items() if isinstance(backbone, cls))
-
-
 def hidden_dims(backbone):
     """The sizes a policy reading a diffusers backbone's hidden states needs: feature_channels (the
     first and last hidden states, stacked) and time_dim (the timestep embedding)."""
     model = backbone.model
-    if family(backbone) == "sdxl":
+    if isinstance(backbone, FAMILIES["sdxl"]):
         channels, time_dim = model.config.block_out_channels[0], model.time_embedding.linear_2
         return dict(feature_channels=2 * channels, time_dim=time_dim.out_features)
     width = model.config.num_attention_heads * model.config.attention_head_dim
@@ -76,7 +70,7 @@ def token_grid(features):
 def hidden_states(backbone):
     """Forward hooks on the backbone's HIDDEN_LAYERS; yields read() -> (features (N, 2D, h, w),
     embedding (N, E)) float32 of the last model call, CFG-guided, as TPDM's predictor reads them."""
-    names = HIDDEN_LAYERS[family(backbone)]
+    names = next(HIDDEN_LAYERS[name] for name, cls in FAMILIES.items() if isinstance(backbone, cls))
     captured, modules = {}, [backbone.model.get_submodule(name) for name in names]
 
     def keep(module, inputs, output):
@@ -131,16 +125,10 @@ class StepwisePolicy(SchedulePolicy):
         inference="mean",
         **arguments,
     ):
-        if inputs not in INPUTS or inference not in INFERENCE:
-            raise ValueError(f"inputs {INPUTS}, inference {INFERENCE}: got {inputs}, {inference}")
-        if inputs == "hidden" and not (feature_channels and time_dim):
-            raise ValueError('inputs="hidden" needs a backbone with hidden states to read')
         arguments.pop("kind", None)  # a policy folder's config.json names it beside the arguments
         init = arguments.pop("init", "uniform")  # "tpdm": the rates below replace the start
-        pooled = (
-            (pooled_dim or 0) + 2 * FREQUENCIES + steps
-        )  # time and step join the pooled embedding
-        channels = 2 * latent_channels
+        # the state and the estimate (2 C channels); time and step join the pooled embedding
+        channels, pooled = 2 * latent_channels, (pooled_dim or 0) + 2 * FREQUENCIES + steps
         if inputs == "hidden":
             channels, pooled = feature_channels, pooled + time_dim
         start = "uniform" if init == "tpdm" else init
@@ -149,6 +137,7 @@ class StepwisePolicy(SchedulePolicy):
         self.config.update(init=init, inputs=inputs, inference=inference)
         self.config.update(feature_channels=feature_channels, time_dim=time_dim)
         self.inputs, self.inference = inputs, inference
+        self.described = f"step-wise (Beta {inference}s)", "step-wise (one Beta draw per step)"
         self.head[-1] = nn.Linear(self.head[-1].in_features, 2)
         self.rate_logits = nn.Parameter(torch.empty(steps, 2))  # (L, 2): a_l, b_l at the start
         if init == "tpdm":
@@ -168,15 +157,8 @@ class StepwisePolicy(SchedulePolicy):
         "--pipeline"
     )
 
-    @property
-    def described(self):  # deterministic, drawn
-        return f"step-wise (Beta {self.inference}s)", "step-wise (one Beta draw per step)"
-
     def rollouts(self, policy, backbone, noise, cond, generators, rollouts):
         return StepwiseRollouts(policy, backbone, noise, cond, generators, rollouts)
-
-    def times(self, backbone, noise, cond, generator=None):
-        raise ValueError(self.pipeline_refusal)
 
     def schedule(self, backbone, noise, cond, generator=None):
         """(times (N, L+1), latents): each time picked while sampling (`sample`)."""
@@ -193,9 +175,10 @@ class StepwisePolicy(SchedulePolicy):
 
 
 def beta_log_prob(parameters, pair):
-    """log Beta(r | alpha, beta): parameters (N, 2), pair (N, 2) = (r, 1 - r) -> (N,); the
-    Dirichlet of two components (policy.log_prob)."""
-    return log_prob(parameters, pair[:, None, :])[:, 0]
+    """log pi (N,), the sum over the steps of log Beta(r | alpha, beta): parameters and the pair
+    (r, 1 - r) are (N, L, 2); a Beta is the Dirichlet of two components (policy.log_prob)."""
+    per_step = log_prob(parameters.flatten(0, 1), pair.flatten(0, 1)[:, None, :])[:, 0]  # (N L,)
+    return per_step.view(len(pair), -1).sum(1)
 
 
 def run_stepwise(backbone, noise, cond, steps, decide):
@@ -227,26 +210,21 @@ class Stepper:
         self.hidden = policy.inputs == "hidden"
         keys = ("latent", "embedding") if self.hidden else ("latent",)
         self.steps = {key: [] for key in (*keys, "time", "parameters", "pair", "next")}
-        self.prompt, self.hooks, self.read = None, None, None
+        self.prompt = None
 
     def __enter__(self):
-        if self.hidden:
-            self.hooks = hidden_states(self.backbone)
-            self.read = self.hooks.__enter__()  # () -> the last model call's hidden states
+        self.hooks = hidden_states(self.backbone) if self.hidden else contextlib.nullcontext()
+        self.read = self.hooks.__enter__()  # () -> the last model call's hidden states
         return self
 
     def __exit__(self, *error):
-        if self.hooks is not None:
-            self.hooks.__exit__(*error)
-            self.hooks, self.read = None, None
+        self.hooks.__exit__(*error)
 
     def __call__(self, step, t, state, estimate):
         if self.prompt is None:  # the prompt's inputs: the same at every step
             self.prompt = self.backbone.policy_inputs(state, self.cond)
             del self.prompt["latent"]
         if self.hidden:
-            if self.read is None:
-                raise RuntimeError("a policy reading hidden states samples in `with stepper:`")
             # kept in the backbone's dtype (memory), and read so both at rollout and update
             latent, embedding = (value.to(self.backbone.dtype) for value in self.read())
             inputs = dict(latent=latent, embedding=embedding)
@@ -274,8 +252,7 @@ class Stepper:
         the prompt inputs; and times (N, L+1), parameters (N, L, 2) and log pi when drawn (N,)."""
         stacked = {key: torch.stack(value, dim=1) for key, value in self.steps.items()}
         stacked.pop("next")
-        logp = beta_log_prob(stacked["parameters"].flatten(0, 1), stacked["pair"].flatten(0, 1))
-        logp = logp.view(len(stacked["time"]), -1).sum(1)
+        logp = beta_log_prob(stacked["parameters"], stacked["pair"])
         return dict(stacked, **self.prompt, times=self.times(), logp=logp)
 
 
@@ -298,15 +275,12 @@ def trajectory_log_prob(policy, record, index=slice(None)):
     gradients: one policy call over all (sample, step) pairs (DDP: one forward per backward)."""
     picked = {key: value[index] for key, value in record.items()}
     count, steps = picked["time"].shape
-
-    def per_step(value):  # a sample's input, repeated for each of its steps
-        return None if value is None else value.repeat_interleave(steps, 0)
-
-    prompt = {key: per_step(picked.get(key)) for key in ("text", "text_mask", "pooled")}
+    keys = ("text", "text_mask", "pooled")  # the prompt's inputs, repeated for each step
+    prompt = {key: picked[key].repeat_interleave(steps, 0) for key in keys}
     states = {key: picked[key].flatten(0, 1) for key in ("latent", "embedding") if key in picked}
     step = torch.arange(steps, device=picked["time"].device).repeat(count)
     parameters = policy(**states, **prompt, time=picked["time"].flatten(), step=step)
-    return beta_log_prob(parameters, picked["pair"].flatten(0, 1)).view(count, steps).sum(1)
+    return beta_log_prob(parameters.view(count, steps, 2), picked["pair"])
 
 
 class StepwiseRollouts:
@@ -353,23 +327,6 @@ class StepwiseRollouts:
 # of `train.py --optimizer ppo`, and TPDM's settings, which that flag makes the defaults.
 
 
-@dataclass
-class Settings:
-    """The comparator's own flags (train.py adds them to its command line)."""
-
-    policy_inputs: str = field(
-        default="sampler",
-        metadata=dict(help="stepwise: sampler | hidden (the denoiser's, hooks)", choices=INPUTS),
-    )
-    inference: str = field(
-        default="mean",
-        metadata=dict(help="stepwise: the Beta's mean | mode at evaluation", choices=INFERENCE),
-    )
-    ppo_epochs: int = field(default=4, metadata=dict(help="ppo: passes over each batch"))
-    ppo_minibatches: int = field(default=1, metadata=dict(help="ppo: gradient steps per pass"))
-    ppo_clip: float = field(default=0.2, metadata=dict(help="ppo: the ratio's clip range epsilon"))
-
-
 # TPDM's settings: unnormalised RLOO advantages (src/train/rloo_trainer.py); Adam(0.9, 0.99), eps
 # 1e-5, no weight decay, a constant rate (scripts/launch_sd3_train.sh)
 TPDM = dict(baseline="rloo", weight_decay=0.0, lr_decay="constant", adam_beta2=0.99, adam_eps=1e-5)
@@ -378,22 +335,12 @@ TPDM_STEPWISE = dict(init="tpdm", policy_inputs="hidden", inference="mode")
 # TPDM's lr (1e-6 for SD3's head) does not transfer to this network: the backbone's REINFORCE rate
 # times this factor, not tuned (evidence/comparator_study.py tunes --lr; docs/COMPARATOR.md)
 LR_FACTOR = 1 / 30
-SETS = [" ".join(f"{k}={v}" for k, v in d.items()) for d in (TPDM, TPDM_STEPWISE)]
-FLAGS = (  # the title of the comparator's flags in train.py --help
-    f"the comparator TPDM (comparator/tpdm.py): --optimizer ppo sets {SETS[0]} and the backbone's "
-    f"lr x {LR_FACTOR:.3g}; with --policy stepwise also {SETS[1]}"
-)
-
-
-FIELDS = [item.name for item in fields(Settings)]
 
 
 def preset(given, values, spec):
     """The values --optimizer ppo puts over a backbone's preset (`values`, train.PRESETS): TPDM's
     settings and lr; the sampler's state as inputs on an exact mixture, which has no hidden
-    states. `given`: the command line's values; {} without --optimizer ppo."""
-    if given.get("optimizer") != "ppo":
-        return {}
+    states. `given`: the command line's values."""
     chosen = dict(TPDM, lr=values["lr"] * LR_FACTOR)
     if given.get("policy") == "stepwise":
         chosen.update(TPDM_STEPWISE)
@@ -402,36 +349,11 @@ def preset(given, values, spec):
     return chosen
 
 
-def check(config, settings, spec):
-    """ValueError in one line for a step-wise setting given to another policy, hidden states asked
-    of an exact mixture, or a PPO setting out of bounds."""
-    chosen = dict(vars(settings), init=config.init)
-    key = next((key for key, value in TPDM_STEPWISE.items() if chosen[key] == value), None)
-    if key and config.policy != "stepwise":
-        flag = f"--{key.replace('_', '-')} {TPDM_STEPWISE[key]}"
-        raise ValueError(f"{flag} is the step-wise policy's, not the {config.policy} policy's")
-    if settings.policy_inputs == "hidden" and spec["family"] == "mixture":
-        raise ValueError(
-            f"--policy-inputs hidden reads a denoiser's hidden states; {config.backbone} is an "
-            "exact mixture with none: use --policy-inputs sampler"
-        )
-    for key in ("ppo_epochs", "ppo_minibatches"):
-        if getattr(settings, key) < 1:
-            flag = "--" + key.replace("_", "-")
-            raise ValueError(f"{flag} must be at least 1 (got {getattr(settings, key)})")
-    if not (math.isfinite(settings.ppo_clip) and settings.ppo_clip > 0):
-        raise ValueError(f"--ppo-clip must be a finite number > 0 (got {settings.ppo_clip})")
-
-
-def policy_options(config, settings, backbone):
-    """The step-wise policy's constructor options of a run (store.checkpoint.make_policy), the
-    sizes of the backbone's hidden states among them when it reads them."""
-    if config.policy != "stepwise":
-        return {}
-    options = dict(inputs=settings.policy_inputs, inference=settings.inference)
-    if settings.policy_inputs == "hidden":
-        options.update(hidden_dims(backbone))
-    return dict(options, init="tpdm") if config.init == "tpdm" else options
+def policy_options(config, backbone):
+    """The step-wise policy's constructor options of a run (policy.make_policy), the sizes of the
+    backbone's hidden states among them when it reads them."""
+    options = dict(inputs=config.policy_inputs, inference=config.inference, init=config.init)
+    return options | hidden_dims(backbone) if config.policy_inputs == "hidden" else options
 
 
 def ppo_objective(logp, logp_old, advantages, clip):
@@ -444,17 +366,18 @@ def ppo_objective(logp, logp_old, advantages, clip):
     return loss, (clipped != ratio).float().mean().detach()
 
 
-def ppo_update(settings, seed, iteration, rollouts, policy, advantages, step):
-    """PPO's update on one batch (train.py's `update`): ppo_epochs passes over a shuffle seeded by
-    the run's seed and iteration, one step(loss) per minibatch against log pi as drawn; advantages
-    (N,) r - b. Returns the last loss and grad norm, and the fraction clipped in the last pass."""
-    shuffle = torch.Generator().manual_seed(seed * 1_000_003 + iteration)
-    for _ in range(settings.ppo_epochs):
+def ppo_update(config, iteration, rollouts, policy, advantages, step):
+    """PPO's update on one batch (train.py's --optimizer ppo): ppo_epochs passes over a shuffle
+    seeded by the run's seed and iteration, one step(loss) per minibatch against log pi as drawn;
+    advantages (N,) r - b. Returns the last loss and grad norm, and the fraction clipped in the last
+    pass."""
+    shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
+    for _ in range(config.ppo_epochs):
         order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
         clipped = []
-        for index in order.chunk(settings.ppo_minibatches):
+        for index in order.chunk(config.ppo_minibatches):
             logp, logp_old = rollouts.log_prob(policy, index), rollouts.logp[index]
-            loss, fraction = ppo_objective(logp, logp_old, advantages[index], settings.ppo_clip)
+            loss, fraction = ppo_objective(logp, logp_old, advantages[index], config.ppo_clip)
             grad_norm = step(loss)
             clipped.append(fraction * len(index))
     return loss, grad_norm, (sum(clipped) / len(advantages)).item()

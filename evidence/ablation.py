@@ -20,9 +20,9 @@ The miniatures (mini-sd3, mini-flux, mini-sdxl: trained real pipelines, miniatur
 exact oracle; their table holds, for L = 2, 3 and 4 on the same held-out contexts (held-out
 paraphrases, fresh noise), the default schedule, the best time shift (picked on other contexts), the
 learned global and instance-level schedules (JS, each miniature's defaults, three seeds), scored by
-the preference reward, the classifier's accuracy, the realism measures (scoring/realism.py) and the
-teacher error, with the number of default steps that matches each row's reward and its realism; it
-goes to docs/RESULTS.md, and the figure to docs/miniatures.png.
+the preference reward, the classifier's accuracy, the realism measures (miniatures/realism.py) and
+the teacher error, with the number of default steps that matches each row's reward and its
+realism; it goes to docs/RESULTS.md, and the figure to docs/miniatures.png.
 
 Each training is `python train.py --backbone B --seed S [--baseline ...] [--policy global]` with
 that backbone's defaults; runs already finished (their eval.json exists) and oracles already
@@ -48,21 +48,26 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import backbones
-from evidence.results import commit, heldout_mean, interval, record, run_training
-from miniatures.data import prompt_lists
-from policy import increments_from_times, times_from_increments
-from prompts import HELDOUT_SEED, context_noise, heldout_contexts
-from rewards import load_reward
-from scoring.paired import (
+from evaluate import (
     default_schedule,
     fixed_schedule,
     policy_schedule,
-    realism_table,
     score_table,
 )
-from scoring.realism import realism_measure
-from store.checkpoint import load_checkpoint
-from store.files import REPOSITORY, write_json_atomic
+from evidence.results import (
+    REPOSITORY,
+    commit,
+    heldout_mean,
+    interval,
+    record,
+    run_training,
+    write_json_atomic,
+)
+from miniatures.data import prompt_lists
+from miniatures.realism import realism_measure, realism_table
+from policy import increments_from_times, load_policy, times_from_increments
+from prompts import HELDOUT_SEED, context_noise, heldout_contexts
+from rewards import load_reward
 
 DEFAULT_BACKBONES = ["digits", "digits-prompt", "digits-noise"]
 parser = argparse.ArgumentParser(
@@ -259,10 +264,8 @@ def plot(path, backbone, oracle, checkpoints):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    (_, instance), (_, global_policy) = (
-        load_checkpoint(checkpoints["instance, js"]),
-        load_checkpoint(checkpoints["global, js"]),
-    )
+    instance = load_policy(checkpoints["instance, js"])[0]
+    global_policy = load_policy(checkpoints["global, js"])[0]
     prompts, seeds = heldout_contexts(backbone.prompts, HELDOUT_CONTEXTS)
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     times = policy_schedule(instance, backbone)(noise, cond)
@@ -369,7 +372,7 @@ def miniature_evidence(args):
     best time shift (chosen on other contexts), the learned global and instance-level schedules
     of each seed, and each instance policy's times averaged over training contexts into one
     schedule (what of its gain a single schedule keeps); scored by the preference reward, the
-    classifier's accuracy, the realism measures (scoring/realism.py) and the teacher error (minus
+    classifier's accuracy, the realism measures (miniatures/realism.py) and the teacher error (minus
     the 50-step default solution's squared distance); the default step count that matches each row's
     reward, and the one that matches its realism. Writes the table to out_dir/results.md and to
     docs/RESULTS.md (section "miniatures")."""
@@ -447,9 +450,9 @@ def miniature_evidence(args):
             methods = {"default": fixed_schedule(default), shift_row: shifts[best]}
             for training in selected:
                 for seed in args.seeds:
-                    policy = load_checkpoint(
+                    policy = load_policy(
                         os.path.join(run_dir(name, training, seed, args, steps), "ckpt.pt")
-                    )[1]
+                    )[0]
                     methods[f"learned {training}, seed {seed}"] = policy_schedule(policy, backbone)
                     figure_policies[name, training, seed, steps] = policy
                     if training == "instance":  # what of it one schedule for all contexts keeps
@@ -587,10 +590,11 @@ def distilled_comparison(args):
     with --steps L, each seed), against mini-flux-schnell at its default, at each L of
     DISTILLED_STEPS, and mini-flux-schnell with its own learned JS schedule; all on the same
     held-out contexts and noises (the two models draw the same initial latents). Scored by the
-    preference reward, the classifier's accuracy and the realism measures (scoring/realism.py); the
-    share of the gap between mini-flux's default and mini-flux-schnell that the learned schedule
-    closes, and the paired difference to mini-flux-schnell per context. Writes docs/RESULTS.md
-    (section "distilled") and docs/distilled.png."""
+    preference reward, the classifier's accuracy and the realism measures
+    (miniatures/realism.py); the share of the gap between mini-flux's default and
+    mini-flux-schnell that the learned schedule closes, and the paired difference to
+    mini-flux-schnell per context. Writes docs/RESULTS.md (section "distilled") and
+    docs/distilled.png."""
 
     started = commit()
     runs = [
@@ -605,7 +609,7 @@ def distilled_comparison(args):
     measure = realism_measure()
     models = {name: backbones.load_backbone(name) for name in DISTILLED_STEPS}
     policies = {
-        run: load_checkpoint(os.path.join(run_dir(*run[:3], args, run[3]), "ckpt.pt"))[1]
+        run: load_policy(os.path.join(run_dir(*run[:3], args, run[3]), "ckpt.pt"))[0]
         for run in runs
     }
 

@@ -29,7 +29,7 @@ Protocol: the paper's where the paper states it, else this project's choice (sai
 - Learning curves: the held-out gain over the default on the first 32 held-out contexts, which
   train.py logs at each checkpoint (every 5 iterations here).
 - Theorem 3.2 on the training distribution: at the start, middle and end of each seed-0 JS run at
-  L = 2 (train.py --snapshots), on training prompts with noise seeds of their own (MEASURE_SEED):
+  L = 2 (run_training keeps them), on training prompts with noise seeds of their own (MEASURE_SEED):
   - each baseline's error as an estimate of a context's mean reward mu_c: sets of contexts get
     POOL rollouts each; a batch takes K of them per context, the truth is the mean of the other
     POOL - K (its own noise, s2_c / (POOL - K), is subtracted);
@@ -56,13 +56,11 @@ import torch
 
 import backbones
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
-from evidence.results import commit, heldout_mean, interval, record, run_training
-from policy import log_prob, sample_increments, times_from_increments
+from evaluate import mean_ci
+from evidence.results import REPOSITORY, commit, heldout_mean, interval, record, run_training
+from policy import load_policy, log_prob, sample_increments, times_from_increments
 from prompts import context_noise, load_prompt_file
 from rewards import load_reward
-from scoring.paired import mean_ci
-from store.checkpoint import load_checkpoint
-from store.files import REPOSITORY
 
 MINIATURES = {"mini-sd3": 32, "mini-flux": 16, "mini-sdxl": 32}  # name: B
 BASELINE_ROWS = ["xctx", "rloo", "js", "js-unbiased"]
@@ -136,6 +134,27 @@ def batch_gradients(alpha_of, rewards_of, parameters, rollouts, generator):
     return gradients, rewards
 
 
+def sampled_gradients(policy, backbone, draw, rewards_of, contexts, rollouts, batches, generator):
+    """batch_gradients on `batches` batches of `contexts` fresh contexts each (draw(contexts) ->
+    texts, noise, cond): {baseline: (batches, P)}, and each batch's plug-in JS weight."""
+    parameters = [p for p in policy.parameters() if p.requires_grad]
+    gradients, weights = {key: [] for key in BASELINES}, []
+    for _ in range(batches):
+        texts, noise, cond = draw(contexts)
+        inputs = backbone.policy_inputs(noise, cond)
+        batch, rewards = batch_gradients(
+            lambda: policy(**inputs),
+            lambda tau: rewards_of(texts, noise, cond, tau),
+            parameters,
+            rollouts,
+            generator,
+        )
+        for key, value in batch.items():
+            gradients[key].append(value)
+        weights.append(shrinkage(rewards).item())
+    return {key: torch.stack(value) for key, value in gradients.items()}, weights
+
+
 UNBIASED = ("xctx", "rloo", "js-unbiased")  # exactly unbiased: their mix is the reference
 
 
@@ -174,7 +193,7 @@ def measure(name, start, args):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     steps, contexts = args.steps[0], MINIATURES[name]
-    folder = os.path.join(run_dir(args, name, start, steps, "js", args.seeds[0]), "snapshots")
+    folder = run_dir(args, name, start, steps, "js", args.seeds[0]) + "-snapshots"
     backbone = backbones.load_backbone(name, device="cpu")
     reward = load_reward("preference", backbone, device="cpu")
     prompts = load_prompt_file(backbones.BACKBONES[name]["prompts"][0])
@@ -201,8 +220,7 @@ def measure(name, start, args):
 
     report = []
     for iteration in chosen:
-        _, policy = load_checkpoint(os.path.join(folder, f"policy-{iteration}.pt"))
-        parameters = [p for p in policy.parameters() if p.requires_grad]
+        policy, _ = load_policy(os.path.join(folder, f"policy-{iteration}.pt"))
         pool = []
         for _ in range(POOL_SETS):
             texts, noise, cond = draw_contexts(contexts)
@@ -217,21 +235,10 @@ def measure(name, start, args):
         for size, rollouts in ((contexts, ROLLOUTS), (SMALL_B, ROLLOUTS), (contexts, 4)):
             setting = dict(errors=baseline_errors(pool, size, rollouts, RESAMPLES, generator))
             if rollouts == ROLLOUTS:  # the gradient at the paper's K, B as trained and small
-                gradients, weights = {key: [] for key in BASELINES}, []
-                for _ in range(GRADIENT_BATCHES):
-                    texts, noise, cond = draw_contexts(size)
-                    inputs = backbone.policy_inputs(noise, cond)
-                    batch, rewards = batch_gradients(
-                        lambda: policy(**inputs),
-                        lambda tau: rewards_of(texts, noise, cond, tau),
-                        parameters,
-                        rollouts,
-                        generator,
-                    )
-                    for key, value in batch.items():
-                        gradients[key].append(value)
-                    weights.append(shrinkage(rewards).item())
-                stacked = {key: torch.stack(value) for key, value in gradients.items()}
+                stacked, weights = sampled_gradients(
+                    policy, backbone, draw_contexts, rewards_of, size, rollouts,
+                    GRADIENT_BATCHES, generator,
+                )  # fmt: skip
                 setting.update(
                     gradients=gradient_statistics(stacked),
                     weights=[statistics.median(weights), *statistics.quantiles(weights, n=4)[::2]],

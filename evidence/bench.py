@@ -47,13 +47,12 @@ import time
 import torch
 
 import backbones
-from evidence.results import commit, record
+from evaluate import default_schedule, policy_schedule, run_method
+from evidence.results import REPOSITORY, commit, record
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
+from policy import load_policy, make_policy
 from prompts import context_noise, heldout_contexts, load_prompt_file
 from rewards import load_reward
-from scoring.paired import default_schedule, policy_schedule, run_method
-from store.checkpoint import load_checkpoint, make_policy
-from store.files import REPOSITORY
 
 parser = argparse.ArgumentParser(
     description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -149,7 +148,7 @@ def bench_policy():
     )
     for name, dims in POLICY_DIMS.items():
         with torch.device("meta"):
-            policy = make_policy("instance", dims, 20, preset=backbones.BACKBONES[name]["policy"])
+            policy = make_policy("instance", dims, 20, network=backbones.BACKBONES[name]["policy"])
             params = sum(p.numel() for p in policy.parameters())
         print(
             f"  policy for {name:9s} at L=20: {params / 1e6:7.3f}M parameters "
@@ -164,10 +163,10 @@ def bench_policy():
         )
     for steps in (5, 10, 20):
         with torch.device("meta"):  # the policy runs once per image, without CFG
-            policy = make_policy("instance", dims, steps, preset="real")
+            policy = make_policy("instance", dims, steps, network="real")
             flops = count_flops(policy, torch.empty(1, 16, 128, 128), *prompt)
             # TPDM's runs after every step, on the state and the prediction, with t_l and l
-            stepwise = make_policy("stepwise", dims, steps, preset="real")
+            stepwise = make_policy("stepwise", dims, steps, network="real")
             state = torch.empty(1, 32, 128, 128)
             step_policy = count_flops(stepwise, state, *prompt, torch.empty(1), 0)
         print(
@@ -301,14 +300,20 @@ def bench_threads(busy_iterations=20):
     settings = (1, torch.get_num_threads())
 
     def train(threads, folder, *args):
-        started = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "train.py", "--threads", str(threads), "--out-dir", folder, *args],
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            cwd=REPOSITORY,
+        started, quiet = (
+            time.perf_counter(),
+            dict(stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT),
         )
+        command = [
+            sys.executable,
+            "train.py",
+            "--threads",
+            str(threads),
+            "--out-dir",
+            folder,
+            *args,
+        ]
+        subprocess.run(command, check=True, cwd=REPOSITORY, **quiet)
         with open(os.path.join(folder, "metrics.jsonl")) as file:
             rows = [json.loads(line) for line in file]
         return time.perf_counter() - started, sum(row["step_s"] for row in rows) / len(rows)
@@ -327,13 +332,8 @@ def bench_threads(busy_iterations=20):
     one, default = results.values()
     largest = max(abs(one[name] - default[name]) for name in one)
     print(f"largest difference of a held-out mean between the two: {largest:.2e}")
-    hog = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "import torch\nx = torch.randn(1024, 1024)\nwhile True: x = (x @ x).tanh()",
-        ]
-    )
+    busy = "import torch\nx = torch.randn(1024, 1024)\nwhile True: x = (x @ x).tanh()"
+    hog = subprocess.Popen([sys.executable, "-c", busy])
     try:
         for threads in settings:
             with tempfile.TemporaryDirectory() as folder:
@@ -465,7 +465,7 @@ def bench_generate(name="mini-sd3", count=8, steps=3, repeats=5):
 
 def bench_evaluate(name="mini-sd3", count=256):
     """evaluate.py on a run of `name` (its default and learned rows on `count` held-out contexts,
-    the run's reward, its table, scores and figure), in this process, against those rows' model
+    the run's reward, its table and scores), in this process, against those rows' model
     calls timed alone: the backbone sampling each batch and the reward scoring it."""
     import evaluate
     import train
@@ -480,12 +480,12 @@ def bench_evaluate(name="mini-sd3", count=256):
         started = time.perf_counter()
         quietly(evaluate.main, arguments)
         total = time.perf_counter() - started
-        _, policy = load_checkpoint(ckpt)
+        policy, _ = load_policy(ckpt)
     backbone = backbones.load_backbone(name)
     reward = load_reward(config.reward, backbone)
     prompts, seeds = heldout_contexts(load_prompt_file(config.eval_prompts), count)
     methods = [default_schedule(backbone, config.steps), policy_schedule(policy, backbone)]
-    batch, calls = evaluate.default_batch_size(backbone), 0.0
+    batch, calls = 8 if backbone.resolution >= 512 else 256, 0.0
     for start in range(0, count, batch):
         noise = context_noise(backbone, seeds[start : start + batch])
         cond = backbone.encode_prompts(prompts[start : start + batch])
@@ -505,16 +505,12 @@ def bench_evaluate(name="mini-sd3", count=256):
 def bench_main_job():
     """`python train.py`, the main job, in a process of its own as a user runs it: its wall time,
     and how it splits into start-up (to the end of the first iteration, less that iteration), the
-    iterations (metrics.jsonl's step_s) and the finish (held-out report, figure, policy)."""
+    iterations (metrics.jsonl's step_s) and the finish (held-out report, policy)."""
     with tempfile.TemporaryDirectory() as folder:
         metrics = os.path.join(folder, "metrics.jsonl")
         started = time.perf_counter()
-        process = subprocess.Popen(
-            [sys.executable, "train.py", "--out-dir", folder],
-            cwd=REPOSITORY,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        command, quiet = [sys.executable, "train.py", "--out-dir", folder], subprocess.DEVNULL
+        process = subprocess.Popen(command, cwd=REPOSITORY, stdout=quiet, stderr=quiet)
         first = None
         while process.poll() is None:
             if first is None and os.path.isfile(metrics) and os.path.getsize(metrics):

@@ -34,11 +34,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import backbones
+from evaluate import policy_schedule, score_methods
 from evidence.results import commit, heldout_mean, interval, record, run_training
+from policy import load_policy
 from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
 from rewards import load_reward
-from scoring.paired import policy_schedule, score_methods
-from store.checkpoint import load_checkpoint
 
 STUDIED = ["digits-prompt", "mini-sd3", "mini-flux", "mini-sdxl"]
 RATES = [3e-5, 1e-4, 3e-4]  # around REINFORCE's 3e-3 x comparator.tpdm.LR_FACTOR = 1e-4
@@ -109,8 +109,8 @@ def tuning_score(args, name, rate):
     """The mean reward of a tuning run's deterministic schedule on the tuning contexts."""
 
     path = os.path.join(folder(args, name, PPO_ROW, TUNING_RUN, rate), "ckpt.pt")
-    checkpoint, policy = load_checkpoint(path)
-    backbone, reward, prompts, seeds = tuning_setup(name, checkpoint["config"]["reward"])
+    policy, config = load_policy(path)
+    backbone, reward, prompts, seeds = tuning_setup(name, config["reward"])
     scores = score_methods(
         backbone, reward, prompts, seeds, {"learned": policy_schedule(policy, backbone)}
     )

@@ -54,17 +54,22 @@ from multiprocessing import get_context
 import torch
 
 import backbones
+from evaluate import mean_ci
 from evidence.ablation import SHIFTS, shifted
-from evidence.results import commit, record, run_training
+from evidence.results import REPOSITORY, commit, record, run_training, write_json_atomic
 from miniatures.data import prompt_lists
-from policy import increments_from_times, log_prob, mean_increments, times_from_increments
+from miniatures.realism import realism_measure
+from policy import (
+    increments_from_times,
+    load_policy,
+    log_prob,
+    make_policy,
+    mean_increments,
+    times_from_increments,
+)
 from prompts import HELDOUT_SEED, TUNING_SEED, context_noise, heldout_contexts
 from rewards import load_reward
 from rewards.digits import digit_of
-from scoring.paired import mean_ci
-from scoring.realism import realism_measure
-from store.checkpoint import load_checkpoint, make_policy
-from store.files import REPOSITORY, write_json_atomic
 
 parser = argparse.ArgumentParser(
     "python -m evidence.instance_study", description=__doc__.split("\n")[1]
@@ -324,7 +329,7 @@ def cell(args, name, steps):
     starts = {"best shift": best_shift, "uniform": torch.linspace(1, 0, steps + 1)}
     for seed in args.seeds:
         folder = run_dir(args, name, steps, "global", seed)
-        policy = load_checkpoint(os.path.join(folder, "ckpt.pt"))[1]
+        policy = load_policy(os.path.join(folder, "ckpt.pt"))[0]
         first = training[:1]  # a global policy's schedule is the same for every context
         with torch.no_grad():
             times = policy.times(backbone, first.noise, first.cond)[0]
@@ -390,7 +395,7 @@ def reinforce_rows(args, name, steps):
     for kind in kinds(steps):
         for seed in args.seeds:
             folder = run_dir(args, name, steps, kind, seed)
-            policy = load_checkpoint(os.path.join(folder, "ckpt.pt"))[1]
+            policy = load_policy(os.path.join(folder, "ckpt.pt"))[0]
             schedules = {f"REINFORCE {kind}": policy.times(backbone, heldout.noise, heldout.cond)}
             if kind == "instance":  # its times over training contexts, averaged
                 mean = policy.times(backbone, training.noise, training.cond).mean(0)

@@ -12,14 +12,14 @@ import os
 import torch
 
 import backbones
+from evaluate import default_schedule
 from evidence.results import commit, record
 from miniatures.build import FAMILIES, FOLDER, folder_size
 from miniatures.data import digit_splits, prompt_lists, split
+from miniatures.realism import realism_measure, sample_images
 from prompts import TUNING_SEED, heldout_contexts
 from rewards import load_reward
 from rewards.digits import digit_of, load_classifier, load_scorer
-from scoring.paired import default_schedule, sample_images
-from scoring.realism import realism_measure
 
 # -----------------------------------------------------------------------------
 # the miniatures' default guidance, chosen as a real model's is

@@ -43,15 +43,21 @@ import torch
 
 import backbones
 from baselines import shrinkage
+from evaluate import mean_ci, policy_schedule, score_methods
 from evidence import bound
-from evidence.baseline_study import batch_gradients, gradient_statistics
-from evidence.results import commit, interval, record, run_training
-from policy import sample_increments, times_from_increments
+from evidence.baseline_study import gradient_statistics, sampled_gradients
+from evidence.results import (
+    REPOSITORY,
+    commit,
+    interval,
+    record,
+    run_training,
+    write_json_atomic,
+    write_lines_atomic,
+)
+from policy import load_policy, make_policy, sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
 from rewards import digit_of, load_reward
-from scoring.paired import mean_ci, policy_schedule, score_methods
-from store.checkpoint import load_checkpoint, make_policy
-from store.files import REPOSITORY, write_json_atomic, write_lines_atomic
 
 CELLS = {"mini-sd3": 2, "mini-sdxl": 2}  # miniature: the digit whose prompts make its contexts
 STEPS, CONTEXTS, ROLLOUTS, ITERATIONS, CURVE = 2, 4, 2, 30, 2
@@ -118,7 +124,7 @@ def tuning_scores(args, name, runs):
     contexts = heldout_contexts(prompts, TUNING_CONTEXTS, TUNING_SEED)
     scores = {}
     for run in runs:
-        _, policy = load_checkpoint(os.path.join(run_folder(args, name, *run), "ckpt.pt"))
+        policy, _ = load_policy(os.path.join(run_folder(args, name, *run), "ckpt.pt"))
         method = {"learned": policy_schedule(policy, backbone)}
         scores[run] = score_methods(backbone, reward, *contexts, method)["learned"].mean().item()
     return scores
@@ -146,6 +152,24 @@ def tune(args, pool, name):
 
 
 @torch.no_grad()
+def variances(backbone, reward, policy, prompts, seed, contexts, rollouts):
+    """The rewards (contexts, rollouts) of `policy` on `contexts` contexts of `prompts` (noise
+    seeds from `seed`), `rollouts` schedules each, with sigma^2 within and delta^2 between them."""
+    prompts, seeds = heldout_contexts(prompts, contexts, seed)
+    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
+    alpha = policy(**backbone.policy_inputs(noise, cond))
+    tau = sample_increments(alpha, rollouts, torch.Generator().manual_seed(0))  # (B, K, L+1)
+    times = times_from_increments(tau).flatten(0, 1)
+    noise_k = noise.repeat_interleave(rollouts, 0)
+    cond_k = {key: value.repeat_interleave(rollouts, 0) for key, value in cond.items()}
+    prompts_k = [p for p in prompts for _ in range(rollouts)]
+    rewards = reward(backbone.sample(noise_k, cond_k, times), prompts_k, noise_k, cond_k)
+    rewards = rewards.double().view(contexts, rollouts)
+    sigma2 = rewards.var(1).mean().item()
+    return rewards, sigma2, max(0.0, rewards.mean(1).var().item() - sigma2 / rollouts)
+
+
+@torch.no_grad()
 def start_variances(args, name):
     """sigma^2 within and delta^2 between contexts of the preference reward at the flat start (one
     initial policy, START_CONTEXTS training contexts of the digit, START_ROLLOUTS schedules each),
@@ -158,19 +182,9 @@ def start_variances(args, name):
         "instance", backbone.policy_dims, STEPS, init="uniform", concentration=STEPS + 1.0
     )
     prompts = load_prompt_file(prompt_files(args, name)[0])
-    prompts, seeds = heldout_contexts(prompts, START_CONTEXTS, TUNING_SEED + 10**5)
-    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-    alpha = policy(**backbone.policy_inputs(noise, cond))
-    generator = torch.Generator().manual_seed(0)
-    tau = sample_increments(alpha, START_ROLLOUTS, generator)  # (B, K, L+1)
-    times = times_from_increments(tau).flatten(0, 1)
-    noise_k = noise.repeat_interleave(START_ROLLOUTS, 0)
-    cond_k = {key: value.repeat_interleave(START_ROLLOUTS, 0) for key, value in cond.items()}
-    prompts_k = [p for p in prompts for _ in range(START_ROLLOUTS)]
-    rewards = reward(backbone.sample(noise_k, cond_k, times), prompts_k, noise_k, cond_k)
-    rewards = rewards.double().view(START_CONTEXTS, START_ROLLOUTS)
-    sigma2 = rewards.var(1).mean().item()
-    delta2 = max(0.0, rewards.mean(1).var().item() - sigma2 / START_ROLLOUTS)
+    rewards, sigma2, delta2 = variances(
+        backbone, reward, policy, prompts, TUNING_SEED + 10**5, START_CONTEXTS, START_ROLLOUTS
+    )
     ratio = delta2 / sigma2
     factors = bound.effective_batch(ratio, ROLLOUTS, CONTEXTS)
     plug_in = bound.plug_in_variance(ratio, ROLLOUTS, CONTEXTS)
@@ -221,10 +235,9 @@ def explain(args, name, rate):
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in EXPLAIN_ROWS:
-        folder = os.path.join(run_folder(args, name, row, 0, rate), "snapshots")
+        folder = run_folder(args, name, row, 0, rate) + "-snapshots"
         for iteration in EXPLAIN_AT:
-            policy = load_checkpoint(os.path.join(folder, f"policy-{iteration}.pt"))[1]
-            parameters = [p for p in policy.parameters() if p.requires_grad]
+            policy = load_policy(os.path.join(folder, f"policy-{iteration}.pt"))[0]
             texts, noise, cond = contexts(EXPLAIN_CONTEXTS)
             with torch.no_grad():
                 alpha = policy(**backbone.policy_inputs(noise, cond))
@@ -234,20 +247,17 @@ def explain(args, name, rate):
             ratio = max(0.0, pool.mean(1).var().item() - sigma2 / EXPLAIN_POOL) / sigma2
             residuals = (pool - pool.mean(1, keepdim=True)).flatten() / sigma2**0.5
             skew, kurtosis = residuals.pow(3).mean().item(), residuals.pow(4).mean().item() - 3
-            gradients = {key: [] for key in ("rloo", "xctx", "js")}
-            for _ in range(EXPLAIN_BATCHES):
-                texts, noise, cond = contexts(CONTEXTS)
-                inputs = backbone.policy_inputs(noise, cond)
-                batch, _ = batch_gradients(
-                    lambda: policy(**inputs),
-                    lambda tau: rewards_of(texts, noise, cond, tau),
-                    parameters,
-                    ROLLOUTS,
-                    generator,
-                )
-                for key in gradients:
-                    gradients[key].append(batch[key])
-            measured = gradient_statistics({k: torch.stack(v) for k, v in gradients.items()})
+            gradients = sampled_gradients(
+                policy,
+                backbone,
+                contexts,
+                rewards_of,
+                CONTEXTS,
+                ROLLOUTS,
+                EXPLAIN_BATCHES,
+                generator,
+            )[0]
+            measured = gradient_statistics({key: gradients[key] for key in ("rloo", "xctx", "js")})
             model = bound.cross_context_variance(ratio, ROLLOUTS, CONTEXTS) / bound.rloo_variance(
                 ROLLOUTS
             )

@@ -11,8 +11,9 @@ rerun replaces its own section only.
 
 The evidence scripts train with `run_training(out_dir, arguments)`: train.py in a worker process
 (which imports torch and the models once for all its runs), read back when finished, continued
-when killed; `heldout_mean(report)` reads a row of its eval.json
-and `interval(values, digits)` writes a mean over seeds with its 95% interval.
+when killed (with "--snapshots", the policy at the start and at each checkpoint is kept in
+<out_dir>-snapshots/); `heldout_mean(report)` reads a row of its eval.json and
+`interval(values, digits)` writes a mean over seeds with its 95% interval.
 """
 
 import contextlib
@@ -24,9 +25,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from scoring.paired import mean_ci
-from store.files import REPOSITORY
+from evaluate import mean_ci
 
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPOSITORY, "docs", "RESULTS.md")
 HEADER = [
     "# Results",
@@ -73,22 +74,37 @@ def record(name, command, lines, at=None, path=RESULTS):
     for section, section_lines in existing.items():
         body += ["", f"<!-- section: {section} -->", *section_lines, f"<!-- end: {section} -->"]
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = path + ".tmp"
-    with open(temporary, "w") as handle:
-        handle.write("\n".join(body) + "\n")
-    os.replace(temporary, path)
+    write_lines_atomic(path, ["\n".join(body) + "\n"])
+
+
+def write_lines_atomic(path, lines):
+    """Written whole or not at all: a kill never leaves a torn cache for the next run to read."""
+    with open(path + ".tmp", "w") as file:
+        file.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
+def write_json_atomic(path, data):
+    write_lines_atomic(path, [json.dumps(data)])
 
 
 def train_here(out_dir, arguments):
     """`python train.py --out-dir out_dir *arguments` in this process (a worker of run_training's
-    pool), its output in out_dir/train.log."""
+    pool), its output in <out_dir>.log; "--snapshots" keeps the policy at each checkpoint."""
     import train
 
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "train.log"), "a") as log:
+    def snapshot(policy, iteration):  # what policy.load_policy reads
+        state = dict(policy=policy.state_dict(), policy_config=policy.config, config=vars(config))
+        os.makedirs(out_dir + "-snapshots", exist_ok=True)
+        torch.save(dict(state, iteration=iteration), f"{out_dir}-snapshots/policy-{iteration}.pt")
+
+    keep, arguments = "--snapshots" in arguments, [a for a in arguments if a != "--snapshots"]
+    os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+    with open(out_dir + ".log", "a") as log:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             try:
-                train.main(train.parse_config(["--out-dir", out_dir, *arguments]))
+                config = train.parse_config(["--out-dir", out_dir, *arguments])
+                train.main(config, on_checkpoint=snapshot if keep else None)
             except SystemExit as stop:  # train.py's one-line refusal, as an error here
                 raise RuntimeError(f"train.py {' '.join(arguments)}: {stop}") from None
 
@@ -98,7 +114,7 @@ WORKERS = None  # run_training's processes, started once: each imports torch and
 
 def run_training(out_dir, arguments):
     """`python train.py --out-dir out_dir *arguments` in a worker process of its own (one CPU
-    thread; its output in out_dir/train.log), continued from its checkpoint when killed, and not
+    thread; its output in <out_dir>.log), continued from its checkpoint when killed, and not
     rerun when finished (eval.json exists); callers run several at once from threads. Returns its
     eval.json and the rows of its metrics.jsonl."""
     global WORKERS

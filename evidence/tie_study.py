@@ -43,15 +43,20 @@ import torch
 from scipy import stats
 
 import backbones
+from evaluate import policy_schedule, score_methods
 from evidence import bound
-from evidence.regime_study import gains
-from evidence.results import commit, interval, record, run_training
-from policy import sample_increments, times_from_increments
-from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
+from evidence.regime_study import gains, variances
+from evidence.results import (
+    commit,
+    interval,
+    record,
+    run_training,
+    write_json_atomic,
+    write_lines_atomic,
+)
+from policy import load_policy, make_policy
+from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
 from rewards import digit_of, load_reward
-from scoring.paired import policy_schedule, score_methods
-from store.checkpoint import load_checkpoint, make_policy
-from store.files import write_json_atomic, write_lines_atomic
 
 NAME = "mini-sd3"
 PAIRS = ((2, 8), (2, 3), (3, 8), (1, 7), (4, 9), (0, 6))  # candidate digit pairs, {2, 8} first
@@ -61,7 +66,7 @@ ROWS = ["js", "rloo", "xctx", DOUBLED]
 RATES = (3e-4, 1e-3, 3e-3)  # widened by a factor 3 on the side a best rate sits at
 WIDENINGS = 3  # at most this many rates added on each side
 TUNING_SEEDS, TUNING_CONTEXTS = (100, 101, 102, 103), 128
-VARIANCE_CONTEXTS, VARIANCE_ROLLOUTS = 64, 8  # contexts x rollouts drawn to measure rho
+VARIANCE = (64, 8)  # contexts x rollouts drawn to measure rho
 TRAJECTORY = (0, 10, 20, 30)  # iterations of the JS tuning run at which rho is measured
 BAND = 2.0  # arm B's rate keeps rho within this factor of the tie at every TRAJECTORY point
 PILOT_SEEDS = tuple(range(1000, 1020))
@@ -92,24 +97,6 @@ def pair_prompts(pair):
     return [[p for p in load_prompt_file(path) if digit_of(p) in pair] for path in shipped]
 
 
-@torch.no_grad()
-def variances(backbone, reward, policy, prompts, seed):
-    """(sigma^2 within, delta^2 between contexts) of the preference reward under `policy`, on
-    VARIANCE_CONTEXTS contexts of `prompts` (noise seeds from `seed`), VARIANCE_ROLLOUTS each."""
-    prompts, seeds = heldout_contexts(prompts, VARIANCE_CONTEXTS, seed)
-    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-    alpha = policy(**backbone.policy_inputs(noise, cond))
-    tau = sample_increments(alpha, VARIANCE_ROLLOUTS, torch.Generator().manual_seed(0))
-    times = times_from_increments(tau).flatten(0, 1)
-    noise_k = noise.repeat_interleave(VARIANCE_ROLLOUTS, 0)
-    cond_k = {key: value.repeat_interleave(VARIANCE_ROLLOUTS, 0) for key, value in cond.items()}
-    prompts_k = [p for p in prompts for _ in range(VARIANCE_ROLLOUTS)]
-    rewards = reward(backbone.sample(noise_k, cond_k, times), prompts_k, noise_k, cond_k)
-    rewards = rewards.double().view(VARIANCE_CONTEXTS, VARIANCE_ROLLOUTS)
-    sigma2 = rewards.var(1).mean().item()
-    return sigma2, max(0.0, rewards.mean(1).var().item() - sigma2 / VARIANCE_ROLLOUTS)
-
-
 def flat_policy(backbone):
     torch.manual_seed(0)
     return make_policy(
@@ -124,7 +111,9 @@ def choose_pair(out_dir, backbone, reward):
     if not os.path.isfile(path):
         policy, measured = flat_policy(backbone), {}
         for pair in PAIRS:
-            sigma2, delta2 = variances(backbone, reward, policy, pair_prompts(pair)[0], TUNING_SEED)
+            sigma2, delta2 = variances(
+                backbone, reward, policy, pair_prompts(pair)[0], TUNING_SEED, *VARIANCE
+            )[1:]
             measured["".join(map(str, pair))] = delta2 / sigma2
         write_json_atomic(path, measured)
     with open(path) as file:
@@ -188,7 +177,7 @@ def tune(out_dir, pool, backbone, reward):
 
         list(pool.map(trained, missing))
         for run in missing:
-            _, policy = load_checkpoint(os.path.join(run_folder(out_dir, *run), "ckpt.pt"))
+            policy, _ = load_policy(os.path.join(run_folder(out_dir, *run), "ckpt.pt"))
             method = {"learned": policy_schedule(policy, backbone)}
             scores[run] = (
                 score_methods(backbone, reward, *contexts, method)["learned"].mean().item()
@@ -211,11 +200,13 @@ def tune(out_dir, pool, backbone, reward):
 @torch.no_grad()
 def trajectory(out_dir, backbone, reward, rate):
     """rho along the JS tuning run (seed TUNING_SEEDS[0]), at TRAJECTORY, on tuning contexts."""
-    folder = os.path.join(run_folder(out_dir, "js", TUNING_SEEDS[0], rate), "snapshots")
+    folder = run_folder(out_dir, "js", TUNING_SEEDS[0], rate) + "-snapshots"
     prompts, points = load_prompt_file(prompt_files(out_dir)[0]), {}
     for iteration in TRAJECTORY:
-        _, policy = load_checkpoint(os.path.join(folder, f"policy-{iteration}.pt"))
-        sigma2, delta2 = variances(backbone, reward, policy, prompts, TUNING_SEED + 10**5)
+        policy, _ = load_policy(os.path.join(folder, f"policy-{iteration}.pt"))
+        sigma2, delta2 = variances(
+            backbone, reward, policy, prompts, TUNING_SEED + 10**5, *VARIANCE
+        )[1:]
         points[iteration] = delta2 / sigma2
     return points
 

@@ -23,7 +23,7 @@ Data: scikit-learn's 1,797 handwritten 8x8 digits (they ship inside the package)
 16x16 with Pillow's bicubic filter, grey ink replicated to RGB. A seeded half trains the pipelines
 (VAE and denoiser); the other half, which no pipeline saw, trains the classifier (tested on the
 pipelines' half) and is split again (digit_splits): one half trains the preference scorer, the
-other is the realism measure's reference set (scoring/realism.py), seen by neither reward model.
+other is the realism measure's reference set (miniatures/realism.py), seen by neither reward model.
 Prompts are paraphrases, "a handwritten 7", "the digit 7", ... (prompts/digit_train.txt); the
 held-out paraphrases (prompts/digit_heldout.txt) are never seen in training.
 
@@ -916,7 +916,7 @@ def train_schnell(seed=0, out=None, log=print):
     staging = out + ".partial"  # a sibling: the links' relative paths hold for both
     shutil.rmtree(staging, ignore_errors=True)
     schnell.save_pretrained(staging, safe_serialization=True)
-    source = backbones.check_files("mini-flux")
+    source = os.path.join(backbones.REPOSITORY, backbones.BACKBONES["mini-flux"]["folder"])
     for name in SHARED:  # links, relative, so that any checkout resolves them
         shutil.rmtree(os.path.join(staging, name))
         os.symlink(

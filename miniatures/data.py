@@ -41,7 +41,7 @@ def digit_splits():
     """The digits by use, each (images, labels): "pipelines" (the half that trains the miniatures'
     VAEs and denoisers), and the other half, which no miniature saw: all of it trains the digit
     classifier; a seeded half of it ("preference") trains the preference scorer, the rest
-    ("reference") is the realism measure's reference set (scoring/realism.py), which the scorer
+    ("reference") is the realism measure's reference set (miniatures/realism.py), which the scorer
     never saw."""
     pipelines, (images, labels) = split()
     order = torch.randperm(len(images), generator=torch.Generator().manual_seed(1))

@@ -30,37 +30,24 @@ than dropping or clamping samples, which would bias the estimator and hide a bro
 
 import torch
 
-from rewards.clip import CLIP_DEFAULT, CLIPReward
-from rewards.digits import DigitReward, PreferenceReward, digit_of, model_folder
-from rewards.hps import HPSReward, hps_checkpoint, import_hps
-from rewards.images import check_all, check_model
-from rewards.ocr import OCRReward, import_easyocr, target_text, weights_folder
+from rewards.clip import CLIPReward
+from rewards.digits import DigitReward, PreferenceReward, digit_of
+from rewards.geneval import GenEvalReward, parse
+from rewards.hps import HPSReward
+from rewards.ocr import OCRReward, target_text
 from rewards.teacher import TeacherReward
-
-
-def load_geneval(backbone, **options):
-    from rewards import geneval  # imported when used: `python -m rewards.geneval` is a script too
-
-    return geneval.load_geneval(backbone, **options)
-
 
 REWARDS = {  # name -> its loader: (backbone, device=None, **options) -> the reward
     "teacher": TeacherReward,
     "hpsv2": HPSReward,
     "clip": CLIPReward,
     "ocr": OCRReward,
-    "geneval": load_geneval,
+    "geneval": GenEvalReward,
     "digit": DigitReward,
     "preference": PreferenceReward,
 }
 IMAGE_CONTENT = ("ocr", "geneval")  # read text or objects: not for the 8x8 embedded backbones
 DIGIT_REWARDS = ("digit", "preference")  # read the miniatures' 16x16 digits: mini-* only
-COLUMNS = {  # what metrics() returns, per reward
-    "ocr": ("ocr", "ocr edit"),
-    "geneval": ("geneval", "geneval correct"),
-    "digit": ("digit", "digit accuracy"),
-    "preference": ("preference", "digit accuracy"),
-}
 
 
 def check_digits(name, backbone, spec):
@@ -75,8 +62,6 @@ def check_digits(name, backbone, spec):
 
 def check_prompts(name, prompts):
     """ValueError naming the first prompt the reward `name` cannot score."""
-    from rewards.geneval import parse
-
     # what each reward reads in a prompt; ValueError in one line if the prompt has none
     reads = {"digit": digit_of, "preference": digit_of, "ocr": target_text, "geneval": parse}
     if name in reads:
@@ -86,43 +71,17 @@ def check_prompts(name, prompts):
 
 @torch.no_grad()
 def metrics(reward, name, latents, prompts, noise, cond):
-    """name -> (N,) float tensor: the reward, and beside it OCR's edit score, GenEval's binary
-    correctness or the digit classifier's accuracy."""
+    """column -> (N,) float tensor: the reward, and beside it OCR's edit score ("ocr edit"),
+    GenEval's binary correctness ("geneval correct") or the digit classifier's accuracy."""
     if name in IMAGE_CONTENT:
         rows = reward.details(latents, prompts)
-        keys = ("recall", "edit") if name == "ocr" else ("reward", "correct")
-        return {
-            column: torch.tensor([float(row[key]) for row in rows])
-            for column, key in zip(COLUMNS[name], keys)
-        }
+        score, other = ("recall", "edit") if name == "ocr" else ("reward", "correct")
+        values = {key: torch.tensor([float(row[key]) for row in rows]) for key in (score, other)}
+        return {name: values[score], f"{name} {other}": values[other]}
     if name in DIGIT_REWARDS:
         score, correct = reward.details(latents, prompts)
         return {name: score.cpu(), "digit accuracy": correct.cpu()}
     return {name: reward(latents, prompts, noise, cond).float().cpu()}
-
-
-def check_reward(name, checkpoint=None):
-    """Fail fast, before a backbone is loaded: ValueError in one line naming every package and
-    model file of the reward `name` that this machine lacks. Loads nothing heavy."""
-    from rewards.geneval import DETECTOR_DEFAULT
-
-    clip_advice = "pass --reward-checkpoint PATH to a local copy"
-    needs = {
-        "hpsv2": [import_hps, lambda: hps_checkpoint(checkpoint=checkpoint)],
-        "clip": [lambda: check_model(checkpoint or CLIP_DEFAULT, "CLIP model", clip_advice)],
-        "ocr": [import_easyocr, lambda: weights_folder(checkpoint)],
-        "geneval": [
-            lambda: check_model(checkpoint or DETECTOR_DEFAULT, "GenEval detector"),
-            lambda: check_model(CLIP_DEFAULT, "CLIP model"),
-        ],
-        "digit": [lambda: model_folder("classifier", checkpoint)],
-        # the scorer, and the classifier behind its accuracy
-        "preference": [
-            lambda: model_folder("preference", checkpoint),
-            lambda: model_folder("classifier"),
-        ],
-    }
-    check_all(*needs.get(name, []))
 
 
 def load_reward(name, backbone, device=None, checkpoint=None, **options):

@@ -21,16 +21,10 @@ class CLIPReward:
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
-        try:
-            self.model = (
-                CLIPModel.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
-            )
-            self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        except OSError as error:
-            raise ValueError(
-                f"CLIP model {checkpoint!r} not found ({type(error).__name__}): download it with "
-                f"`hf download {checkpoint}` or pass --reward-checkpoint PATH to a local copy"
-            ) from None
+        self.model = (
+            CLIPModel.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
+        )
+        self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.image_size = self.model.config.vision_config.image_size
         self.max_length = self.model.config.text_config.max_position_embeddings
 
@@ -44,21 +38,16 @@ class CLIPReward:
         return F.normalize(self.model.text_projection(pooled), dim=-1)
 
     def _image(self, images):
-        pooled = self.model.vision_model(
-            pixel_values=clip_preprocess(images.to(self.device), self.image_size)
-        ).pooler_output
+        pixels = clip_preprocess(images.to(self.device), self.image_size)
+        pooled = self.model.vision_model(pixel_values=pixels).pooler_output
         return F.normalize(self.model.visual_projection(pooled), dim=-1)
 
     @torch.no_grad()
     def __call__(self, latents, prompts, noise, cond):
         images = self.backbone.decode(latents)
         unique, which = unique_prompts(prompts)
-        text = torch.cat(
-            [
-                self._text(unique[start : start + self.batch_size])
-                for start in range(0, len(unique), self.batch_size)
-            ]
-        )
+        starts = range(0, len(unique), self.batch_size)
+        text = torch.cat([self._text(unique[start : start + self.batch_size]) for start in starts])
         image = torch.cat([self._image(chunk) for chunk in images.split(self.batch_size)])
         which = torch.tensor(which, device=self.device)
         return 100.0 * (image.float() * text.float()[which]).sum(-1)

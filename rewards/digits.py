@@ -8,12 +8,12 @@ import os
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from huggingface_hub import PyTorchModelHubMixin
 
 from prompts import shown
 from rewards.images import quantize
-from store.files import REPOSITORY, check_safetensors, read_json
+
+REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def digit_of(prompt):
@@ -63,35 +63,23 @@ class PreferenceScorer(DigitClassifier):
     prompted digit, trained with a Bradley-Terry loss by miniatures/build.py (train_preference)."""
 
 
-def model_folder(kind, folder=None):
-    """Where the miniatures' `kind` ("classifier" or "preference") is: `folder`, else the shipped
-    one. ValueError in one line if a file is missing or damaged."""
-    folder = folder or os.path.join(REPOSITORY, "miniatures", kind)
-    advice = (
-        f"restore it with `git checkout miniatures/{kind}`, retrain it with "
-        f"`python -m miniatures.build --family {kind}`, or pass --reward-checkpoint FOLDER"
-    )
-    config, weights = (os.path.join(folder, name) for name in ("config.json", "model.safetensors"))
-    if not (os.path.isfile(config) and os.path.isfile(weights)):
-        raise ValueError(f"no digit {kind} in {folder}; {advice}")
-    read_json(config, advice)
-    check_safetensors(weights, advice)
-    return folder
-
-
 def load_classifier(folder=None):
-    return DigitClassifier.from_pretrained(model_folder("classifier", folder)).eval()
+    """The digit classifier in `folder`, else the one miniatures/build.py ships."""
+    folder = folder or os.path.join(REPOSITORY, "miniatures", "classifier")
+    return DigitClassifier.from_pretrained(folder).eval()
 
 
 def load_scorer(folder=None):
-    return PreferenceScorer.from_pretrained(model_folder("preference", folder)).eval()
+    """The preference scorer in `folder`, else the one miniatures/build.py ships."""
+    folder = folder or os.path.join(REPOSITORY, "miniatures", "preference")
+    return PreferenceScorer.from_pretrained(folder).eval()
 
 
 class DigitReward:
     """log p(prompted digit | image) under the classifier of miniatures/build.py, a black box on the
-    decoded pixels as HPSv2 is on a real model's: 8-bit images, resized to the classifier's side
-    (bicubic, antialiased; the miniatures already decode at its 16 px), its own normalisation. 0 is
-    certainty. The classifier was trained on digits that no miniature saw (miniatures/build.py)."""
+    decoded pixels as HPSv2 is on a real model's: 8-bit images at the classifier's side (the
+    miniatures decode at its 16 px), its own normalisation. 0 is certainty. The classifier was
+    trained on digits that no miniature saw (miniatures/build.py)."""
 
     def __init__(self, backbone, checkpoint=None, device=None):
         self.backbone = backbone
@@ -101,12 +89,8 @@ class DigitReward:
     def pixels(self, latents):
         """The decoded 8-bit images at the models' side: (N, 3, 16, 16) in [0, 1]."""
         images = quantize(self.backbone.decode(latents)).to(self.device)
-        side = self.model.side
-        if images.shape[-1] != side or images.shape[-2] != side:
-            images = F.interpolate(
-                images, (side, side), mode="bicubic", align_corners=False, antialias=True
-            )
-        return images.clamp(0, 1)
+        assert images.shape[-2:] == (self.model.side,) * 2, "the digit models read 16x16 images"
+        return images
 
     def digits(self, prompts):
         return torch.tensor([digit_of(prompt) for prompt in prompts], device=self.device)

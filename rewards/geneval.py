@@ -2,19 +2,16 @@
 GenEval (Ghosh et al. 2023, github.com/djghosh13/geneval) as a reward: a prompt names COCO objects
 with counts, colours and relative positions; an instance segmenter and CLIP check the image.
 
-    python -m rewards.geneval [--write]  # per-tag counts of the prompt sets; --write writes them
-    reward = load_geneval(backbone)  # reward(latents, prompts, noise, cond) -> (N,) in [0, 1]
+    reward = GenEvalReward(backbone)  # reward(latents, prompts, noise, cond) -> (N,) in [0, 1]
     rows = reward.details(latents, prompts)  # per image: tag, GenEval's 0/1 "correct", requirements
     summary(rows)  # GenEval's per-task accuracy and overall (mean over tasks)
 
 Prompts (prompts/create_prompts.py): six tags over GenEval's 80 classes (object_names.txt: COCO's,
 with mouse, remote, keyboard renamed computer mouse, tv remote, computer keyboard) and ten colours;
 evaluation_metadata.jsonl's record layout; its templates, "a"/"an" by first letter and plurals by
-"+s"/"+es" kept as written ("two skises"); no coloured person. `sample` draws as GenEval's samplers
-do, so `benchmark()` (seed 43) regenerates GenEval's own 553 prompts. prompts/geneval_heldout.jsonl
-(50 per tag) and prompts/geneval_train.jsonl (610) are new draws (seed 0), disjoint from each other
-and, but for single objects (the benchmark has all 80), from the benchmark. `parse` turns a prompt
-back into its record: a reward sees only prompt strings.
+"+s"/"+es" kept as written ("two skises"); no coloured person. `parse` turns a prompt back into its
+record: a reward sees only prompt strings. prompts/geneval.py draws the shipped prompt sets with
+these templates.
 
 Rules (evaluation/evaluate_images.py with its defaults): detections scoring above 0.3 (0.9 in a
 counting prompt), the 16 best per class, greedy NMS at IoU `max_overlap` 1.0, i.e. none (overlapping
@@ -39,10 +36,7 @@ rounds).
 Images are scored as tensors quantised to 8 bits, as GenEval reads PNGs.
 """
 
-import argparse
-import json
 import math
-import os
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -52,8 +46,7 @@ import torch.nn.functional as F
 
 from prompts import shown
 from rewards.clip import CLIP_DEFAULT
-from rewards.images import check_all, check_model, clip_preprocess, quantize
-from store.files import REPOSITORY
+from rewards.images import clip_preprocess, quantize
 
 CLASSES = (  # GenEval's object_names.txt, in the detector's class order
     "person|bicycle|car|motorcycle|airplane|bus|train|truck|boat|traffic light|fire hydrant|"
@@ -74,7 +67,6 @@ PREFIX = "a photo of "
 THRESHOLD = 0.3  # detection score an object must exceed
 COUNTING_THRESHOLD = 0.9  # the same for every class of a counting prompt
 MAX_OBJECTS = 16  # best detections kept per class
-NMS_THRESHOLD = 1.0  # GenEval's max_overlap: 1.0 suppresses nothing
 POSITION_THRESHOLD = 0.1  # margin, a fraction of the two objects' summed width / height
 COLOR_TEMPLATES = [
     "a photo of a {color} {name}",
@@ -84,15 +76,10 @@ COLOR_TEMPLATES = [
 BACKGROUND = 153 / 255  # "#999", the grey GenEval puts around a masked object before CLIP
 
 DETECTOR_DEFAULT = "facebook/mask2former-swin-small-coco-instance"
-HELDOUT_PER_TAG = 50
-# single objects: the 30 not held out; counting: 240 prompts exist, 80 of them GenEval's benchmark
-TRAIN_PER_TAG = dict(
-    single_object=30, two_object=120, counting=100, colors=120, position=120, color_attr=120
-)
 
 
 # ----------------------------------------------------------------------------------------------
-# prompts: GenEval's templates, samplers and their inverse
+# prompts: GenEval's templates and their inverse
 
 
 def article(phrase):
@@ -162,61 +149,6 @@ def color_attr(first, first_color, second, second_color):
     }
 
 
-def sample(tag, rng):
-    """One record of `tag`, drawn with create_prompts.py's calls on a numpy Generator."""
-    if tag == "single_object":
-        return single_object(CLASSES[rng.choice(len(CLASSES))])
-    if tag == "two_object":
-        first, second = rng.choice(len(CLASSES), size=2, replace=False)
-        return two_object(CLASSES[first], CLASSES[second])
-    if tag == "counting":
-        name = CLASSES[rng.choice(len(CLASSES))]
-        return counting(name, int(rng.integers(2, 4, endpoint=True)))
-    if tag == "colors":  # 1 + (0..78) skips class 0, person
-        name = CLASSES[rng.choice(len(CLASSES) - 1) + 1]
-        return colors(name, COLORS[rng.choice(len(COLORS))])
-    if tag == "position":
-        name, target = rng.choice(len(CLASSES), size=2, replace=False)
-        return position(CLASSES[name], RELATIONS[rng.choice(len(RELATIONS))], CLASSES[target])
-    first, second = rng.choice(len(CLASSES) - 1, size=2, replace=False) + 1
-    first_color, second_color = rng.choice(len(COLORS), size=2, replace=False)
-    return color_attr(CLASSES[first], COLORS[first_color], CLASSES[second], COLORS[second_color])
-
-
-def benchmark(seed=43, per_tag=100):
-    """GenEval's evaluation_metadata.jsonl as generate_suite makes it: every single object once,
-    then `per_tag` draws of each other tag, de-duplicated."""
-    rng = np.random.default_rng(seed)
-    records = [
-        single_object(CLASSES[index])
-        for index in rng.choice(len(CLASSES), size=len(CLASSES), replace=False)
-    ]
-    records += [sample(tag, rng) for tag in TAGS[1:] for _ in range(per_tag)]
-    return list({record["prompt"]: record for record in records}.values())
-
-
-def draw(rng, quotas, taken):
-    """`quotas[tag]` records per tag whose prompts are not in `taken`, which grows."""
-    records = []
-    for tag, quota in quotas.items():
-        for _ in range(quota):
-            record = sample(tag, rng)
-            while record["prompt"] in taken:
-                record = sample(tag, rng)
-            taken.add(record["prompt"])
-            records.append(record)
-    return records
-
-
-def splits(seed=0):
-    """(train, heldout): held-out drawn first; no prompt twice, none from the benchmark but single
-    objects."""
-    rng = np.random.default_rng(seed)
-    taken = {record["prompt"] for record in benchmark() if record["tag"] != "single_object"}
-    heldout = draw(rng, dict.fromkeys(TAGS, HELDOUT_PER_TAG), taken)
-    return draw(rng, TRAIN_PER_TAG, taken), heldout
-
-
 # "a dog", "an orange", "a red car", "an orange orange"
 PHRASES = {article(name): (name, None) for name in CLASSES}
 PHRASES.update({article(f"{color} {name}"): (name, color) for color in COLORS for name in CLASSES})
@@ -259,18 +191,6 @@ class Detection:
     color: str = None  # a name in COLORS, once classified
 
 
-def box_iou(first, second):
-    """evaluate_images.py's compute_iou, with its +1 pixel convention."""
-
-    def area(box):
-        return max(box[2] - box[0] + 1, 0) * max(box[3] - box[1] + 1, 0)
-
-    # the overlap: the larger of the top-left corners to the smaller of the bottom-right ones
-    inter = area([*map(max, first[:2], second[:2]), *map(min, first[2:], second[2:])])
-    union = area(first) + area(second) - inter
-    return inter / union if union else 0
-
-
 def relative_position(box, target):
     """Relations of `box` to `target` (evaluate_images.py): the centres' offset, shrunk on each axis
     by POSITION_THRESHOLD times the two objects' sizes, over the offset's length, beyond +-0.5."""
@@ -289,28 +209,21 @@ def relative_position(box, target):
     }
 
 
-def found_objects(detections, tag, nms_threshold=NMS_THRESHOLD):
+def found_objects(detections, tag):
     """evaluate_image's filtering: class -> its detections above the tag's threshold, best first, at
-    most MAX_OBJECTS, then greedy NMS (nms_threshold 1.0 keeps every overlap)."""
+    most MAX_OBJECTS. GenEval's non-maximum suppression runs at max_overlap 1.0, which keeps every
+    overlap, so it is left out."""
     threshold = COUNTING_THRESHOLD if tag == "counting" else THRESHOLD
     found = {}
     for name in dict.fromkeys(detection.label for detection in detections):
-        ordered = sorted(
-            (d for d in detections if d.label == name and d.score > threshold),
-            key=lambda d: -d.score,
-        )[:MAX_OBJECTS]
-        while ordered:
-            best = ordered.pop(0)
-            found.setdefault(name, []).append(best)
-            ordered = [
-                d for d in ordered if nms_threshold == 1 or box_iou(best.box, d.box) < nms_threshold
-            ]
+        kept = [d for d in detections if d.label == name and d.score > threshold]
+        found[name] = sorted(kept, key=lambda d: -d.score)[:MAX_OBJECTS]
     return found
 
 
-def requirements(record, detections, nms_threshold=NMS_THRESHOLD):
+def requirements(record, detections):
     """[(requirement, met)] for one image, in the order of GenEval's `evaluate`."""
-    found = found_objects(detections, record["tag"], nms_threshold)
+    found = found_objects(detections, record["tag"])
     checks, groups = [], []  # groups: per include clause its objects, None if the clause failed
     for clause in record["include"]:
         name, count = clause["class"], clause["count"]
@@ -339,9 +252,9 @@ def requirements(record, detections, nms_threshold=NMS_THRESHOLD):
     return checks
 
 
-def score(record, detections, nms_threshold=NMS_THRESHOLD):
+def score(record, detections):
     """(fraction of the requirements met, GenEval's correct) for one image."""
-    met = [ok for _, ok in requirements(record, detections, nms_threshold)]
+    met = [ok for _, ok in requirements(record, detections)]
     return sum(met) / len(met), all(met)
 
 
@@ -365,7 +278,9 @@ def mask_box(mask):
 
 
 class GenEvalReward:
-    """Fraction of a GenEval prompt's requirements the decoded image meets (module docstring)."""
+    """Fraction of a GenEval prompt's requirements the decoded image meets (module docstring).
+    `checkpoint`: a transformers Mask2Former COCO instance model, hub id or folder (default Swin-S;
+    e.g. facebook/mask2former-swin-large-coco-instance); `clip_checkpoint`: a CLIPModel."""
 
     def __init__(
         self,
@@ -518,36 +433,3 @@ class GenEvalReward:
     def __call__(self, latents, prompts, noise, cond):
         rewards = [row["reward"] for row in self.details(latents, prompts)]
         return torch.tensor(rewards, dtype=torch.float32, device=self.device)
-
-
-def load_geneval(backbone, device=None, checkpoint=None, clip_checkpoint=None, **options):
-    """`checkpoint`: a transformers Mask2Former COCO instance model, hub id or folder (default
-    Swin-S; e.g. facebook/mask2former-swin-large-coco-instance); `clip_checkpoint`: a CLIPModel.
-    Both are checked before either loads; `options` go to GenEvalReward."""
-    checkpoint, clip_checkpoint = checkpoint or DETECTOR_DEFAULT, clip_checkpoint or CLIP_DEFAULT
-    check_all(
-        lambda: check_model(checkpoint, "GenEval detector"),
-        lambda: check_model(clip_checkpoint, "CLIP model"),
-    )
-    return GenEvalReward(backbone, checkpoint, clip_checkpoint, device=device, **options)
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="GenEval prompt sets, deterministic from --seed")
-    parser.add_argument(
-        "--write", action="store_true", help="write prompts/geneval_{train,heldout}.jsonl"
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
-    train, heldout = splits(args.seed)
-    for name, records in [("benchmark", benchmark()), ("train", train), ("heldout", heldout)]:
-        print(
-            f"{name:<9} {len(records):4d}  "
-            + "  ".join(f"{tag} {sum(r['tag'] == tag for r in records)}" for tag in TAGS)
-        )
-        if args.write and name != "benchmark":
-            path = os.path.join(REPOSITORY, "prompts", f"geneval_{name}.jsonl")
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "w") as file:
-                file.writelines(json.dumps(record) + "\n" for record in records)
-            print(f"wrote {path}")

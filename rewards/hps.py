@@ -4,13 +4,11 @@ open_clip code: 100 x the cosine similarity of HPS's ViT-H-14 image and text emb
 optional environment (requirements-hps.txt) and HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2.
 """
 
-import os
-
 import torch
 import torch.nn.functional as F
+from huggingface_hub import hf_hub_download
 
-from rewards.images import import_optional, normalize, quantize
-from store.files import hub_file
+from rewards.images import normalize, quantize
 
 HPS_REPO = "xswu/HPSv2"
 HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
@@ -48,14 +46,10 @@ def hps_preprocess(images, size=224):
     return normalize(images)
 
 
-def import_hps():  # hpsv2's transforms need torchvision, which fails beside a mismatched torch
-    needs = "the hpsv2 reward needs hpsv2x and a matching torchvision"
-    return import_optional(["torchvision", "hpsv2.src.open_clip"], needs)
-
-
 class HPSReward:
     """100 x cos(image, prompt) in HPS's embedding space, as hpsv2.img_score.score computes it.
-    `checkpoint`: see hps_checkpoint; `model_name`: an open_clip model config (the tests register a
+    `checkpoint`: a local HPS_v2*.pt, else `version`'s file from the hub repo xswu/HPSv2 (the HF
+    cache, downloaded when online); `model_name`: an open_clip model config (the tests register a
     tiny one)."""
 
     def __init__(
@@ -67,8 +61,9 @@ class HPSReward:
         model_name="ViT-H-14",
         batch_size=16,
     ):
-        checkpoint = hps_checkpoint(version, checkpoint)
-        open_clip = import_hps()
+        from hpsv2.src import open_clip  # the optional environment: tests/hps_env.sh
+
+        checkpoint = checkpoint or hf_hub_download(HPS_REPO, HPS_FILES[version])
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
@@ -88,38 +83,13 @@ class HPSReward:
         images = self.backbone.decode(latents)
         unique, which = unique_prompts(prompts)
         tokens = self.tokenizer(unique).to(self.device)  # (P, 77)
+        model, size, text, image = self.model, self.image_size, [], []
         # fp16 autocast on CUDA as hpsv2.img_score.score runs it; plain float32 elsewhere
         with torch.autocast("cuda", dtype=torch.float16, enabled=self.device.type == "cuda"):
-            text = torch.cat(
-                [
-                    self.model.encode_text(chunk, normalize=True)
-                    for chunk in tokens.split(self.batch_size)
-                ]
-            )
-            image = torch.cat(
-                [
-                    self.model.encode_image(
-                        hps_preprocess(chunk.to(self.device), self.image_size), normalize=True
-                    )
-                    for chunk in images.split(self.batch_size)
-                ]
-            )
-        which = torch.tensor(which, device=self.device)
-        return 100.0 * (image.float() * text.float()[which]).sum(-1)
-
-
-def hps_checkpoint(version="v2.1", checkpoint=None):
-    """The path of the HPS checkpoint: `checkpoint` (a local HPS_v2*.pt) if given, else the HF cache
-    (downloaded when online). ValueError with one line saying how to get it."""
-    if version not in HPS_FILES:
-        raise ValueError(f"unknown HPS version {version!r}; known: {', '.join(HPS_FILES)}")
-    filename = HPS_FILES[version]
-    hint = (
-        f"HPS {version} checkpoint not found: get {filename} from the hub repo {HPS_REPO} "
-        f"(hf download {HPS_REPO} {filename}) or pass --reward-checkpoint PATH"
-    )
-    if checkpoint is None:
-        return hub_file(HPS_REPO, filename, hint)
-    if not os.path.isfile(checkpoint):
-        raise ValueError(f"{hint}; no file at {checkpoint}")
-    return checkpoint
+            for chunk in tokens.split(self.batch_size):
+                text.append(model.encode_text(chunk, normalize=True))
+            for chunk in images.split(self.batch_size):
+                pixels = hps_preprocess(chunk.to(self.device), size)
+                image.append(model.encode_image(pixels, normalize=True))
+        text, image = torch.cat(text).float(), torch.cat(image).float()
+        return 100.0 * (image * text[torch.tensor(which, device=self.device)]).sum(-1)

@@ -1,19 +1,9 @@
 """
 Decoded images as the reward models read them: quantised to 8 bits as a saved image is, CLIP's
-preprocessing on tensors; and what a reward model needs (an optional package, a model folder or hub
-id), refused in one line when missing. Shared by the reward modules, none of which imports it back.
+preprocessing on tensors. Shared by the reward modules, none of which imports it back.
 """
 
-import importlib
-import os
-
 import torch
-
-from store.files import hub_file
-
-# the optional environment of hpsv2 and easyocr: requirements-hps.txt pins the torch that
-# torchvision needs
-OPTIONAL_INSTALL = "bash tests/hps_env.sh && . .venv-hps/bin/activate"
 
 # OpenAI CLIP's normalisation, used by both HPS (open_clip/constants.py) and CLIPImageProcessor
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -56,35 +46,3 @@ def clip_preprocess(images, size=224):
     cropped = np.stack(resized)[:, top : top + size, left : left + size]  # (N, size, size, 3)
     cropped = torch.from_numpy(cropped).permute(0, 3, 1, 2).float().div(255.0)  # (N, 3, size, size)
     return normalize(cropped.to(images.device))
-
-
-def import_optional(modules, needs):
-    """Import `modules` in order and return the last; any failure (ImportError, or RuntimeError from
-    a torchvision built for another torch) becomes an ImportError in one line: `needs`, the error's
-    first line and the install command."""
-    try:
-        return [importlib.import_module(name) for name in modules][-1]
-    except Exception as error:
-        first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-        raise ImportError(f"{needs} ({first_line}): {OPTIONAL_INSTALL}") from None
-
-
-def check_model(model, what, advice="pass a local folder"):
-    """ValueError (one line) unless `model`, a local folder or a hub id, is here (downloaded when
-    online)."""
-    if not os.path.isdir(model):
-        download = f"download it with `hf download {model}` or {advice}"
-        hub_file(model, "config.json", f"{what} {model!r} not found: {download}")
-
-
-def check_all(*checks):
-    """Run every check; ValueError in one line joining the messages of all that fail (ImportError
-    included), so that one run names everything missing."""
-    missing = []
-    for check in checks:
-        try:
-            check()
-        except (ImportError, ValueError) as error:
-            missing.append(str(error))
-    if missing:
-        raise ValueError("; ".join(missing))

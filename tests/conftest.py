@@ -125,9 +125,9 @@ def train_in_process(out_dir, *args):
 def small_policies(patch):
     """The real backbones' policy (about 20M parameters) at the embedded size on the tests' tiny
     pipelines: the same code, a 100k-parameter network, so that a PPO step takes milliseconds."""
-    from store import checkpoint
+    import policy
 
-    patch.setitem(checkpoint.PRESETS, "real", checkpoint.PRESETS["embedded"])
+    patch.setitem(policy.NETWORKS, "real", policy.NETWORKS["embedded"])
 
 
 @pytest.fixture(scope="session")
@@ -135,15 +135,9 @@ def digits_run(tmp_path_factory):
     """A short digits training (L = 4, 60 iterations, 128 held-out contexts): its out dir."""
     return train_in_process(
         tmp_path_factory.mktemp("digits") / "out",
-        "--iterations",
-        "60",
-        "--ckpt-interval",
-        "30",
-        "--eval-contexts",
-        "128",
+        *("--iterations", "60", "--ckpt-interval", "30", "--eval-contexts", "128"),
         "--log-interval",
         "20",
-        "--figure",
     )
 
 
@@ -151,12 +145,7 @@ def digits_run(tmp_path_factory):
 def digits_global_run(tmp_path_factory):
     return train_in_process(
         tmp_path_factory.mktemp("digits_global") / "out",
-        "--policy",
-        "global",
-        "--iterations",
-        "3",
-        "--eval-contexts",
-        "4",
+        *("--policy", "global", "--iterations", "3", "--eval-contexts", "4"),
     )
 
 
@@ -188,7 +177,7 @@ def tiny_stepwise_runs(tiny_runs):
                 *("--eval-prompts", str(folder / "prompts.txt"), "--reward", "teacher"),
                 *("--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4"),
                 *("--rollout-batch", "3", "--device", "cpu", "--policy", "stepwise"),
-                *("--optimizer", "ppo", "--ppo-minibatches", "2", "--figure"),
+                *("--optimizer", "ppo", "--ppo-minibatches", "2"),
             )
     return runs
 
@@ -214,30 +203,11 @@ def tiny_runs(tmp_path_factory):
         for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
             runs[backbone] = train_in_process(
                 folder / f"out_{backbone}",
-                "--backbone",
-                backbone,
-                "--model-path",
-                str(folder / family),
-                "--resolution",
-                str(TINY_RESOLUTION),
-                "--prompts",
-                str(prompts),
-                "--eval-prompts",
-                str(prompts),
-                "--reward",
-                "teacher",
-                "--steps",
-                "2",
-                "--iterations",
-                "2",
-                "--contexts",
-                "4",
-                "--eval-contexts",
-                "4",
-                "--rollout-batch",
-                "3",
-                "--device",
-                "cpu",
+                *("--backbone", backbone, "--model-path", str(folder / family)),
+                *("--resolution", str(TINY_RESOLUTION), "--prompts", str(prompts)),
+                *("--eval-prompts", str(prompts), "--reward", "teacher", "--steps", "2"),
+                *("--iterations", "2", "--contexts", "4", "--eval-contexts", "4"),
+                *("--rollout-batch", "3", "--device", "cpu"),
             )
     return runs, folder
 

@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # Builds the optional environment of the rewards that need torchvision (.venv-hps: HPSv2 and the
-# OCR reward) and of the trackers (TensorBoard, W&B), and runs tests/test_rewards_hps.py,
-# tests/test_ocr.py and tests/test_track.py in it.
+# OCR reward), and runs tests/test_rewards_hps.py and tests/test_ocr.py in it.
 #
 # Why a separate environment: the HPSv2 reward runs hpsv2x's vendored open_clip and the OCR reward
 # runs EasyOCR, which both import torchvision, and torchvision does not import beside the core
@@ -28,11 +27,11 @@ pip_install() {
     "$venv/bin/python" -m pip install -q "$@" 2>&1 | { grep -v 'is ignored: it is neither a file nor a directory' || true; }
 }
 grep -v -E '^torch([<>=~! ]|$)' requirements.txt > "$venv/requirements-core.txt"
-pip_install -r "$venv/requirements-core.txt" -r requirements-hps.txt -r requirements-track.txt
+pip_install -r "$venv/requirements-core.txt" -r requirements-hps.txt
 pip_install --no-deps hpsv2x==1.2.0
 echo "hps_env: $venv ready in $((SECONDS - start)) s ($(du -sh "$venv" | cut -f1))"
 
-# HPS_TESTS_REQUIRED, OCR_TESTS_REQUIRED and TRACK_TESTS_REQUIRED turn the test files'
+# HPS_TESTS_REQUIRED and OCR_TESTS_REQUIRED turn the test files'
 # skip-when-missing into a failure: here the packages and the OCR weights must be there.
-HPS_TESTS_REQUIRED=1 OCR_TESTS_REQUIRED=1 TRACK_TESTS_REQUIRED=1 HF_HUB_OFFLINE=1 \
-    "$venv/bin/python" -m pytest -q tests/test_rewards_hps.py tests/test_ocr.py tests/test_track.py
+HPS_TESTS_REQUIRED=1 OCR_TESTS_REQUIRED=1 HF_HUB_OFFLINE=1 \
+    "$venv/bin/python" -m pytest -q tests/test_rewards_hps.py tests/test_ocr.py

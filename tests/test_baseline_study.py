@@ -1,17 +1,17 @@
-"""baseline_study.py's measurements of Theorem 3.2 on cases with a known answer, and the two
-train.py flags it relies on (--concentration, --snapshots)."""
+"""baseline_study.py's measurements of Theorem 3.2 on cases with a known answer, and what it relies
+on from training: --concentration and the snapshots of evidence.results.train_here."""
 
 import math
 import os
 
 import torch
 import torch.nn.functional as F
-from conftest import train_in_process
 
-from backbones import load_backbone
+from backbones import load_backbone, mixture
 from baselines import BASELINES
 from evidence import baseline_study
-from store import checkpoint as checkpoints
+from evidence.results import train_here
+from policy import load_policy
 
 
 def random_effects_pool(sets, contexts, rollouts, between, within, generator):
@@ -136,29 +136,34 @@ def test_batch_gradients_average_to_the_true_gradient():
         assert ((values.mean(0) - true).abs() < 4 * error).all(), name
 
 
-def test_concentration_and_snapshots(tmp_path):
+def test_concentration_and_snapshots(tmp_path, monkeypatch):
     """--init uniform --concentration 5 starts every context at alpha = (1, ..., 1) (L = 4);
-    --snapshots keeps the policy at the start and at each checkpoint, and policy-0 is that start."""
-    out = train_in_process(
-        tmp_path / "out",
-        *["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval", "1"],
-        *["--init", "uniform", "--concentration", "5", "--snapshots"],
+    "--snapshots" (evidence.results.train_here) keeps the policy at the start and at each
+    checkpoint in <out_dir>-snapshots, policy-0 is that start, and load_policy reads each."""
+    monkeypatch.setattr(mixture.MixtureBackbone, "reference_steps", 16)  # as conftest's runs
+    out = str(tmp_path / "out")
+    train_here(
+        out,
+        [
+            *["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval"],
+            *["1", "--init", "uniform", "--concentration", "5", "--snapshots"],
+        ],
     )
-    names = sorted(os.listdir(out / "snapshots"))
+    folder = tmp_path / "out-snapshots"
+    names = sorted(os.listdir(folder))
     assert names == ["policy-0.pt", "policy-1.pt", "policy-2.pt"]
-    states = [torch.load(out / "snapshots" / name, weights_only=False) for name in names]
-    assert [state["iteration"] for state in states] == [0, 1, 2]
-    policy = checkpoints.build_policy(states[0]["policy_config"])
-    policy.load_state_dict(states[0]["policy"])
-    mixture = load_backbone("digits")
-    noise = mixture.sample_noise(3, torch.Generator().manual_seed(0))
-    cond = mixture.encode_prompts(mixture.prompts[:3])
-    alpha = policy(**mixture.policy_inputs(noise, cond))
+    loaded = [load_policy(str(folder / name)) for name in names]
+    assert [config["iteration"] for _, config in loaded] == [0, 1, 2]
+    policy = loaded[0][0]
+    digits = load_backbone("digits")
+    noise = digits.sample_noise(3, torch.Generator().manual_seed(0))
+    cond = digits.encode_prompts(digits.prompts[:3])
+    alpha = policy(**digits.policy_inputs(noise, cond))
     assert torch.allclose(alpha, torch.ones_like(alpha), atol=0.05)
-    assert not torch.equal(states[0]["policy"]["head.3.bias"], states[2]["policy"]["head.3.bias"])
-    # a snapshot is read as a checkpoint is (baseline_study.measure loads it so)
-    _, loaded = checkpoints.load_checkpoint(str(out / "snapshots" / "policy-2.pt"))
-    assert all(torch.equal(v, states[2]["policy"][k]) for k, v in loaded.state_dict().items())
+    assert not torch.equal(policy.head[3].bias, loaded[2][0].head[3].bias)
+    # the last snapshot is the run's final policy
+    final, _ = load_policy(os.path.join(out, "ckpt.pt"))
+    assert all(torch.equal(v, final.state_dict()[k]) for k, v in loaded[2][0].state_dict().items())
 
 
 def eval_report(mean):

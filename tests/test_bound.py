@@ -29,28 +29,22 @@ from evidence.bound import (
 from toy_js import oracle_baseline, oracle_weight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "docs", "RESULTS.md")
 
 
-@pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("bound")
-    with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
+def test_quick_run_prints_every_table_and_draws_the_figure(tmp_path):
+    with open(RESULTS, "rb") as file:
         results_before = file.read()
-    command = [sys.executable, "-m", "evidence.bound", "--quick", "--out-dir", str(out_dir)]
+    command = [sys.executable, "-m", "evidence.bound", "--quick", "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
+    with open(RESULTS, "rb") as file:
         assert file.read() == results_before  # --quick records nothing
-    return out_dir, result.stdout
-
-
-def test_quick_run_prints_every_table_and_draws_the_figure(quick_run):
-    out_dir, stdout = quick_run
-    assert matplotlib.image.imread(out_dir / "bound.png").shape[0] > 300
+    assert matplotlib.image.imread(tmp_path / "bound.png").shape[0] > 300
     # the factor table is the closed forms alone: the same in --quick
-    assert "\n".join(factor_table()) in stdout and "Conclusions:" in stdout
+    assert "\n".join(factor_table()) in result.stdout and "Conclusions:" in result.stdout
     for k, b, ratio in itertools.product(ROLLOUTS, CONTEXTS, RATIOS):  # a row per simulated cell
-        assert f"\n{k:>2} {b:>3} {ratio:>6g} | " in stdout, (k, b, ratio)
+        assert f"\n{k:>2} {b:>3} {ratio:>6g} | " in result.stdout, (k, b, ratio)
 
 
 # -----------------------------------------------------------------------------

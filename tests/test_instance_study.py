@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from evidence import instance_study
-from policy import times_from_increments
-from store.checkpoint import make_policy
+from policy import make_policy, times_from_increments
 
 DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 

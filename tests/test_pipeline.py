@@ -9,8 +9,7 @@ import torch
 import backbones
 from backbones import families, pipeline
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
-from policy import mean_increments, times_from_increments
-from store.checkpoint import load_checkpoint, load_policy, make_policy, save_policy
+from policy import load_policy, make_policy, mean_increments, save_policy, times_from_increments
 
 
 def learned_policy(backbone, steps, seed=0, kind="instance"):
@@ -30,6 +29,22 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
         else:  # one schedule for every context, away from the default
             policy.head[-1].bias.add_(0.5 * torch.randn(steps + 1))
     return policy.eval()
+
+
+def mean_times(policy, backbone, noise, cond):
+    """(N, L+1): the schedules generate() must sample with, the policy's Dirichlet mean."""
+    with torch.no_grad():
+        return times_from_increments(mean_increments(policy(**backbone.policy_inputs(noise, cond))))
+
+
+def call_with_times(pipe, backbone, times, **arguments):
+    """The pipeline's own call with the learned scheduler for `times` (L+1,) installed by hand."""
+    original, pipe.scheduler = pipe.scheduler, pipeline.learned_scheduler(backbone, times)
+    try:
+        steps = len(times) - 1
+        return pipe(num_inference_steps=steps, width=TINY_RESOLUTION, **arguments).images
+    finally:
+        pipe.scheduler = original
 
 
 @pytest.fixture(
@@ -64,13 +79,9 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     ).images
     noise = pipeline.pipeline_noise(backbone, 2, torch.Generator().manual_seed(5))
     cond = backbone.encode_prompts(prompts)
-    with torch.no_grad():
-        times = times_from_increments(
-            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
-        )
-    assert (times[0] - times[1]).abs().max() > 1e-4 and (
-        times[:, -1] > 1e-3
-    ).all()  # per-context schedules, a stop margin
+    times = mean_times(policy, backbone, noise, cond)
+    # per-context schedules, a stop margin
+    assert (times[0] - times[1]).abs().max() > 1e-4 and (times[:, -1] > 1e-3).all()
     expected = backbone.sample(noise, cond, times)
     assert latents.shape == expected.shape
     # float32 rounding is relative to the largest state on the way: the output, or SD-XL's start
@@ -84,10 +95,8 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     # the same operations in another order: float32 rounding (1.2e-7) grown by the trained network
     # over L steps; at most 1.02e-5 of the scale seen (mini-sd3, L = 4)
     assert (latents - expected).abs().max().item() / scale < 3e-5
-    assert type(pipe.scheduler).__name__ in (
-        "FlowMatchEulerDiscreteScheduler",
-        "EulerDiscreteScheduler",
-    )  # restored
+    restored = type(pipe.scheduler).__name__
+    assert restored in ("FlowMatchEulerDiscreteScheduler", "EulerDiscreteScheduler")
 
 
 def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
@@ -119,49 +128,6 @@ def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
     assert torch.allclose(seen[0][-1:].float(), noise.float(), atol=1e-5)
 
 
-def test_policy_folder_round_trip_without_pickle(tmp_path):
-    backbone = backbones.load_backbone("digits")
-    policy = learned_policy(backbone, 4)
-    config = dict(backbone="digits", steps=4, seed=0)
-    save_policy(tmp_path / "policy", policy, config, iteration=7)
-    assert sorted(path.name for path in (tmp_path / "policy").iterdir()) == [
-        "README.md",
-        "config.json",
-        "model.safetensors",
-    ]
-    saved = json.loads((tmp_path / "policy" / "config.json").read_text())
-    assert (
-        saved["backbone"] == "digits"
-        and saved["steps"] == 4
-        and saved["training_config"] == dict(config, iteration=7)
-    )
-    checkpoint, loaded = load_checkpoint(str(tmp_path / "policy"), backbone="digits", steps=4)
-    assert checkpoint == dict(config=dict(config, iteration=7), iteration=7)
-    noise = backbone.sample_noise(3, torch.Generator().manual_seed(0))
-    inputs = backbone.policy_inputs(noise, backbone.encode_prompts(backbone.prompts[:3]))
-    with torch.no_grad():
-        assert torch.equal(loaded(**inputs), policy(**inputs))
-        assert torch.equal(
-            load_policy(str(tmp_path / "policy"))(**inputs), policy(**inputs)
-        )  # the README's call
-    with pytest.raises(ValueError, match="was trained for L=4 steps, not L=8") as error:
-        load_checkpoint(str(tmp_path / "policy"), steps=8)
-    assert "\n" not in str(error.value)
-    with pytest.raises(ValueError, match="was trained on backbone 'digits', not 'sd35m'"):
-        load_checkpoint(str(tmp_path / "policy"), backbone="sd35m")
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="holds no policy saved by train.py"):
-        load_checkpoint(str(tmp_path / "empty"))
-
-
-def test_train_writes_the_policy_folder(digits_run):
-    checkpoint, policy = load_checkpoint(str(digits_run / "policy"), backbone="digits", steps=4)
-    _, from_checkpoint = load_checkpoint(str(digits_run / "ckpt.pt"))
-    assert checkpoint["iteration"] == 60 and checkpoint["config"]["backbone"] == "digits"
-    for name, value in from_checkpoint.state_dict().items():
-        assert torch.equal(policy.state_dict()[name], value), name
-
-
 def test_a_global_schedule_exports_as_json(tiny):
     _, backbone = tiny
     policy = learned_policy(backbone, 3, kind="global")
@@ -170,31 +136,32 @@ def test_a_global_schedule_exports_as_json(tiny):
     assert exported["steps"] == 3 and torch.allclose(
         torch.tensor(exported["times"], dtype=torch.float64), times.double(), atol=1e-7
     )
-    assert (
-        exported["times"][0] == 1.0 and exported["times"][-1] > 0
-    )  # ends at the stop margin, no final 0
+    # ends at the stop margin, no final 0
+    assert exported["times"][0] == 1.0 and exported["times"][-1] > 0
     sigmas = backbone.sigma(times) if isinstance(backbone, families.SDXLBackbone) else times
     assert torch.allclose(torch.tensor(exported["sigmas"]).float(), sigmas, rtol=1e-6)
     with pytest.raises(ValueError, match="only a global one exports"):
         pipeline.schedule_json(learned_policy(backbone, 3), backbone)
 
 
-def test_a_shared_policy_loads_back_from_what_save_pretrained_alone_wrote(tmp_path, capsys):
-    """load_policy(...).save_pretrained(folder) is what push_to_hub uploads: load_policy(folder)
-    gives the same policy, its backbone, L and training configuration, and prints nothing."""
+def test_a_policy_goes_to_the_hub_and_back_without_pickle(tmp_path, capsys):
+    """save_policy writes a Hub folder; load_policy(...)[0].save_pretrained(folder) is what
+    push_to_hub uploads: load_policy of either, from a policy folder or a checkpoint, gives the same
+    policy, its backbone, L and training configuration, and prints nothing."""
     backbone = backbones.load_backbone("digits")
     policy = learned_policy(backbone, 4)
-    save_policy(tmp_path / "policy", policy, dict(backbone="digits", steps=4, seed=3), iteration=9)
-    torch.save(
-        dict(
-            policy=policy.state_dict(),
-            policy_config=policy.config,
-            optimizer={},
-            iteration=9,
-            config=dict(backbone="digits", steps=4, seed=3),
-        ),
-        tmp_path / "ckpt.pt",
-    )
+    config = dict(backbone="digits", steps=4, seed=3)
+    save_policy(tmp_path / "policy", policy, dict(config, iteration=9))
+    assert sorted(path.name for path in (tmp_path / "policy").iterdir()) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+    ]
+    saved = json.loads((tmp_path / "policy" / "config.json").read_text())
+    assert saved["backbone"] == "digits" and saved["steps"] == 4
+    assert saved["training_config"] == dict(config, iteration=9)
+    state = dict(policy=policy.state_dict(), policy_config=policy.config, optimizer={})
+    torch.save(dict(state, iteration=9, config=config), tmp_path / "ckpt.pt")
     inputs = backbone.policy_inputs(
         backbone.sample_noise(3, torch.Generator().manual_seed(1)),
         backbone.encode_prompts(backbone.prompts[:3]),
@@ -202,22 +169,18 @@ def test_a_shared_policy_loads_back_from_what_save_pretrained_alone_wrote(tmp_pa
     for source in ("policy", "ckpt.pt"):
         capsys.readouterr()
         shared = tmp_path / f"shared-{source}"
-        load_policy(str(tmp_path / source)).save_pretrained(shared)
-        checkpoint, loaded = load_checkpoint(str(shared), backbone="digits", steps=4)
+        load_policy(str(tmp_path / source))[0].save_pretrained(shared)
+        for folder in (tmp_path / source, shared):  # the README's call
+            loaded, loaded_config = load_policy(str(folder))
+            assert loaded_config == dict(config, iteration=9)
+            assert loaded.backbone == "digits" and loaded.steps == 4
+            with torch.no_grad():
+                assert torch.equal(loaded(**inputs), policy(**inputs))
         assert capsys.readouterr().out == ""
-        assert (
-            checkpoint["config"]["seed"] == 3
-            and checkpoint["iteration"] == 9
-            and loaded.backbone == "digits"
-        )
-        with torch.no_grad():
-            assert torch.equal(loaded(**inputs), policy(**inputs))
     bare = tmp_path / "bare"  # a policy built by hand: no training configuration, no backbone
     make_policy("global", backbone.policy_dims, 4).save_pretrained(bare)
-    checkpoint, loaded = load_checkpoint(str(bare))
-    assert (
-        checkpoint["config"] == dict(backbone=None, steps=4, iteration=None) and loaded.steps == 4
-    )
+    loaded, _ = load_policy(str(bare))
+    assert loaded.steps == 4 and loaded.backbone is None
 
 
 def pipe_and_policy(family="sd3", steps=3):
@@ -250,16 +213,8 @@ def test_generate_passes_the_pipelines_text_arguments_through(family):
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(2))
     text = {key: value for key, value in options.items() if key in pipeline.TEXT}
     cond = backbone.encode_prompts(["a cat"], **text)
-    with torch.no_grad():
-        times = times_from_increments(
-            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
-        )
-    original = pipe.scheduler
-    pipe.scheduler = pipeline.learned_scheduler(backbone, times[0])
-    expected = pipe(
-        "a cat", latents=noise, num_inference_steps=3, width=TINY_RESOLUTION, **options
-    ).images
-    pipe.scheduler = original
+    times = mean_times(policy, backbone, noise, cond)
+    expected = call_with_times(pipe, backbone, times[0], prompt="a cat", latents=noise, **options)
     assert (latents - expected).abs().max().item() < 1e-5 * max(1.0, expected.abs().max().item())
     plain = {
         k: v
@@ -288,12 +243,8 @@ def test_generate_outputs_are_the_pipelines_and_the_pipeline_is_left_as_found(fa
         generator=torch.Generator().manual_seed(0),
         output_type="np",
     ).images
-    assert isinstance(arrays, np.ndarray) and arrays.shape == (
-        4,
-        TINY_RESOLUTION,
-        TINY_RESOLUTION,
-        3,
-    )
+    assert isinstance(arrays, np.ndarray)
+    assert arrays.shape == (4, TINY_RESOLUTION, TINY_RESOLUTION, 3)
     images = pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION, return_dict=False)
     assert isinstance(images, tuple) and len(images[0]) == 1
     assert model.training and grads == [p.requires_grad for p in model.parameters()]
@@ -301,28 +252,46 @@ def test_generate_outputs_are_the_pipelines_and_the_pipeline_is_left_as_found(fa
 
 
 @pytest.mark.parametrize(
-    "arguments, message",
+    "family, change, message",
     [
-        (dict(num_inference_steps=7), "trained for L=3 steps, not num_inference_steps=7"),
-        (dict(sigmas=[1.0, 0.5, 0.0]), "drop sigmas="),
-        (dict(timesteps=[999, 500]), "drop timesteps="),
-        (dict(callback_on_step_end=print), "takes no callback_on_step_end; install learned_sched"),
+        ("sd3", dict(num_inference_steps=7), "trained for L=3 steps, not num_inference_steps=7"),
+        ("sd3", dict(sigmas=[1.0, 0.5, 0.0]), "takes no sigmas"),
+        ("sd3", dict(timesteps=[999, 500]), "takes no timesteps"),
+        ("sd3", dict(callback_on_step_end=print), "no callback_on_step_end; install learned_sched"),
+        (
+            "sd3",
+            dict(backbone="flux-dev"),
+            r"trained on flux-dev \(flux\), not for a StableDiffusion3Pipeline",
+        ),
+        ("sd3", dict(backbone="digits"), r"digits \(mixture\), not for a StableDiffusion3Pipeline"),
+        (
+            "sdxl",
+            dict(prediction_type="v_prediction"),
+            "only epsilon prediction with linear sigma interpolation",
+        ),
     ],
 )
-def test_generate_refuses_what_it_cannot_honour_in_one_line(arguments, message):
-    pipe, _, policy = pipe_and_policy()
+def test_generate_refuses_what_it_cannot_honour_in_one_line(family, change, message):
+    """Arguments generate() cannot honour, a policy trained on another backbone, a scheduler
+    config the loop cannot run: each refused in one line."""
+    pipe, _, policy = pipe_and_policy(family)
+    arguments = dict(change)
+    policy.backbone = arguments.pop("backbone", policy.backbone)
+    config = {key: arguments.pop(key) for key in ["prediction_type"] if key in arguments}
+    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **config)
     with pytest.raises(ValueError, match=message) as error:
         pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION, **arguments)
     assert "\n" not in str(error.value)
 
 
-def test_generate_refuses_a_pipeline_of_another_family():
-    pipe, _, policy = pipe_and_policy()
-    policy.backbone = "flux-dev"
-    with pytest.raises(
-        ValueError, match="trained on flux-dev \\(flux\\), not for a StableDiffusion3Pipeline"
-    ):
-        pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION)
+def test_generate_samples_at_the_guidance_the_policy_was_trained_with():
+    dims = dict(latent_channels=16, text_dim=32, pooled_dim=64)
+    policy = make_policy("instance", dims, 3, backbone="mini-sd3")
+    assert pipeline.trained_guidance(policy) == 1.25  # the miniature's, not the SD3 pipeline's 7.0
+    policy.training_config = dict(backbone="mini-sd3", guidance=2.0)
+    assert pipeline.trained_guidance(policy) == 2.0
+    schnell = make_policy("instance", dims, 3, backbone="flux-schnell")
+    assert pipeline.trained_guidance(schnell) is None
 
 
 @pytest.mark.parametrize(
@@ -345,49 +314,10 @@ def test_scheduler_options_that_change_the_update_are_turned_off(option):
     ).images
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(4))
     cond = backbone.encode_prompts(["a cat"])
-    with torch.no_grad():
-        times = times_from_increments(
-            mean_increments(policy(**backbone.policy_inputs(noise, cond)))
-        )
+    times = mean_times(policy, backbone, noise, cond)
     expected = backbone.sample(noise, cond, times)
     assert (latents - expected).abs().max().item() / expected.abs().max().item() < 1e-5
     assert pipe.scheduler.config[option] is True  # the user's scheduler is untouched
-
-
-def test_sdxl_configs_the_loop_cannot_run_are_refused():
-    pipe = tiny_pipeline("sdxl")
-    backbone = backbones.from_pipeline(
-        pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE["sdxl"]
-    )
-    policy = learned_policy(backbone, 3)
-    pipe.scheduler = type(pipe.scheduler).from_config(
-        pipe.scheduler.config, prediction_type="v_prediction"
-    )
-    with pytest.raises(
-        ValueError, match="only epsilon prediction with linear sigma interpolation"
-    ) as error:
-        pipeline.generate(pipe, policy, "a cat", height=TINY_RESOLUTION)
-    assert "\n" not in str(error.value)
-
-
-def test_a_generator_list_seeds_each_image_as_in_the_pipeline():
-    pipe, _, policy = pipe_and_policy()
-    options = dict(height=TINY_RESOLUTION, output_type="latent")
-    both = pipeline.generate(
-        pipe,
-        policy,
-        ["a cat", "a dog"],
-        generator=[torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)],
-        **options,
-    ).images
-    cat = pipeline.generate(
-        pipe, policy, "a cat", generator=torch.Generator().manual_seed(1), **options
-    ).images
-    dog = pipeline.generate(
-        pipe, policy, "a dog", generator=torch.Generator().manual_seed(2), **options
-    ).images
-    # a batch of two and two batches of one round differently in float32 (about 1e-5 here)
-    torch.testing.assert_close(both, torch.cat([cat, dog]), rtol=1e-5, atol=1e-5)
 
 
 def test_generate_with_precomputed_embeddings_equals_the_pipeline_with_them():
@@ -412,9 +342,6 @@ def test_generate_with_precomputed_embeddings_equals_the_pipeline_with_them():
     inputs = backbone.policy_inputs(noise, dict(given, text_mask=mask))
     with torch.no_grad():
         times = times_from_increments(mean_increments(policy(**inputs)))
-    original = pipe.scheduler
-    pipe.scheduler = pipeline.learned_scheduler(backbone, times[0])
-    expected = pipe(latents=noise, num_inference_steps=3, width=TINY_RESOLUTION, **given, **options)
-    pipe.scheduler = original
-    scale = max(1.0, expected.images.abs().max().item())
-    assert (latents - expected.images).abs().max().item() < 1e-5 * scale
+    expected = call_with_times(pipe, backbone, times[0], latents=noise, **given, **options)
+    scale = max(1.0, expected.abs().max().item())
+    assert (latents - expected).abs().max().item() < 1e-5 * scale

@@ -1,5 +1,4 @@
-import json
-import math
+import shutil
 
 import pytest
 import torch
@@ -10,15 +9,16 @@ from policy import (
     ALPHA_MIN,
     TAU_FLOOR,
     GlobalPolicy,
-    SchedulePolicy,
     increments_from_times,
     initial_logits,
+    load_policy,
     log_prob,
+    make_policy,
     mean_increments,
     sample_increments,
+    save_policy,
     times_from_increments,
 )
-from store.checkpoint import build_policy, make_policy
 
 DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 
@@ -65,16 +65,13 @@ def assert_valid_schedule(times, steps):
 # schedules <-> increments
 
 
-def test_times_from_increments_by_hand():
+def test_times_and_increments_by_hand_and_inverting_each_other():
     tau = torch.tensor([0.5, 0.3, 0.2])
     assert torch.allclose(times_from_increments(tau), torch.tensor([1.0, 0.5, 0.2]))
     assert torch.allclose(increments_from_times(torch.tensor([1.0, 0.5, 0.2])), tau)
     # the last time is the stop margin exactly, even where 1 - cumsum would round it away in float32
     tiny = torch.tensor([0.6, 0.4 - 1e-7, 1e-7])
     assert times_from_increments(tiny)[-1].item() == pytest.approx(1e-7, rel=1e-6)
-
-
-def test_times_and_increments_invert_each_other():
     tau = torch.distributions.Dirichlet(torch.full((5, 21), 2.0)).sample((3,))  # (3, 5, 21)
     times = times_from_increments(tau)
     assert torch.allclose(increments_from_times(times), tau, atol=1e-6)
@@ -97,15 +94,9 @@ def test_samples_and_means_are_valid_schedules(kind):
     assert torch.allclose(tau.sum(-1), torch.ones(6, 4), atol=1e-6)
     assert_valid_schedule(times_from_increments(tau), steps)
     assert_valid_schedule(times_from_increments(mean_increments(alpha)), steps)
-
-
-def test_sampling_is_generator_driven():
-    alpha = torch.rand(3, 6) * 5 + 0.1
-    first = sample_increments(alpha, 4, torch.Generator().manual_seed(7))
-    again = sample_increments(alpha, 4, torch.Generator().manual_seed(7))
-    other = sample_increments(alpha, 4, torch.Generator().manual_seed(8))
-    assert torch.equal(first, again)
-    assert not torch.allclose(first, other)
+    # the draws are the generator's alone: the same seed draws the same schedules, another others
+    assert torch.equal(tau, sample_increments(alpha, 4, torch.Generator().manual_seed(0)))
+    assert not torch.allclose(tau, sample_increments(alpha, 4, torch.Generator().manual_seed(1)))
 
 
 def test_sample_mean_matches_dirichlet_mean():
@@ -118,19 +109,9 @@ def test_sample_mean_matches_dirichlet_mean():
     assert torch.all((tau.mean(1) - mean).abs() < 5 * standard_error)
 
 
-def test_log_prob_by_hand():
-    # Dirichlet(1, 1, 1) is uniform on the 2-simplex: density 2 everywhere
-    tau = torch.tensor([[[0.2, 0.3, 0.5], [0.6, 0.1, 0.3]]])
-    assert torch.allclose(log_prob(torch.ones(1, 3), tau), torch.full((1, 2), math.log(2.0)))
-    # Dirichlet(2, 1): density Gamma(3)/Gamma(2) tau_1 = 2 tau_1; a sum over components, not a mean
-    tau = torch.tensor([[[0.25, 0.75]]])
-    assert log_prob(torch.tensor([[2.0, 1.0]]), tau).item() == pytest.approx(
-        math.log(0.5), abs=1e-6
-    )
-
-
 @pytest.mark.parametrize("scale", [0.05, 1.0, 30.0, 3000.0])
 def test_log_prob_matches_torch_dirichlet(scale):
+    """The joint log-density of the L+1 increments: a sum over components, not a mean."""
     generator = torch.Generator().manual_seed(0)
     alpha = (torch.rand(4, 11, generator=generator) + 0.5) * scale
     tau = sample_increments(alpha, 5, generator)
@@ -142,35 +123,28 @@ def test_log_prob_matches_torch_dirichlet(scale):
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("alpha_value", [1e-3, 1e4])
-def test_extreme_concentrations_at_80_steps_are_finite(alpha_value):
-    steps = 80
-    alpha = torch.full((3, steps + 1), alpha_value, requires_grad=True)
-    tau = sample_increments(alpha, 4, torch.Generator().manual_seed(0))
-    assert torch.all(torch.isfinite(tau)) and torch.all(tau >= TAU_FLOOR * (1 - 1e-3))
-    assert_valid_schedule(times_from_increments(tau), steps)
-    assert_valid_schedule(times_from_increments(mean_increments(alpha)), steps)
-    values = log_prob(alpha, tau)
-    values.sum().backward()
-    assert torch.all(torch.isfinite(values))
-    assert torch.all(torch.isfinite(alpha.grad)) and alpha.grad.abs().sum() > 0
-
-
-def test_mixed_extreme_concentrations_through_a_policy():
-    # one concentration at the softplus floor, the others at 1e4: the mean is still a valid schedule
+@pytest.mark.parametrize("low, high", [(-30.0, -30.0), (1e4, 1e4), (-30.0, 1e4)])
+def test_extreme_concentrations_at_80_steps_are_finite(low, high):
+    """Every concentration at the softplus floor ALPHA_MIN (a head bias of -30), every one at 1e4,
+    or some at the floor among others at 1e4: draws and means are valid schedules, log-densities
+    and their gradients finite."""
     policy = GlobalPolicy(80)
     head = policy.head[-1]
     with torch.no_grad():
         head.weight.zero_()
-        head.bias.fill_(1e4)
-        head.bias[::7] = -30.0  # softplus(-30) ~ 1e-13, so alpha = ALPHA_MIN
-    alpha = policy(torch.zeros(2, 1, 8, 8))
-    assert alpha.min().item() == pytest.approx(ALPHA_MIN, rel=1e-4)
-    tau = sample_increments(alpha, 8, torch.Generator().manual_seed(0))
+        head.bias.fill_(high)
+        head.bias[::7] = low  # softplus(-30) ~ 1e-13, so alpha = ALPHA_MIN
+    alpha = policy(torch.zeros(3, 1, 8, 8))
+    alpha.retain_grad()
+    assert alpha.min().item() == pytest.approx(ALPHA_MIN if low < 0 else 1e4, rel=1e-4)
+    tau = sample_increments(alpha, 4, torch.Generator().manual_seed(0))
+    assert torch.all(torch.isfinite(tau)) and torch.all(tau >= TAU_FLOOR * (1 - 1e-3))
     assert_valid_schedule(times_from_increments(tau), 80)
     assert_valid_schedule(times_from_increments(mean_increments(alpha)), 80)
-    log_prob(alpha, tau).sum().backward()
-    assert torch.all(torch.isfinite(head.bias.grad))
+    values = log_prob(alpha, tau)
+    values.sum().backward()
+    assert torch.all(torch.isfinite(values)) and torch.all(torch.isfinite(head.bias.grad))
+    assert torch.all(torch.isfinite(alpha.grad)) and alpha.grad.abs().sum() > 0
 
 
 # -----------------------------------------------------------------------------
@@ -208,41 +182,61 @@ def test_policy_sizes_are_about_20m_for_the_real_models():
     # the paper: about 20M parameters, under 1% of the sampler
     for name, dims in POLICY_DIMS.items():
         with torch.device("meta"):
-            policy = make_policy("instance", dims, 20, preset=BACKBONES[name]["policy"])
+            policy = make_policy("instance", dims, 20, network=BACKBONES[name]["policy"])
         params = sum(p.numel() for p in policy.parameters())
-        assert (50_000 <= params <= 200_000) if name == "digits" else (15e6 <= params <= 25e6), (
-            name,
-            params,
-        )
+        low, high = (50_000, 200_000) if name == "digits" else (15e6, 25e6)
+        assert low <= params <= high, (name, params)
 
 
-def test_real_preset_runs_on_a_small_latent():
-    # the real preset's shapes on a 512px latent (64x64) and a short prompt: any resolution works
+def test_real_network_runs_on_a_small_latent():
+    # the real network's shapes on a 512px latent (64x64) and a short prompt: any resolution works
     dims = dict(latent_channels=16, text_dim=4096, pooled_dim=2048)
     policy = make_policy(
-        "instance", dims, 5, preset="real", widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32
+        "instance", dims, 5, network="real", widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32
     )
-    alpha = policy(
-        torch.randn(2, 16, 64, 64),
-        torch.randn(2, 7, 4096),
-        torch.ones(2, 7, dtype=torch.bool),
-        torch.randn(2, 2048),
-    )
+    latent, text, pooled = torch.randn(2, 16, 64, 64), torch.randn(2, 7, 4096), torch.randn(2, 2048)
+    alpha = policy(latent, text, torch.ones(2, 7, dtype=torch.bool), pooled)
     assert alpha.shape == (2, 6) and torch.all(torch.isfinite(alpha))
 
 
 @pytest.mark.parametrize("kind", ["instance", "global"])
-def test_save_load_round_trip(kind):
+def test_save_load_round_trip(kind, tmp_path):
+    """save_policy's Hub folder (config.json, model.safetensors) rebuilds the same network."""
     policy = make_policy(kind, DIGITS, 10, init_times=torch.linspace(1, 0, 11))
     inputs = digits_inputs(8)
     reinforce_step(policy, inputs)
     reinforce_step(policy, inputs, seed=1)  # now the output depends on the input
-    config = json.loads(json.dumps(policy.config))
-    assert config["kind"] == kind
-    rebuilt = build_policy(config)
-    rebuilt.load_state_dict(policy.state_dict())
-    assert rebuilt.steps == policy.steps == 10
-    assert torch.equal(rebuilt(*inputs), policy(*inputs))
+    assert policy.config["kind"] == kind
+    config = dict(backbone="digits", steps=10, lr=0.1)
+    save_policy(tmp_path / "policy", policy, config)
+    loaded, saved = load_policy(str(tmp_path / "policy"))
+    assert type(loaded) is type(policy) and not loaded.training
+    assert loaded.config == policy.config and saved == config
+    assert torch.equal(loaded(*inputs), policy.eval()(*inputs))
+
+
+def test_a_weight_missing_from_a_checkpoint_or_its_policy_folder_is_an_error(digits_run, tmp_path):
+    """load_policy loads train.py's ckpt.pt and policy/ to the same weights and configuration, and
+    strictly: a missing weight is an error, not a silently fresh layer."""
+    (from_ckpt, ckpt_config), (from_folder, folder_config) = (
+        load_policy(str(digits_run / name)) for name in ("ckpt.pt", "policy")
+    )
+    assert ckpt_config == folder_config and from_folder.backbone == "digits"
+    for name, tensor in from_ckpt.state_dict().items():
+        assert torch.equal(tensor, from_folder.state_dict()[name]), name
+    state = torch.load(digits_run / "ckpt.pt", weights_only=True)
+    del state["policy"]["head.3.bias"]
+    torch.save(state, tmp_path / "ckpt.pt")
+    with pytest.raises(RuntimeError, match="Missing key.*head.3.bias"):
+        load_policy(str(tmp_path / "ckpt.pt"))
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(digits_run / "policy", tmp_path / "policy")
+    tensors = load_file(tmp_path / "policy" / "model.safetensors")
+    del tensors["head.3.bias"]
+    save_file(tensors, tmp_path / "policy" / "model.safetensors")
+    with pytest.raises(RuntimeError, match="head.3.bias"):
+        load_policy(str(tmp_path / "policy"))
 
 
 def test_instance_policy_depends_on_the_input_and_ignores_padding():
@@ -261,15 +255,6 @@ def test_instance_policy_depends_on_the_input_and_ignores_padding():
     # bf16 inputs are cast at the top; all policy math is float32
     bf16 = policy(*digits_inputs(8, dtype=torch.bfloat16))
     assert bf16.dtype == torch.float32 and torch.all(torch.isfinite(bf16))
-
-
-def test_pooled_embedding_must_match_the_construction():
-    policy = make_policy("instance", DIGITS, 4)
-    latent, text, text_mask, _ = digits_inputs(2)
-    with pytest.raises(ValueError):
-        policy(latent, text, text_mask, None)
-    without = make_policy("instance", dict(DIGITS, pooled_dim=None), 4)
-    assert without(latent, text, text_mask, None).shape == (2, 5)
 
 
 # -----------------------------------------------------------------------------
@@ -324,9 +309,7 @@ def test_uniform_init_has_equal_increments(kind):
 
 
 def test_initial_logits_invert_softplus_for_small_and_large_concentrations():
-    times = torch.tensor(
-        [1.0, 0.5, 1e-3, 0.0], dtype=torch.float64
-    )  # increments 0.5, 0.499, 1e-3, 0
+    times = torch.tensor([1.0, 0.5, 1e-3, 0.0], dtype=torch.float64)  # increments .5, .499, 1e-3, 0
     for concentration in (1.01, 100.0, 1e6):
         logits = initial_logits(3, "default", times, concentration, stop_margin=1e-3)
         increments = increments_from_times(times)
@@ -335,29 +318,16 @@ def test_initial_logits_invert_softplus_for_small_and_large_concentrations():
         assert torch.allclose(torch.nn.functional.softplus(logits) + ALPHA_MIN, expected, rtol=1e-9)
 
 
-def test_bad_initial_schedules_raise_value_errors():
+@pytest.mark.parametrize(
+    "arguments",
+    [
+        dict(),  # no init_times
+        dict(init_times=[1.0, 0.5, 0.0]),  # the wrong length
+        dict(init_times=[1.0, 0.5, 0.5, 0.2, 0.0]),  # a repeated time
+        # a concentration of 1 puts the stop margin's alpha at 1e-4, below ALPHA_MIN
+        dict(init_times=[1.0, 0.8, 0.6, 0.3, 0.0], concentration=1.0, stop_margin=1e-4),
+    ],
+)
+def test_bad_initial_schedules_raise_value_errors(arguments):
     with pytest.raises(ValueError):
-        GlobalPolicy(4, init="default")  # no init_times
-    with pytest.raises(ValueError):
-        GlobalPolicy(4, init="default", init_times=[1.0, 0.5, 0.0])  # wrong length
-    with pytest.raises(ValueError):
-        GlobalPolicy(4, init="default", init_times=[1.0, 0.5, 0.5, 0.2, 0.0])  # a repeated time
-    with pytest.raises(ValueError):
-        GlobalPolicy(
-            4,
-            concentration=1.0,
-            stop_margin=1e-4,
-            init="default",
-            init_times=[1.0, 0.8, 0.6, 0.3, 0.0],
-        )
-
-
-def test_instance_and_global_share_the_forward_signature():
-    inputs = digits_inputs(5)
-    for kind, cls in (("instance", SchedulePolicy), ("global", GlobalPolicy)):
-        policy = make_policy(kind, DIGITS, 7)
-        assert isinstance(policy, cls) and policy.steps == 7
-        assert policy(*inputs).shape == (5, 8)
-        assert policy(
-            latent=inputs[0], text=inputs[1], text_mask=inputs[2], pooled=inputs[3]
-        ).shape == (5, 8)
+        GlobalPolicy(4, init="default", **arguments)

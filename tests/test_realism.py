@@ -1,5 +1,5 @@
-"""The realism measures (realism.py) on hand-computed cases, and on real digits against blurred and
-averaged ones."""
+"""The realism measures (miniatures/realism.py) on hand-computed cases, and on real digits against
+blurred and averaged ones."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 
 from miniatures import build as miniature
 from miniatures.data import digit_splits
-from scoring.realism import (
+from miniatures.realism import (
     FeatureSpace,
     frechet_distance,
     knn_radii,

@@ -20,10 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # is one only if it starts with a folder of the repository or ends in a file extension or in /.
 ALLOWED = (
     # outputs, never tracked: what the commands write in a run folder or --out-dir (OUT_DIR)
-    "out/* out_dir/* OUT_DIR/* snapshots/* samples/ eval/ policy/ run.lock ckpt.pt metrics.jsonl"
-    " metrics.jsonl.failed eval.json train.png grid.png schedule.json schedules.json schedules.png"
-    " scores.json results.md results.png *_default.png *_learned.png *_teacher.png oracles.json"
-    " tuning.json toy_js.png written-by.json prediction-*.json pairs.json cell.json"
+    "out/* out_dir/* OUT_DIR/* samples/ eval/ policy/ ckpt.pt metrics.jsonl eval.json grid.png"
+    " schedule.json schedules.json schedules.png scores.json results.md *_default.png"
+    " *_learned.png *_teacher.png oracles.json tuning.json toy_js.png prediction-*.json pairs.json"
     " trajectories.json"
     # files on the Hub: HPSv2's weights, HPDv2's prompts, the files of a diffusers model folder
     " HPS_v2*.pt train.json benchmark/* model_index.json config.json model.safetensors"

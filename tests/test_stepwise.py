@@ -1,6 +1,6 @@
-"""The step-wise comparator (stepwise.py, TPDM): its log-probability against torch.distributions,
-PPO's clipped objective on a hand-computed case, and the loop with a step-wise policy against the
-loop fed the times it chose, on the embedded and the diffusers backbones."""
+"""The step-wise comparator (comparator/tpdm.py, TPDM): its log-probability against
+torch.distributions, PPO's clipped objective on a hand-computed case, and the loop with a step-wise
+policy against the loop fed the times it chose, on the embedded and the diffusers backbones."""
 
 import math
 
@@ -19,9 +19,10 @@ from comparator.tpdm import (
     trajectory_log_prob,
 )
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
-from store.checkpoint import build_policy, load_policy, make_policy, save_policy
+from policy import load_policy, make_policy, save_policy
 
 STEPS = 4
+PROMPTS = ["a cat", "a red house on a hill"]  # on the diffusers backbones
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +34,10 @@ def digits():
     return backbone, policy
 
 
-def contexts(backbone, count, seed=0):
+def contexts(backbone, count, seed=0, prompts=None):
+    """count noises drawn from seed, with these prompts or the backbone's own in turn."""
     noise = backbone.sample_noise(count, torch.Generator().manual_seed(seed))
-    prompts = [backbone.prompts[i % len(backbone.prompts)] for i in range(count)]
+    prompts = prompts or [backbone.prompts[i % len(backbone.prompts)] for i in range(count)]
     return noise, backbone.encode_prompts(prompts)
 
 
@@ -67,52 +69,35 @@ def test_the_log_probability_is_the_sum_of_the_steps_beta_log_densities(digits):
     assert (times[:, 1:] < times[:, :-1]).all() and (times[:, -1] > 0).all()
 
 
-def test_the_loop_with_a_stepwise_policy_equals_the_loop_fed_its_times(digits):
-    backbone, policy = digits
-    noise, cond = contexts(backbone, 5, seed=1)
-    calls = []
-    original = backbone.velocity
-    backbone.velocity = lambda *args: calls.append(1) or original(*args)
-    try:
-        latents, record = drawn(backbone, policy, noise, cond, range(10, 15))
-    finally:
-        del backbone.velocity
-    assert len(calls) == STEPS  # exactly L model calls, each followed by one decision
-    assert record["latent"].shape == (5, STEPS, 2, 8, 8)  # the state and the prediction
-    replay = backbone.sample(noise, cond, record["times"])
-    torch.testing.assert_close(replay, latents, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("family", list(TINY_GUIDANCE))
-def test_the_same_on_the_diffusers_backbones(family):
-    pipe = tiny_pipeline(family)
-    backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
+@pytest.mark.parametrize("family", ["digits-noise", *TINY_GUIDANCE])
+def test_the_loop_with_a_stepwise_policy_equals_the_loop_fed_its_times(family, monkeypatch):
+    """Exactly L model calls, each followed by one decision that reads the state and the prediction
+    as images (Flux: its packed tokens unpacked); the loop fed the times chosen gives the same
+    latents, exactly on the embedded backbone."""
+    if family == "digits-noise":
+        backbone, prompts, tolerance = load_backbone(family), None, 0.0
+    else:
+        pipe, guidance = tiny_pipeline(family), TINY_GUIDANCE[family]
+        backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=guidance)
+        prompts, tolerance = PROMPTS, 1e-5
     steps = 3
     policy = make_policy(
-        "stepwise", backbone.policy_dims, steps, init_times=backbone.default_times(steps)
+        "stepwise", backbone.policy_dims, steps, init_times=backbone.default_times(3)
     )
-    noise, cond = contexts_of(backbone, ["a cat", "a red house on a hill"])
-    stepper = Stepper(policy, backbone, cond, torch.Generator().manual_seed(0))
-    calls = []
-    handle = backbone.model.register_forward_hook(lambda *_: calls.append(1))
-    with torch.no_grad():
-        latents = run_stepwise(backbone, noise, cond, steps, stepper)
-    handle.remove()
-    assert len(calls) == steps  # exactly L model calls (CFG rides in the same forward)
-    times = stepper.times()
-    assert times.shape == (2, steps + 1) and (times[:, 1:] < times[:, :-1]).all()
-    replay = backbone.sample(noise, cond, times)
-    torch.testing.assert_close(replay, latents, rtol=1e-5, atol=1e-5)
-    # the policy reads the noise as an image (Flux: its packed tokens unpacked)
-    assert (
-        stepper.record()["latent"].shape[2:]
-        == (2 * backbone.latent_shape[0],) + (backbone.resolution // pipe.vae_scale_factor,) * 2
-    )
+    noise, cond = contexts(backbone, 2, seed=1, prompts=prompts)
+    calls, ode = [], backbone.ode
 
+    def counted(*args):  # the sampler's derivative: one model call each
+        derivative, state, level = ode(*args)
+        return lambda *inputs: calls.append(1) or derivative(*inputs), state, level
 
-def contexts_of(backbone, prompts):
-    noise = backbone.sample_noise(len(prompts), torch.Generator().manual_seed(0))
-    return noise, backbone.encode_prompts(prompts)
+    monkeypatch.setattr(backbone, "ode", counted)
+    latents, record = drawn(backbone, policy, noise, cond, [10, 11])
+    assert len(calls) == steps
+    image = backbone.as_image(noise)  # (N, C, H, W)
+    assert record["latent"].shape == (2, steps, 2 * image.shape[1], *image.shape[2:])
+    replay = backbone.sample(noise, cond, record["times"])
+    torch.testing.assert_close(replay, latents, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("name, steps", [("digits-noise", 4), ("digits", 20)])
@@ -163,22 +148,16 @@ def test_records_of_rollout_parts_join_as_one(digits):
         torch.testing.assert_close(joined[key], whole[key], rtol=1e-6, atol=1e-6)
 
 
-def test_a_stepwise_policy_saves_and_loads_in_both_formats(digits, tmp_path):
+def test_a_stepwise_policy_saves_and_loads_as_a_hub_folder(digits, tmp_path):
     backbone, policy = digits
-    rebuilt = build_policy(policy.config)
-    rebuilt.load_state_dict(policy.state_dict())
-    config = dict(backbone="digits-noise", steps=STEPS)
-    save_policy(tmp_path / "policy", policy, config, iteration=1)
-    loaded = load_policy(str(tmp_path / "policy"))
+    save_policy(tmp_path / "policy", policy, dict(backbone="digits-noise", steps=STEPS))
+    loaded, _ = load_policy(str(tmp_path / "policy"))
     assert loaded.config == policy.config and loaded.config["kind"] == "stepwise"
     noise, cond = contexts(backbone, 3, seed=4)
-    for other in (rebuilt, loaded):
-        with torch.no_grad():
-            inputs = backbone.policy_inputs(torch.cat([noise, noise], 1), cond)
-            t = torch.full((3,), 0.5)
-            torch.testing.assert_close(
-                other(**inputs, time=t, step=1), policy(**inputs, time=t, step=1)
-            )
+    inputs = dict(backbone.policy_inputs(torch.cat([noise, noise], 1), cond), step=1)
+    with torch.no_grad():
+        time = torch.full((3,), 0.5)
+        torch.testing.assert_close(loaded(**inputs, time=time), policy(**inputs, time=time))
 
 
 def test_a_stepwise_policy_is_refused_by_the_stock_pipeline_in_one_line():
@@ -212,15 +191,9 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     pipe = tiny_pipeline(family)
     backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
     steps = 3
-    policy = make_policy(
-        "stepwise",
-        backbone.policy_dims,
-        steps,
-        init="tpdm",
-        inputs="hidden",
-        **tpdm.hidden_dims(backbone),
-    )
-    noise, cond = contexts_of(backbone, ["a cat", "a red house on a hill"])
+    options = dict(init="tpdm", inputs="hidden", **tpdm.hidden_dims(backbone))
+    policy = make_policy("stepwise", backbone.policy_dims, steps, **options)
+    noise, cond = contexts(backbone, 2, prompts=PROMPTS)
     outputs = {name: [] for name in HIDDEN_LAYERS[family]}  # each model call's, in order
     handles = [
         backbone.model.get_submodule(name).register_forward_hook(
@@ -228,11 +201,9 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
         )
         for name in outputs
     ]
-    seen = []  # the policy's keyword arguments at each call
+    seen = []  # the policy's keyword arguments at each call: (module, args, kwargs)[2]
     handles.append(
-        policy.register_forward_pre_hook(
-            lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True
-        )
+        policy.register_forward_pre_hook(lambda *call: seen.append(call[2]), with_kwargs=True)
     )
     try:
         with torch.no_grad(), Stepper(policy, backbone, cond, torch.Generator()) as stepper:
@@ -259,7 +230,6 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     torch.testing.assert_close(seen[0]["latent"].float(), features)
     torch.testing.assert_close(seen[0]["embedding"].float(), embedding)
     record = stepper.record()
-    torch.testing.assert_close(record["latent"][:, 0].float(), features)
     # the update reads the same inputs: the recomputed log-probability equals the rollout's
     torch.testing.assert_close(trajectory_log_prob(policy, record), record["logp"])
     replay = backbone.sample(noise, cond, record["times"])  # no hooks left on the model
@@ -269,54 +239,37 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     )
 
 
-def test_tpdms_start_has_mean_rate_0_78_at_every_step(digits):
+@pytest.mark.parametrize("inference, start", [("mode", 0.818), ("mean", 0.78)])
+def test_tpdms_start_rate_is_its_betas_mode_or_mean_at_every_step(digits, inference, start):
+    """At inference a rate is its Beta's mode (TPDM) or mean (the project's variant); at TPDM's
+    start, head bias (2.5, 1.0), the mode (alpha - 1) / (alpha + beta - 2) is e^2.5 / (e^2.5 + e)
+    and the mean 0.78, at every step for all contexts: the head's last layer has N(0, 1e-3)
+    weights, which move the logits by about 0.01 (at most 1.8e-3 measured over 5 seeds)."""
     backbone, _ = digits
     torch.manual_seed(0)
-    policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm")
+    policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm", inference=inference)
     noise, cond = contexts(backbone, 16, seed=5)
-    times, _ = tpdm.sample(policy, backbone, noise, cond)  # the Beta mean (inference)
-    alpha, beta = 1 + math.exp(2.5), 1 + math.exp(1.0)  # TPDM's head bias (2.5, 1.0)
-    mean = alpha / (alpha + beta)
-    assert mean == pytest.approx(0.78, abs=0.001)
-    # every step's rate near the mean for all contexts: the head's last layer has N(0, 1e-3)
-    # weights, which move the logits by about 0.01 (at most 1.8e-3 measured over 5 seeds)
-    rates = times[:, 1:] / times[:, :-1]
-    assert (rates - mean).abs().max() < 5e-3
-
-
-def test_the_beta_mode_at_inference_and_the_mean_for_the_projects_variant(digits):
-    backbone, _ = digits
-    noise, cond = contexts(backbone, 6, seed=6)
-    for inference in ("mode", "mean"):
-        policy = make_policy(
-            "stepwise", backbone.policy_dims, STEPS, init="tpdm", inference=inference
-        )
-        with torch.no_grad(), Stepper(policy, backbone, cond) as stepper:
-            run_stepwise(backbone, noise, cond, STEPS, stepper)
-        record = stepper.record()
-        alpha, beta = record["parameters"].double().unbind(-1)
-        distribution = torch.distributions.Beta(alpha, beta)
-        expected = distribution.mode if inference == "mode" else distribution.mean
-        torch.testing.assert_close(record["pair"][..., 0].double(), expected, rtol=1e-6, atol=0)
-    # TPDM's start: mode (alpha - 1) / (alpha + beta - 2) = e^2.5 / (e^2.5 + e) = 0.818
-    assert record_mode(backbone, noise, cond) == pytest.approx(
-        math.exp(2.5) / (math.exp(2.5) + math.e), abs=5e-3
-    )
-
-
-def record_mode(backbone, noise, cond):
-    """The mean rate of TPDM's start at inference (the Beta mode)."""
-    torch.manual_seed(0)
-    policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm", inference="mode")
     times, _ = tpdm.sample(policy, backbone, noise, cond)
-    return (times[:, 1:] / times[:, :-1]).mean().item()
+    with torch.no_grad(), Stepper(policy, backbone, cond) as stepper:
+        run_stepwise(backbone, noise, cond, STEPS, stepper)
+    record = stepper.record()
+    rates = record["pair"][..., 0].double()  # (N, L)
+    torch.testing.assert_close(record["times"], times)  # tpdm.sample: the same
+    distribution = torch.distributions.Beta(*record["parameters"].double().unbind(-1))
+    expected = distribution.mode if inference == "mode" else distribution.mean
+    torch.testing.assert_close(rates, expected, rtol=1e-6, atol=0)
+    alpha, beta = 1 + math.exp(2.5), 1 + math.exp(1.0)
+    at_start = (alpha - 1) / (alpha + beta - 2) if inference == "mode" else alpha / (alpha + beta)
+    assert at_start == pytest.approx(start, abs=1e-3)
+    assert (rates - at_start).abs().max() < 5e-3
 
 
 def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_hand():
     """train.py's PPO defaults on a hand-computed case: the advantages are r minus the other
     rollout's reward (K = 2), not divided by their spread; each batch takes 4 Adam steps on the
     whole batch (4 epochs x 1 minibatch); the first is Adam(0.9, 0.99) with eps 1e-5 and no weight
-    decay: theta_1 = -lr g / (|g| + 1e-5), visible here as |g| is near eps."""
+    decay (train.py's AdamW with the run's settings): theta_1 = -lr g / (|g| + 1e-5), visible here
+    as |g| is near eps."""
     import train
 
     config = train.parse_config(["--policy", "stepwise", "--optimizer", "ppo"])
@@ -328,7 +281,10 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
     )
     policy = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(policy.weight)
-    optimizer = train.make_optimizer(config, policy.parameters())
+    betas = (0.9, config.adam_beta2)
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), config.lr, betas, config.adam_eps, config.weight_decay
+    )
     weights, sizes = [], []
 
     class Rollouts:  # what ppo_update asks of a policy's rollouts
@@ -338,12 +294,15 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
             sizes.append(len(index))
             return policy(features[index])[:, 0]
 
-    def step(loss):
-        norm = train.optimizer_step(config, policy, optimizer, config.lr, loss)
+    def step(loss):  # train.py's step: the gradient norm clipped, one AdamW step
+        optimizer.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+        optimizer.step()
         weights.append(policy.weight.detach()[0].clone())
         return norm
 
-    ppo_update(config.tpdm, config.seed, 0, Rollouts(), policy, advantages, step)
+    ppo_update(config, 0, Rollouts(), policy, advantages, step)
     assert sizes == [6, 6, 6, 6]  # 4 epochs, each one minibatch of the whole batch
     # at theta = 0 every ratio is 1 (unclipped): g = -mean_i A_i x_i
     g = -(advantages[:, None] * features).mean(0)
@@ -351,28 +310,3 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
     expected = -config.lr * g / (g.abs() + 1e-5)
     torch.testing.assert_close(weights[0], expected, rtol=1e-5, atol=0)
     assert config.lr_decay == "constant" and train.get_lr(config, 123) == config.lr
-
-
-def test_an_older_stepwise_checkpoint_loads_as_it_was_and_one_that_cannot_is_refused(
-    digits_stepwise_run, tmp_path
-):
-    """A checkpoint from before the hidden-state inputs (no inputs, inference keys) rebuilds the
-    policy it was: the sampler's inputs, the Beta mean. One whose weights do not fit this version
-    ends in one line."""
-    from store.checkpoint import load_checkpoint
-
-    saved = torch.load(digits_stepwise_run / "ckpt.pt", weights_only=False)
-    for key in ("inputs", "inference", "feature_channels", "time_dim"):
-        del saved["policy_config"][key]
-    saved["policy_config"]["init"] = "default"
-    saved["policy_config"]["init_times"] = [1.0, 0.75, 0.5, 0.25, 0.0]
-    torch.save(saved, tmp_path / "older.pt")
-    policy = load_checkpoint(str(tmp_path / "older.pt"))[1]
-    assert (policy.inputs, policy.inference) == ("sampler", "mean")
-    del saved["policy"]["rate_logits"]
-    torch.save(saved, tmp_path / "other.pt")
-    with pytest.raises(
-        ValueError, match="holds a stepwise policy this version cannot load"
-    ) as error:
-        load_checkpoint(str(tmp_path / "other.pt"))
-    assert "\n" not in str(error.value)

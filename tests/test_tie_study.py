@@ -104,7 +104,7 @@ def test_the_grid_widens_until_every_best_rate_is_inside(tmp_path, monkeypatch):
 
     monkeypatch.setattr(tie_study, "train", fake_train)
     monkeypatch.setattr(tie_study, "run_folder", lambda out_dir, row, seed, rate: str(rate))
-    monkeypatch.setattr(tie_study, "load_checkpoint", lambda path: (None, float(path[:-8])))
+    monkeypatch.setattr(tie_study, "load_policy", lambda path: (float(path[:-8]), None))
     monkeypatch.setattr(tie_study, "policy_schedule", lambda policy, backbone: policy)
     monkeypatch.setattr(tie_study, "heldout_contexts", lambda *args: ([], []))
     monkeypatch.setattr(tie_study, "load_prompt_file", lambda path: [])

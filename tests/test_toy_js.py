@@ -1,8 +1,8 @@
+import contextlib
+import io
 import json
 import math
-import os
 import runpy
-import subprocess
 import sys
 
 import matplotlib.image
@@ -13,61 +13,41 @@ from torch.distributions import Dirichlet
 from baselines import cross_context, james_stein, james_stein_unbiased, rloo
 from toy_js import CONTEXTS, RATIOS, ROLLOUTS, Bandit, expected_quality, oracle_baseline
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("toy_js")
-    with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
-        results_before = file.read()
-    result = subprocess.run(
-        [sys.executable, "toy_js.py", "--quick", "--out-dir", str(out_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    with open(out_dir / "toy_js.json") as file:
-        record = json.load(file)
-    with open(os.path.join(ROOT, "docs", "RESULTS.md"), "rb") as file:
-        assert file.read() == results_before  # only `python -m evidence.toy_js` writes evidence
-    return out_dir, result.stdout, record
-
-
-def test_the_evidence_command_records_what_toy_js_prints(monkeypatch, tmp_path, capsys):
+    """python -m evidence.toy_js at toy_js's --quick settings (the same code path, a few seconds) in
+    a fresh folder, what it would record in docs/RESULTS.md caught: (out dir, what it printed, the
+    record calls, toy_js.json)."""
     import toy_js
     from evidence import results
 
-    recorded = []
-    monkeypatch.setattr(toy_js, "FULL", toy_js.QUICK)  # the same code path, a few seconds
-    monkeypatch.setattr(results, "record", lambda *args, **kwargs: recorded.append(args))
-    monkeypatch.setattr(sys, "argv", ["evidence.toy_js"])
-    monkeypatch.chdir(tmp_path)  # out/toy_js goes here
-    threads = torch.get_num_threads()
-    try:
+    folder, recorded, threads = tmp_path_factory.mktemp("toy_js"), [], torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as out:
+        patch.setattr(toy_js, "FULL", toy_js.QUICK)
+        patch.setattr(results, "record", lambda *args, **kwargs: recorded.append(args))
+        patch.setattr(sys, "argv", ["evidence.toy_js"])
+        patch.chdir(folder)
         runpy.run_module("evidence.toy_js", run_name="__main__")
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    out_dir = folder / "out" / "toy_js"
+    return out_dir, out.getvalue(), recorded, json.loads((out_dir / "toy_js.json").read_text())
+
+
+def test_the_evidence_command_records_what_toy_js_prints_and_saves(quick_run):
+    out_dir, stdout, recorded, record = quick_run
     [(name, command, lines)] = recorded
     assert (name, command) == ("toy_js", "python -m evidence.toy_js")
-    stdout = capsys.readouterr().out
     assert stdout.startswith("\n".join(lines) + "\n") and "Conclusions:" in lines
+    assert all(f"Part {part}" in stdout for part in "AB")
     assert "docs/RESULTS.md (section toy_js)" in stdout.splitlines()[-1]
-    assert (tmp_path / "out" / "toy_js" / "toy_js.json").is_file()
-
-
-def test_quick_run_writes_the_promised_files(quick_run):
-    out_dir, stdout, record = quick_run
     assert matplotlib.image.imread(out_dir / "toy_js.png").shape[0] > 300
-    assert all(f"Part {part}" in stdout for part in "AB") and "Conclusions" in stdout
     for line in record["conclusions"]:
         assert line.strip() in stdout  # what is printed is what is saved
 
 
 def test_quick_run_estimation_table(quick_run):
-    _, _, record = quick_run
+    record = quick_run[-1]
     cells = record["estimation"]
     assert len(cells) == len(RATIOS) * len(ROLLOUTS) * len(CONTEXTS) == 72
     assert {(cell["K"], cell["B"]) for cell in cells} == {
@@ -92,7 +72,7 @@ def test_quick_run_estimation_table(quick_run):
 
 
 def test_quick_run_gradient_table(quick_run):
-    _, _, record = quick_run
+    record = quick_run[-1]
     assert list(record["gradient"]) == ["0.0", "1.0", "10.0"]
     for row in record["gradient"].values():
         assert set(row) == {"none", "rloo", "xctx", "js", "js-unbiased"}
@@ -149,33 +129,23 @@ def test_reinforce_gradient_is_unbiased_for_the_exact_gradient(name):
     torch.manual_seed(3)
     bandit = Bandit(generator, actions=5, features=4)
     weight, bias = bandit.initial_policy((batches,))
-    weight = (
-        weight + 0.3 * torch.randn(weight.shape[1:], generator=generator, dtype=weight.dtype)
-    ).requires_grad_(True)
-    bias.requires_grad_(True)
+    weight = weight + 0.3 * torch.randn(weight.shape[1:], generator=generator, dtype=weight.dtype)
+    parameters = (weight.requires_grad_(True), bias.requires_grad_(True))
+
+    def gradient(objective):  # (R, P), one row per batch
+        gradients = torch.autograd.grad(objective, parameters, retain_graph=True)
+        return torch.cat([g.flatten(1) for g in gradients], dim=1)
+
     features, targets, offsets, scales = bandit.draw((batches, contexts), 3.0, generator)
     alpha = bandit.alpha(weight, bias, features)
-    objective = (
-        (offsets + scales * expected_quality(alpha, targets) / bandit.noise_unit).mean(dim=-1).sum()
-    )
-    exact = torch.cat(
-        [g.flatten(1) for g in torch.autograd.grad(objective, (weight, bias), retain_graph=True)],
-        dim=1,
-    )
+    quality = offsets + scales * expected_quality(alpha, targets) / bandit.noise_unit
+    exact = gradient(quality.mean(dim=-1).sum())
     tau = Dirichlet(alpha.detach()).sample((2,)).movedim(0, -2)
     rewards = bandit.rewards(tau, targets, offsets, scales)
     baseline = rloo(rewards) if name == "rloo" else james_stein_unbiased(rewards)
-    surrogate = (
-        ((rewards - baseline) * Dirichlet(alpha[..., None, :]).log_prob(tau))
-        .mean(dim=(-2, -1))
-        .sum()
-    )
-    estimate = torch.cat(
-        [g.flatten(1) for g in torch.autograd.grad(surrogate, (weight, bias))], dim=1
-    )
-    difference = estimate - exact  # (R, P)
+    log_prob = Dirichlet(alpha[..., None, :]).log_prob(tau)
+    difference = gradient(((rewards - baseline) * log_prob).mean(dim=(-2, -1)).sum()) - exact
     error = difference.std(dim=0) / math.sqrt(batches)
     assert (difference.mean(dim=0).abs() < 5 * error).all()
-    assert (
-        exact.mean(dim=0).abs() > 5 * error
-    ).any()  # the gradient itself is resolved, so the test can fail
+    # the gradient itself is resolved, so the test can fail
+    assert (exact.mean(dim=0).abs() > 5 * error).any()

@@ -16,6 +16,7 @@ table gives the real-against-real value at the same N (`floor`).
 import torch
 
 from miniatures.data import digit_splits
+from prompts import context_noise
 from rewards.images import quantize
 
 COMPONENTS = 32  # principal components kept
@@ -92,3 +93,40 @@ def realism_measure():
     every miniature; miniatures/data.py)."""
     splits = digit_splits()
     return Realism(splits["reference"][0], splits["preference"][0])
+
+
+@torch.no_grad()
+def sample_images(backbone, method, prompts, seeds, batch_size=128):
+    """The decoded 8-bit images (N, 3, H, W) in [0, 1] of the contexts (prompts[i], seeds[i])
+    sampled with `method` (evaluate.py's: noise, cond -> times, or -> (times, latents))."""
+    images = []
+    for start in range(0, len(prompts), batch_size):
+        noise = context_noise(backbone, seeds[start : start + batch_size])
+        cond = backbone.encode_prompts(prompts[start : start + batch_size])
+        used = method(noise, cond)
+        latents = used[1] if isinstance(used, tuple) else backbone.sample(noise, cond, used)
+        images.append(quantize(backbone.decode(latents)).clamp(0, 1).cpu())
+    return torch.cat(images)
+
+
+def realism_table(backbone, methods, prompts, seeds, realism):
+    """method name -> the realism of its samples of the contexts (prompts[i], seeds[i])."""
+    return {
+        name: realism(sample_images(backbone, method, prompts, seeds))
+        for name, method in methods.items()
+    }
+
+
+def realism_report(backbone, methods, prompts, seeds):
+    """train.py's realism rows on a miniature, printed: each method's, and the floor of unseen real
+    digits at the same N (eval.json's "realism" and "realism_floor")."""
+    measure = realism_measure()
+    realism, floor = (
+        realism_table(backbone, methods, prompts, seeds, measure),
+        measure.floor(len(seeds)),
+    )
+    print("realism against real digits (Frechet distance lower, precision and recall higher):")
+    real = f"unseen real digits, the same {len(seeds)}"  # what data as real as the data scores
+    for name, row in {**realism, real: floor}.items():
+        print(f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items()))
+    return dict(realism=realism, realism_floor=floor)

@@ -1,1 +1,0 @@
-"""Where a run's records go: files on disk and on the Hub, checkpoints, policy folders."""
