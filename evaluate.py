@@ -125,6 +125,7 @@ def summarize(scores):
         row = dict(method=name, n=values.numel(), diff_mean=None, diff_ci95=None)
         row["mean"], row["ci95"] = mean_ci(values)
         if default is not None and name != "default":
+            assert values.shape == default.shape, "paired scores need the same contexts"
             row["diff_mean"], row["diff_ci95"] = mean_ci(values - default)
         for key in ("ci95", "diff_ci95"):  # one context has no interval: null in JSON, not NaN
             if row[key] is not None and math.isnan(row[key]):
@@ -297,10 +298,16 @@ def main(argv=None):
     ]
     groups = sorted(set(styles) - {None})
     for column, scores in tables.items():
+        means = {row: [] for row in scores}  # per group, whose mean is GenEval's overall score
         for group in [None, *groups]:
             mask = torch.tensor([group is None or style == group for style in styles])
             lines += [f"## {column}" + (f", {group}" if group else ""), ""]
             lines += [format_table(summarize({k: v[mask] for k, v in scores.items()})), ""]
+            for row, values in scores.items():
+                means[row] += [values[mask].mean().item()] if group else []
+        if groups:
+            overall = ", ".join(f"{row} {sum(v) / len(v):.4g}" for row, v in means.items())
+            lines += [f"mean over the {len(groups)} groups: {overall}", ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.md"), "w") as file:

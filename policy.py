@@ -282,6 +282,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         stop_margin=5e-3,
         backbone=None,
         training_config=None,
+        kind="instance",  # as config.json names it (the subclasses are the other kinds)
     ):
         super().__init__()
         # what it was trained for: the backbone's name and train.py's configuration (None when
@@ -458,7 +459,7 @@ def load_policy(source):
         state = torch.load(source, map_location="cpu", weights_only=True)
         training = dict(state["config"], iteration=state["iteration"])
         arguments = dict(state["policy_config"], training_config=training)
-        policy = policy_class(arguments.pop("kind"))(backbone=training["backbone"], **arguments)
+        policy = policy_class(arguments["kind"])(backbone=training["backbone"], **arguments)
         policy.load_state_dict(state["policy"])
         return policy.eval(), training
     if os.path.isdir(source):

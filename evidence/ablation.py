@@ -48,12 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import backbones
-from evaluate import (
-    default_schedule,
-    fixed_schedule,
-    policy_schedule,
-    score_table,
-)
+from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
 from evidence.results import (
     REPOSITORY,
     commit,

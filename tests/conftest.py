@@ -159,25 +159,24 @@ def digits_stepwise_run(tmp_path_factory):
     )
 
 
-@pytest.fixture(scope="session")
-def tiny_stepwise_runs(tiny_runs):
-    """train.py --policy stepwise --optimizer ppo on the tiny SD3, SD-XL and Flux-Dev folders of
-    tiny_runs (two iterations, rollouts in parts of 3 samples): backbone -> out dir."""
+def train_tiny(folder, name, *args):
+    """train.py on the tiny SD3, SD-XL and Flux-Dev pipelines saved in `folder` (two iterations, the
+    teacher reward, rollouts in parts of 3 samples), with `args` added: backbone -> out dir."""
     import rollout
+    from miniatures.layouts import TINY_RESOLUTION
 
-    folder, runs = tiny_runs[1], {}
+    runs = {}
     with pytest.MonkeyPatch.context() as patch:
         small_policies(patch)
         patch.setattr(rollout.Backbone, "reference_steps", 4)
         for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
             runs[backbone] = train_in_process(
-                folder / f"out_stepwise_{backbone}",
+                folder / f"{name}_{backbone}",
                 *("--backbone", backbone, "--model-path", str(folder / family)),
-                *("--resolution", "32", "--prompts", str(folder / "prompts.txt")),
+                *("--resolution", str(TINY_RESOLUTION), "--prompts", str(folder / "prompts.txt")),
                 *("--eval-prompts", str(folder / "prompts.txt"), "--reward", "teacher"),
                 *("--steps", "2", "--iterations", "2", "--contexts", "4", "--eval-contexts", "4"),
-                *("--rollout-batch", "3", "--device", "cpu", "--policy", "stepwise"),
-                *("--optimizer", "ppo", "--ppo-minibatches", "2"),
+                *("--rollout-batch", "3", "--device", "cpu", *args),
             )
     return runs
 
@@ -188,28 +187,21 @@ def tiny_runs(tmp_path_factory):
     folder), two iterations each with the teacher reward; the teacher solves 4 default steps instead
     of 50, which keeps the test fast and the code path the same. Returns backbone -> out dir, and
     the folders of the saved pipelines (flux-schnell too, for evaluate.py --schnell)."""
-    import rollout
-    from miniatures.layouts import TINY_RESOLUTION, tiny_pipeline
+    from miniatures.layouts import tiny_pipeline
 
     folder = tmp_path_factory.mktemp("tiny")
     for family in ("sd3", "sdxl", "flux-dev", "flux-schnell"):
         tiny_pipeline(family).save_pretrained(folder / family)
-    prompts = folder / "prompts.txt"
-    prompts.write_text("a red fox in snow\na blue car\na bowl of soup\n")
-    runs = {}
-    with pytest.MonkeyPatch.context() as patch:
-        small_policies(patch)
-        patch.setattr(rollout.Backbone, "reference_steps", 4)
-        for backbone, family in (("sd35m", "sd3"), ("sdxl", "sdxl"), ("flux-dev", "flux-dev")):
-            runs[backbone] = train_in_process(
-                folder / f"out_{backbone}",
-                *("--backbone", backbone, "--model-path", str(folder / family)),
-                *("--resolution", str(TINY_RESOLUTION), "--prompts", str(prompts)),
-                *("--eval-prompts", str(prompts), "--reward", "teacher", "--steps", "2"),
-                *("--iterations", "2", "--contexts", "4", "--eval-contexts", "4"),
-                *("--rollout-batch", "3", "--device", "cpu"),
-            )
-    return runs, folder
+    (folder / "prompts.txt").write_text("a red fox in snow\na blue car\na bowl of soup\n")
+    return train_tiny(folder, "out"), folder
+
+
+@pytest.fixture(scope="session")
+def tiny_stepwise_runs(tiny_runs):
+    """train.py --policy stepwise --optimizer ppo on the tiny SD3, SD-XL and Flux-Dev folders of
+    tiny_runs (two iterations, rollouts in parts of 3 samples): backbone -> out dir."""
+    args = ("--policy", "stepwise", "--optimizer", "ppo", "--ppo-minibatches", "2")
+    return train_tiny(tiny_runs[1], "out_stepwise", *args)
 
 
 def pytest_collection_modifyitems(items):

@@ -80,20 +80,6 @@ def test_james_stein_follows_the_written_formula():
     )
 
 
-def test_unbiased_hand_values():
-    rewards = torch.cat([HAND, torch.tensor([[0.0, 2.0]], dtype=torch.float64)])  # B = 4
-    # a_c is the plug-in weight of the other three contexts (K = 2: (BK/(BK-1))^2 = (6/5)^2 = 1.44):
-    #   without 0: means 4, 6, 1, s2 = (8+8+2)/3 = 6, sum sq = 38/3, spread 1.44*19/3 = 9.12,
-    #              d2 = 6.12, a = 6/12.12 = 50/101
-    #   without 1: means 2, 6, 1, s2 = 4, sum sq = 14, spread 10.08, d2 = 8.08, a = 4/12.08 = 50/151
-    #   without 2: means 2, 4, 1, s2 = 4, sum sq = 14/3, spread 3.36, d2 = 1.36, a = 4/5.36 = 50/67
-    #   without 3: the hand example above, 50/73
-    expected_weights = torch.tensor([50 / 101, 50 / 151, 50 / 67, 50 / 73], dtype=torch.float64)
-    assert torch.allclose(shrinkage_leave_one_out(rewards), expected_weights, rtol=1e-12)
-    # b[3, 0] = (23/73) * r[3, 1] + (50/73) * (26 - 0) / 7 = 46/73 + 1300/511 = 1622/511
-    assert james_stein_unbiased(rewards)[3, 0].item() == pytest.approx(1622 / 511, rel=1e-12)
-
-
 def test_unbiased_weight_is_the_weight_without_that_context():
     """a_c is the plug-in weight of the other contexts, so no reward of context c moves it; the
     baseline mixes RLOO and XCTX, both free of r[c, i], with it."""

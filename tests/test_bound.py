@@ -53,9 +53,10 @@ def test_quick_run_prints_every_table_and_draws_the_figure(tmp_path):
 
 def test_oracle_baseline_is_the_variance_optimal_mix():
     # BOUND.md, eq. 5: the posterior mean of mu_c given every other reward is the fixed mix of RLOO
-    # and XCTX with the weight a_var, an identity (not a statistical statement)
+    # and XCTX with the weight a_var, an identity (not a statistical statement); at rho = 0 the
+    # weight is 1 and the oracle is XCTX, the mean of all other rewards
     generator = torch.Generator().manual_seed(4)
-    for ratio, rollouts, contexts in ((1.0, 2, 16), (0.3, 4, 5), (3.0, 3, 7)):
+    for ratio, rollouts, contexts in ((1.0, 2, 16), (0.3, 4, 5), (3.0, 3, 7), (0.0, 3, 5)):
         rewards = torch.randn((10, contexts, rollouts), generator=generator, dtype=torch.float64)
         weight = variance_optimal_weight(ratio, rollouts, contexts)
         mix = (1 - weight) * rloo(rewards) + weight * cross_context(rewards)

@@ -77,7 +77,9 @@ def test_summarize_matches_hand_computed_values():
     assert "| learned | 4 | 3.5 ± 2.756 | +1 ± 1.299 |" in table
 
 
-def test_scores_equal_a_direct_computation_paired_and_whatever_the_batch(backbone, teacher, ckpt):
+def test_scores_are_paired_and_whatever_the_batch(backbone, teacher, ckpt):
+    """Each method gets each context's own noise, in batches, and a context's score is the same in
+    any batch (the CLI test below checks the scores against a direct computation)."""
     policy, _ = load_policy(ckpt)
     prompts, seeds = heldout_contexts(backbone.prompts, 10)
     methods = dict(
@@ -102,15 +104,6 @@ def test_scores_equal_a_direct_computation_paired_and_whatever_the_batch(backbon
     assert [len(batch) for batch in seen["default"]] == [4, 4, 2]
     torch.testing.assert_close(torch.cat(seen["default"]), noise, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat(seen["learned"]), noise, rtol=0, atol=0)
-
-    cond = backbone.encode_prompts(prompts)
-    learned_times = methods["learned"](noise, cond)[0]  # (times, latents)
-    # instance-level: every context its own schedule
-    assert (learned_times - learned_times[0]).abs().max() > 0
-    times = dict(default=backbone.default_times(STEPS).expand(10, -1), learned=learned_times)
-    for name in methods:
-        latents = backbone.sample(noise, cond, times[name])
-        torch.testing.assert_close(scores[name], teacher(latents, prompts, noise, cond))
     assert not torch.equal(scores["learned"], scores["default"])
     # in one batch, with the teacher's own solution, which has no error, as a reference
     whole = evaluate.score_methods(
@@ -277,6 +270,7 @@ def test_second_columns_and_groups_of_a_fine_grained_reward(tmp_path, ckpt):
     assert "| default | 10 | 0.5 ±" in section("geneval correct")  # the even digits
     assert "| default | 5 | 0.4 ±" in section("geneval correct, high")  # digits 5-9: 6 and 8 even
     assert "| default | 5 | 0.6 ±" in section("geneval correct, low")  # digits 0-4: 0, 2 and 4
+    assert "mean over the 2 groups: default 0.5," in section("geneval correct, low")  # GenEval's
     assert "| learned | 10 | 0.5 ±" in section("geneval")
 
 

@@ -351,16 +351,6 @@ def test_correct_is_genevals_evaluate():
 CAR = geneval.CLASSES.index("car")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: a second thread costs more in synchronisation than it saves, many times over
-    on a shared CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     """A Mask2Former (Swin backbone, 8 queries, COCO's 80 labels) whose class head favours "car",

@@ -60,10 +60,12 @@ def test_the_supervised_predictor_learns_a_schedule_the_noise_determines():
     assert (predicted - goal[256:])[:, 1].abs().mean() < 0.05
 
 
-def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of_the_gap():
-    def row(reward):
-        return dict(reward=reward, times=[[1.0, 0.5, 0.0]] * len(reward), frechet=1.0)
+def row(reward):
+    """A cell's row: the mean reward per context, its schedules and Frechet distance."""
+    return dict(reward=reward, times=[[1.0, 0.5, 0.0]] * len(reward), frechet=1.0)
 
+
+def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of_the_gap():
     rows = {
         "default": row([0.0, 0.0]),
         "best single schedule": row([1.0, 2.0]),
@@ -86,9 +88,6 @@ def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of
 
 
 def test_a_cell_says_when_a_check_beats_the_best_single_schedule():
-    def row(reward):
-        return dict(reward=reward, times=[[1.0, 0.5, 0.0]] * len(reward), frechet=1.0)
-
     rows = {
         "best single schedule": row([1.0, 2.0, 3.0]),
         "per-context best schedule": row([2.0, 3.0, 4.0]),

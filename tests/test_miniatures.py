@@ -20,6 +20,7 @@ from diffusers import (
     StableDiffusionXLPipeline,
     UNet2DConditionModel,
 )
+from test_rewards import ImageBackbone  # a backbone whose "latents" are already images
 
 import backbones
 import train
@@ -45,13 +46,6 @@ LATENT_CHANNELS = {"mini-sd3": 16, "mini-flux": 16, "mini-sdxl": 4, "mini-flux-s
 # ships the same ones as FLUX.1-dev)
 SHARED = ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2")
 BF16_GAP = 0.05  # mean |digit reward difference| per context, bfloat16 against float32
-
-
-class Pixels:  # a backbone whose "latents" are already images
-    device = torch.device("cpu")
-
-    def decode(self, latents):
-        return latents
 
 
 @pytest.fixture(scope="module", params=list(STOCK))
@@ -146,7 +140,7 @@ def test_the_classifier_reads_digits_it_never_saw():
 def test_the_digit_reward_is_the_log_probability_of_the_prompted_digit():
     (images, labels), _ = data.split()
 
-    reward = DigitReward(Pixels())
+    reward = DigitReward(ImageBackbone())
     picked = images[:20]
     right = [f"a handwritten {d}" for d in labels[:20].tolist()]
     wrong = [f"the digit {(d + 5) % 10}" for d in labels[:20].tolist()]
@@ -184,7 +178,7 @@ def test_the_preference_reward_ranks_real_digits_above_their_degradations():
     trained to make, measured on new digits (every pair is one draw)."""
     images, labels = data.digit_splits()["reference"]
     generator = torch.Generator().manual_seed(0)
-    reward = PreferenceReward(Pixels())
+    reward = PreferenceReward(ImageBackbone())
     prompts = [f"a handwritten {d}" for d in labels.tolist()]
     real, correct = reward.details(images, prompts)
     assert correct.mean() >= 0.97  # its accuracy column: the classifier's

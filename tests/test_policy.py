@@ -16,7 +16,6 @@ from policy import (
     make_policy,
     mean_increments,
     sample_increments,
-    save_policy,
     times_from_increments,
 )
 
@@ -197,22 +196,6 @@ def test_real_network_runs_on_a_small_latent():
     latent, text, pooled = torch.randn(2, 16, 64, 64), torch.randn(2, 7, 4096), torch.randn(2, 2048)
     alpha = policy(latent, text, torch.ones(2, 7, dtype=torch.bool), pooled)
     assert alpha.shape == (2, 6) and torch.all(torch.isfinite(alpha))
-
-
-@pytest.mark.parametrize("kind", ["instance", "global"])
-def test_save_load_round_trip(kind, tmp_path):
-    """save_policy's Hub folder (config.json, model.safetensors) rebuilds the same network."""
-    policy = make_policy(kind, DIGITS, 10, init_times=torch.linspace(1, 0, 11))
-    inputs = digits_inputs(8)
-    reinforce_step(policy, inputs)
-    reinforce_step(policy, inputs, seed=1)  # now the output depends on the input
-    assert policy.config["kind"] == kind
-    config = dict(backbone="digits", steps=10, lr=0.1)
-    save_policy(tmp_path / "policy", policy, config)
-    loaded, saved = load_policy(str(tmp_path / "policy"))
-    assert type(loaded) is type(policy) and not loaded.training
-    assert loaded.config == policy.config and saved == config
-    assert torch.equal(loaded(*inputs), policy.eval()(*inputs))
 
 
 def test_a_weight_missing_from_a_checkpoint_or_its_policy_folder_is_an_error(digits_run, tmp_path):

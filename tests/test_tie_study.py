@@ -38,6 +38,9 @@ def test_the_prediction_is_the_doubling_gain_times_the_mean_log2_factor():
     lead = prediction["lead"]
     expected = 0.5 * (math.log2(at_tie["xctx"]) + math.log2(at_zero["xctx"])) / 2
     assert lead["xctx"] == pytest.approx(expected) and lead["best"] == min(lead.values())
+    # where doubling the batch gains nothing, no lead is predicted
+    nothing = tie_study.predict({0: 0.9}, -0.2, torch.Generator().manual_seed(0))
+    assert nothing["lead"] == {"rloo": 0.0, "xctx": 0.0, "best": 0.0}
 
 
 def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
@@ -80,11 +83,6 @@ def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
     prediction["doubling_gain"] = -0.1
     text = "\n".join(tie_study.arm_lines("Arm A", chosen, prediction, pilot, [0, 1, 2], runs))
     assert "doubling the batch gains nothing here" in text
-
-
-def test_no_lead_is_predicted_where_doubling_the_batch_gains_nothing():
-    prediction = tie_study.predict({0: 0.9}, -0.2, torch.Generator().manual_seed(0))
-    assert prediction["lead"] == {"rloo": 0.0, "xctx": 0.0, "best": 0.0}
 
 
 def test_the_grid_widens_until_every_best_rate_is_inside(tmp_path, monkeypatch):
