@@ -144,14 +144,20 @@ OUTPUTS = {"ckpt.pt", "ckpt.pt.tmp", "metrics.jsonl", "eval.json", "eval.json.tm
 
 def parse_config(argv=None):
     """The command line over the backbone's preset (PRESETS) over Config's defaults."""
+    presets = [
+        f"  {name}: " + " ".join(f"{k}={v}" for k, v in row.items())
+        for name, row in PRESETS.items()
+    ]
     parser = argparse.ArgumentParser(
         description=__doc__,
+        epilog="each --backbone's preset, over the defaults above:\n" + "\n".join(presets),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         argument_default=argparse.SUPPRESS,  # what the command line gave, and nothing else
     )
     for item in dataclasses.fields(Config):
         kind = next(t for t in getattr(item.type, "__args__", [item.type]) if t is not type(None))
-        flag, help = "--" + item.name.replace("_", "-"), item.metadata["help"]
+        flag, default = "--" + item.name.replace("_", "-"), f" (default: {item.default})"
+        help = item.metadata["help"] + ("" if item.default is None else default)
         parser.add_argument(flag, type=kind, choices=CHOICES.get(item.name), help=help)
     given = vars(parser.parse_args(argv))
     backbone = given.get("backbone", Config.backbone)
