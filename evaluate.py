@@ -227,6 +227,8 @@ def main(argv=None):
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
     if any("=" not in item for item in args.reward_checkpoint):
         parser.error("--reward-checkpoint takes NAME=PATH")
+    if not os.path.exists(args.ckpt) and args.ckpt.count("/") != 1:  # nor a hub id user/name
+        parser.error(f"no checkpoint at {args.ckpt}: train one with python train.py")
     learned, config = load_policy(args.ckpt)
     steps, trained_on = config["steps"], config["backbone"]
     policies = {"learned": learned}

@@ -207,6 +207,8 @@ def main(argv=None):
     # ---------------- the door ----------------
     if args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1 (got {args.batch_size})")
+    if not os.path.exists(args.ckpt) and args.ckpt.count("/") != 1:  # nor a hub id user/name
+        parser.error(f"no checkpoint at {args.ckpt}: train one with python train.py")
     policy, config = load_policy(args.ckpt)
     spec = backbones.BACKBONES[config["backbone"]]
     prompts = args.prompt + (load_prompt_file(args.prompts) if args.prompts else [])

@@ -278,7 +278,7 @@ def main(config, on_checkpoint=None):
         backbone.check_prompts(prompts + heldout[0], config.reward)  # here, not at an iteration
         reward = reward_lib.load_reward(config.reward, backbone, device, config.reward_checkpoint)
     except (OSError, ImportError, ValueError) as error:
-        fail(" ".join(str(error).split()))
+        fail(f"{type(error).__name__}: {' '.join(str(error).split())}")
     encode = backbone.prompt_encoder(prompts)
 
     # ---------------- policy and optimiser: the method's, or the comparator's ----------------

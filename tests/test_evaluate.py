@@ -241,6 +241,7 @@ def test_cli_on_tiny_flux_with_schnell_from_the_same_noise(tmp_path, monkeypatch
         (["--global-ckpt", "{ckpt}"], "--global-ckpt must be a run of --policy global at L = 4"),
         (["--schnell"], "--schnell is for flux-dev and mini-flux, not digits"),
         (["--seed", str(2**64)], "argument --seed: a seed is an integer from 0 to 2^63 - 1"),
+        (["--ckpt", "out/none/ckpt.pt"], "no checkpoint at out/none/ckpt.pt: train one with"),
     ],
 )
 def test_bad_evaluate_input_is_refused_at_the_door(capsys, monkeypatch, ckpt, args, message):

@@ -117,6 +117,7 @@ def test_sample_writes_only_its_files_beside_a_users_files(tmp_path, ckpt):
         ("digits", ["--pipeline"], "--pipeline needs a diffusers backbone"),
         ("stepwise", ["--pipeline"], r"a step-wise policy \(TPDM\) .* without --pipeline"),
         ("sd35m", [], "backbone sd35m needs --prompt TEXT or --prompts FILE"),
+        ("digits", ["--ckpt", "out/none/ckpt.pt"], "no checkpoint at out/none/ckpt.pt: train one"),
     ],
 )
 def test_bad_sample_input_is_refused_at_the_door(capsys, monkeypatch, request, run, args, message):
