@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import os
+import signal
 
 import torch
 from tqdm import tqdm
@@ -77,7 +78,7 @@ def score_table(
     Returns row -> column (each reward's metrics) -> Tensor (N,), and row -> times (N, L+1)."""
     samplers = {**methods, **({reference: None} if reference else {})}  # None: the teacher
     table, times = {}, {}
-    for start in tqdm(range(0, len(prompts), batch_size), disable=not progress):
+    for start in tqdm(range(0, len(prompts), batch_size), disable=None if progress else True):
         batch_prompts = prompts[start : start + batch_size]
         noise = context_noise(backbone, seeds[start : start + batch_size])
         cond = backbone.encode_prompts(batch_prompts)
@@ -153,24 +154,29 @@ def format_table(rows):
 # train.py's held-out curve and final report
 
 
-def heldout_gain(backbone, reward, heldout, steps):
+def heldout_gain(backbone, reward, heldout, steps, batch_size=64):
     """A function policy -> the mean paired gain of its mean schedule over the default on the first
     GAIN_CONTEXTS held-out contexts, the same at every checkpoint: train.py's curve."""
     prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
     methods = {"default": default_schedule(backbone, steps)}
-    default = score_methods(backbone, reward, prompts, seeds, methods)["default"]
+    default = score_methods(backbone, reward, prompts, seeds, methods, None, batch_size)["default"]
 
     def gain(policy):
         methods = {"learned": policy_schedule(policy, backbone)}
-        learned = score_methods(backbone, reward, prompts, seeds, methods)["learned"]
+        learned = score_methods(backbone, reward, prompts, seeds, methods, None, batch_size)[
+            "learned"
+        ]
         return (learned - default).mean().item()
 
     return gain
 
 
-def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_name, iteration, seed):
+def heldout_report(
+    out_dir, backbone, reward, policy, prompts, seeds, reward_name, iteration, seed, batch_size=64
+):
     """train.py's final table on its held-out contexts, printed and written to eval.json (last, and
-    whole: the studies in evidence/ take an existing one as a finished run)."""
+    whole: the studies in evidence/ take an existing one as a finished run); `batch_size` contexts
+    per model call, train.py's --rollout-batch: the end of a run fits where its loop fits."""
     draws = torch.Generator().manual_seed(seed)
     methods = {
         "default": default_schedule(backbone, policy.steps),
@@ -178,7 +184,7 @@ def heldout_report(out_dir, backbone, reward, policy, prompts, seeds, reward_nam
         "learned (sampled)": policy_schedule(policy, backbone, draws),
     }
     teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's target
-    scores = score_methods(backbone, reward, prompts, seeds, methods, teacher, progress=True)
+    scores = score_methods(backbone, reward, prompts, seeds, methods, teacher, batch_size, True)
     rows = summarize(scores)
     print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}")
     print(format_table(rows))
@@ -213,7 +219,7 @@ add("--reward-checkpoint", action="append", default=[], metavar="NAME=PATH", hel
 add("--reference", action="store_true", help="also score the teacher solution (backbone.reference)")
 add("--schnell", action="store_true", help="flux-dev, mini-flux: add the distilled Schnell model")
 add("--schnell-path", help="local Flux-Schnell folder; default: the hub cache or the miniature")
-add("--batch-size", type=int, help="contexts per batch; default 8 at 512 px and up, else 256")
+add("--batch-size", type=int, help="contexts per batch; default: the run's --rollout-batch")
 add("--device", choices=["cpu", "cuda"], help="default: cuda when available, else cpu")
 
 
@@ -279,7 +285,7 @@ def main(argv=None):
         counts = sorted({4, steps})  # its distilled step count, and L
         runs.append((schnell, {f"schnell-{n}": default_schedule(schnell, n) for n in counts}, None))
     print(f"backbone {trained_on}, L={steps}, {len(prompts)} contexts, rewards {list(rewards)}")
-    batch_size = args.batch_size or (8 if backbone.resolution >= 512 else 256)
+    batch_size = args.batch_size or config.get("rollout_batch") or 256  # as its loop, or all
     tables, times = {}, {}  # column -> row -> Tensor (N,); row -> (N, L+1)
     for model, rows, reference in runs:
         table, row_times = score_table(
@@ -325,4 +331,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
     main()

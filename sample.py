@@ -27,6 +27,7 @@ import json
 import math
 import os
 import re
+import signal
 
 import torch
 
@@ -270,4 +271,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
     main()

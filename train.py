@@ -24,6 +24,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -300,7 +301,8 @@ def main(config, on_checkpoint=None):
         size = sum(p.numel() for p in raw_policy.parameters())
         print(f"policy: {config.policy}, {size:,} parameters | {world_size} rank(s), "
               f"{config.contexts // world_size} contexts each")  # fmt: skip
-        gain = heldout_gain(backbone, reward, heldout, config.steps)
+        chunk = config.rollout_batch or 64  # held-out contexts per model call: as the loop's
+        gain = heldout_gain(backbone, reward, heldout, config.steps, chunk)
 
     # ---------------- resume: nanoGPT's, exact (every draw of the loop is seeded) ----------------
     ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
@@ -323,8 +325,9 @@ def main(config, on_checkpoint=None):
     contexts_per_rank = config.contexts // world_size
     first = rank * contexts_per_rank  # this rank's contexts in the global batch
     K = config.rollouts
+    bar = None if master else True  # None: a bar on a terminal only, not in a redirected log
     progress = tqdm(range(start, config.iterations), initial=start, total=config.iterations,
-                    disable=not master)  # fmt: skip
+                    disable=bar)  # fmt: skip
     for iteration in progress:
         t0 = time.time()
         # ---------------- contexts: a prompt and an initial noise x_T each, seeded ----------
@@ -422,7 +425,7 @@ def main(config, on_checkpoint=None):
         trained = dict(saved, iteration=config.iterations)
         save_policy(os.path.join(config.out_dir, "policy"), raw_policy, trained)
         heldout_report(config.out_dir, backbone, reward, raw_policy, *heldout, config.reward,
-                       config.iterations, config.seed)  # fmt: skip
+                       config.iterations, config.seed, chunk)  # fmt: skip
         print(f"wrote {ckpt_path}, {metrics_path}, eval.json and policy/ in {config.out_dir}")
     if distributed:
         dist.barrier()
@@ -439,4 +442,5 @@ def get_lr(config, iteration):
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
     main(parse_config())

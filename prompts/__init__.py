@@ -68,6 +68,7 @@ def prompt_groups(path):
     path = path if os.path.exists(path) else os.path.join(REPOSITORY, path)
     with open(path, encoding="utf-8-sig") as handle:
         records = [json.loads(line) for line in handle if line.strip()]
+    records = [record if isinstance(record, dict) else dict(prompt=record) for record in records]
     return [
         record.get("style", record.get("tag")) for record in records if record["prompt"].strip()
     ]

@@ -282,3 +282,25 @@ def test_cli_scores_a_stepwise_checkpoint(tmp_path, digits_stepwise_run):
     scores = json.loads((out / "scores.json").read_text())["scores"]["teacher"]
     assert {name: len(values) for name, values in scores.items()} == {"default": 6, "learned": 6}
     assert "| learned |" in (out / "results.md").read_text()
+
+
+def test_the_heldout_report_calls_the_model_in_rollout_batch_chunks(tmp_path, tiny_runs):
+    """The end of a run fits where its loop fits: in train.py's held-out report the frozen model
+    sees at most --rollout-batch samples per call (the CFG pair doubles them), teacher included."""
+    policy, config = load_policy(str(tiny_runs[0]["sd35m"] / "ckpt.pt"))
+    backbone, seen = trained_backbone(config, torch.device("cpu")), []
+    hook = backbone.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(len(kwargs["hidden_states"])), with_kwargs=True
+    )
+    reward = rewards.load_reward("teacher", backbone)
+    prompts, seeds = heldout_contexts(["a red fox in snow", "a blue car"], 7)
+    evaluate.heldout_report(tmp_path, backbone, reward, policy, prompts, seeds, "teacher", 2, 0, 3)
+    hook.remove()
+    assert backbone.cfg and max(seen) == 2 * 3 and 2 * 1 in seen  # chunks of 3, 3 and 1 contexts
+
+
+def test_a_jsonl_of_plain_prompts_evaluates(tmp_path, ckpt):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(f"a handwritten {d}") + "\n" for d in range(3)))
+    evaluate.main(["--ckpt", ckpt, "--prompts", str(prompts), "--out-dir", str(tmp_path / "eval")])
+    assert "| learned | 3 |" in (tmp_path / "eval" / "results.md").read_text()
