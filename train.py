@@ -186,11 +186,9 @@ def fail(message):
 def check(config, world_size):
     """Returns the training and held-out prompts (None: the backbone's own) and the checkpoint that
     out_dir holds (None: a fresh run)."""
-    spec, name, cuda = (
-        backbones.BACKBONES[config.backbone],
-        config.backbone,
-        torch.cuda.is_available(),
-    )
+    spec, name = backbones.BACKBONES[config.backbone], config.backbone
+    cuda, mixture = torch.cuda.is_available(), spec["family"] == "mixture"
+    miniature = "folder" in spec  # whose held-out report measures realism (NEIGHBOURS-NN)
     counts = "steps iterations ckpt_interval log_interval eval_contexts rollout_batch ppo_epochs"
     least = dict.fromkeys([*counts.split(), "ppo_minibatches"], 1)
     least.update(seed=0, rollouts=2, contexts=MIN_CONTEXTS[config.baseline])
@@ -199,8 +197,8 @@ def check(config, world_size):
         if getattr(config, key) is not None and getattr(config, key) < bound:
             fail(f"--{key.replace('_', '-')} must be at least {bound}{why.get(key, '')}")
     positive = [config.lr, config.concentration, config.grad_clip, config.adam_eps]
-    mixture, stepwise = spec["family"] == "mixture", config.policy_inputs == "hidden"
-    stepwise = stepwise or config.init == "tpdm" or config.inference == "mode"
+    hidden = config.policy_inputs == "hidden"  # like --init tpdm, --inference mode: stepwise's
+    stepwise_only = hidden or config.init == "tpdm" or config.inference == "mode"
     refusals = [  # (refused, why)
         (not all(v > 0 for v in positive), "--lr, --concentration, --grad-clip, --adam-eps: > 0"),
         (not 0 <= config.adam_beta2 < 1, "--adam-beta2 must be in [0, 1)"),
@@ -212,10 +210,10 @@ def check(config, world_size):
          f"{name} on a CPU takes hours per update; pass --device cpu to insist"),
         (config.guidance is not None and spec["guidance"] is None, f"{name} runs no --guidance"),
         (spec["hub_id"] is None and config.resolution, f"{name} draws one size: drop --resolution"),
-        ("folder" in spec and config.eval_contexts <= NEIGHBOURS, "--eval-contexts must exceed 3"),
+        (miniature and config.eval_contexts <= NEIGHBOURS, f"--eval-contexts > {NEIGHBOURS}"),
         (mixture and config.reward in reward_lib.IMAGE_CONTENT, f"{name}: no text in 8x8 digits"),
-        (mixture and config.policy_inputs == "hidden", f"{name} has no --policy-inputs hidden"),
-        (config.policy != "stepwise" and stepwise, "--init tpdm, --inference mode and "
+        (mixture and hidden, f"{name} has no --policy-inputs hidden"),
+        (config.policy != "stepwise" and stepwise_only, "--init tpdm, --inference mode and "
          "--policy-inputs hidden need --policy stepwise"),
     ]  # fmt: skip
     for refused, why in refusals:

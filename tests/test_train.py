@@ -242,7 +242,7 @@ SCORED, UNSCORED = ["--reward"], ["--prompts", "prompts/digit_train.txt"]  # no 
         (["--reward", "preference"], "the preference reward reads the 16x16 handwritten digits"),
         (["--init", "tpdm"], "need --policy stepwise"),
         (["--policy", "stepwise", "--policy-inputs", "hidden"], "no --policy-inputs hidden"),
-        (["--backbone", "mini-sd3", "--eval-contexts", "3"], "--eval-contexts must exceed 3"),
+        (["--backbone", "mini-sd3", "--eval-contexts", "3"], "--eval-contexts > 3"),
         (["--backbone", "sd35m"], "sd35m on a CPU takes hours per update"),
         (["--prompts", "no/such/file.txt"], "no/such/file.txt"),
         (["--contexts", "9"], "--contexts is not divisible by the 2 ranks"),
