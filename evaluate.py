@@ -30,6 +30,7 @@ from tqdm import tqdm
 
 import backbones
 import rewards as reward_lib
+from policy import GlobalPolicy, load_policy
 from prompts import (
     HELDOUT_SEED,
     context_noise,
@@ -158,14 +159,14 @@ def heldout_gain(backbone, reward, heldout, steps, batch_size=64):
     """A function policy -> the mean paired gain of its mean schedule over the default on the first
     GAIN_CONTEXTS held-out contexts, the same at every checkpoint: train.py's curve."""
     prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
-    methods = {"default": default_schedule(backbone, steps)}
-    default = score_methods(backbone, reward, prompts, seeds, methods, None, batch_size)["default"]
+
+    def scores(methods):  # name -> Tensor (N,) on these contexts
+        return score_methods(backbone, reward, prompts, seeds, methods, None, batch_size)
+
+    default = scores({"default": default_schedule(backbone, steps)})["default"]
 
     def gain(policy):
-        methods = {"learned": policy_schedule(policy, backbone)}
-        learned = score_methods(backbone, reward, prompts, seeds, methods, None, batch_size)[
-            "learned"
-        ]
+        learned = scores({"learned": policy_schedule(policy, backbone)})["learned"]
         return (learned - default).mean().item()
 
     return gain
@@ -224,8 +225,6 @@ add("--device", choices=["cpu", "cuda"], help="default: cuda when available, els
 
 
 def main(argv=None):
-    from policy import GlobalPolicy, load_policy
-
     args = parser.parse_args(argv)
     # ---------------- the door ----------------
     for flag in ("count", "limit", "batch_size"):

@@ -121,10 +121,8 @@ def realism_report(backbone, methods, prompts, seeds):
     """train.py's realism rows on a miniature, printed: each method's, and the floor of unseen real
     digits at the same N (eval.json's "realism" and "realism_floor")."""
     measure = realism_measure()
-    realism, floor = (
-        realism_table(backbone, methods, prompts, seeds, measure),
-        measure.floor(len(seeds)),
-    )
+    realism = realism_table(backbone, methods, prompts, seeds, measure)
+    floor = measure.floor(len(seeds))
     print("realism against real digits (Frechet distance lower, precision and recall higher):")
     real = f"unseen real digits, the same {len(seeds)}"  # what data as real as the data scores
     for name, row in {**realism, real: floor}.items():
