@@ -26,6 +26,7 @@ import os
 import signal
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 import backbones
@@ -102,10 +103,20 @@ def score_table(
 def score_methods(
     backbone, reward, prompts, seeds, methods, reference=None, batch_size=64, progress=False
 ):
-    """score_table for one reward: name -> Tensor (N,)."""
-    rewards = {"reward": reward}
-    table = score_table(backbone, rewards, prompts, seeds, methods, reference, batch_size, progress)
-    return {name: columns["reward"] for name, columns in table[0].items()}
+    """score_table for one reward: name -> Tensor (N,). Under torchrun each rank scores its share
+    of the contexts (a contiguous block) and every rank gets all the scores, in order."""
+    ranks, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    share = torch.arange(len(prompts)).tensor_split(ranks)[rank]
+    mine = [prompts[i] for i in share], [seeds[i] for i in share]
+    options = (methods, reference, batch_size, progress and rank == 0)
+    table = score_table(backbone, {"reward": reward}, *mine, *options)
+    scores = {name: columns["reward"].cpu() for name, columns in table[0].items()}
+    if ranks > 1:
+        parts = [None] * ranks
+        dist.all_gather_object(parts, scores)
+        names = dict.fromkeys(name for part in parts for name in part)
+        scores = {name: torch.cat([part[name] for part in parts if name in part]) for name in names}
+    return scores
 
 
 def mean_ci(values):
@@ -137,17 +148,22 @@ def summarize(scores):
 
 
 def format_table(rows):
-    """Markdown table of summarize()'s rows: mean ± 95% CI and paired difference ± 95% CI."""
+    """Markdown table of summarize()'s rows: mean ± 95% CI and paired difference ± 95% CI, each
+    column with one number of decimals (4 significant digits of its largest entry)."""
 
-    def number(value):
-        return "-" if value is None else f"{value:.4g}"
+    def column(*keys):  # value -> text with the decimals of this column
+        values = [abs(row[key]) for row in rows for key in keys if row[key] not in (None, 0)]
+        decimals = max(0, 3 - math.floor(math.log10(max(values)))) if values else 4
+        return lambda value, sign="": "-" if value is None else f"{value:{sign}.{decimals}f}"
 
+    mean, diff = column("mean", "ci95"), column("diff_mean", "diff_ci95")
     lines = ["| method | n | mean ± 95% CI | diff to default ± 95% CI |", "|---|---|---|---|"]
     for row in rows:
-        mean, diff = f"{number(row['mean'])} ± {number(row['ci95'])}", "-"
+        paired = "-"
         if row["diff_mean"] is not None:
-            diff = f"{row['diff_mean']:+.4g} ± {number(row['diff_ci95'])}"
-        lines.append(f"| {row['method']} | {row['n']} | {mean} | {diff} |")
+            paired = f"{diff(row['diff_mean'], '+')} ± {diff(row['diff_ci95'])}"
+        lines.append(f"| {row['method']} | {row['n']} | {mean(row['mean'])} ± "
+                     f"{mean(row['ci95'])} | {paired} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -155,47 +171,57 @@ def format_table(rows):
 # train.py's held-out curve and final report
 
 
+def default_scores(backbone, reward, prompts, seeds, steps, batch_size=64):
+    """The default schedule's scores on these contexts, computed once per backbone and reward (the
+    studies in evidence/ train many policies on one)."""
+    memo = backbone.__dict__.setdefault("default_scores", {})
+    key = (reward, steps, tuple(prompts), tuple(seeds))  # the reward itself: no id reused
+    if key not in memo:
+        default = {"default": default_schedule(backbone, steps)}
+        memo[key] = score_methods(backbone, reward, prompts, seeds, default, None, batch_size)
+    return memo[key]["default"]
+
+
 def heldout_gain(backbone, reward, heldout, steps, batch_size=64):
     """A function policy -> the mean paired gain of its mean schedule over the default on the first
     GAIN_CONTEXTS held-out contexts, the same at every checkpoint: train.py's curve."""
     prompts, seeds = (part[:GAIN_CONTEXTS] for part in heldout)
-
-    def scores(methods):  # name -> Tensor (N,) on these contexts
-        return score_methods(backbone, reward, prompts, seeds, methods, None, batch_size)
-
-    default = scores({"default": default_schedule(backbone, steps)})["default"]
+    default = default_scores(backbone, reward, prompts, seeds, steps, batch_size)
 
     def gain(policy):
-        learned = scores({"learned": policy_schedule(policy, backbone)})["learned"]
-        return (learned - default).mean().item()
+        learned = {"learned": policy_schedule(policy, backbone)}
+        scores = score_methods(backbone, reward, prompts, seeds, learned, None, batch_size)
+        return (scores["learned"] - default).mean().item()
 
     return gain
 
 
 def heldout_report(
-    out_dir, backbone, reward, policy, prompts, seeds, reward_name, iteration, seed, batch_size=64
+    out_dir, backbone, reward, policy, contexts, reward_name, iteration, batch_size=64, realism=True
 ):
-    """train.py's final table on its held-out contexts, printed and written to eval.json (last, and
-    whole: the studies in evidence/ take an existing one as a finished run); `batch_size` contexts
-    per model call, train.py's --rollout-batch: the end of a run fits where its loop fits."""
-    draws = torch.Generator().manual_seed(seed)
-    methods = {
-        "default": default_schedule(backbone, policy.steps),
-        "learned (mean)": policy_schedule(policy, backbone),
-        "learned (sampled)": policy_schedule(policy, backbone, draws),
-    }
+    """train.py's final table on its held-out contexts: the policy's mean schedule against the
+    default, `batch_size` contexts per model call (train.py's --rollout-batch: the end of a run fits
+    where its loop fits), split across torchrun's ranks; rank 0 prints it and writes eval.json
+    (last, and whole: the studies in evidence/ take an existing one as a finished run). On a
+    miniature the realism measure is added, unless `realism` is False."""
+    prompts, seeds = contexts
+    learned = {"learned (mean)": policy_schedule(policy, backbone)}
     teacher = "limit (teacher)" if reward_name == "teacher" else None  # the reward's target
-    scores = score_methods(backbone, reward, prompts, seeds, methods, teacher, batch_size, True)
+    scores = score_methods(backbone, reward, prompts, seeds, learned, teacher, batch_size, True)
+    default = default_scores(backbone, reward, prompts, seeds, policy.steps, batch_size)
+    scores = dict(default=default, **scores)
+    if dist.is_initialized() and dist.get_rank() > 0:
+        return
     rows = summarize(scores)
     print(f"\nheld-out evaluation: {len(seeds)} contexts, reward {reward_name}, L = {policy.steps}")
     print(format_table(rows))
     report = dict(rows=rows, steps=policy.steps, contexts=len(seeds), reward=reward_name)
     report.update(iteration=iteration)
-    if backbones.BACKBONES[backbone.name].get("folder"):  # a miniature: realism beside the reward
+    if realism and backbones.BACKBONES[backbone.name].get("folder"):  # a miniature
         from miniatures.realism import realism_report
 
-        compared = {name: methods[name] for name in ("default", "learned (mean)")}
-        report.update(realism_report(backbone, compared, prompts, seeds))
+        methods = dict(default=default_schedule(backbone, policy.steps), **learned)
+        report.update(realism_report(backbone, methods, prompts, seeds))
     path = os.path.join(out_dir, "eval.json")
     with open(path + ".tmp", "w") as file:
         json.dump(report, file)
@@ -264,6 +290,7 @@ def main(argv=None):
     prompts, seeds = heldout_contexts(prompt_list or backbone.prompts, count, args.seed)
     styles = [styles[i % len(styles)] if styles else None for i in range(len(prompts))]
     prompts, seeds, styles = prompts[: args.limit], seeds[: args.limit], styles[: args.limit]
+    backbone.keep_encoded(prompts)  # once, and the text encoders dropped, where the set fits
     rewards = {}
     for name in reward_names:
         try:

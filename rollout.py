@@ -34,7 +34,7 @@ class Backbone:
       check_prompts(prompts): a one-line ValueError for a prompt it cannot take, before any work
       encode_prompts(prompts) -> cond: a dict of batch-first tensors (prompt_embeds (N, S, D),
           pooled_prompt_embeds (N, P), text_mask (N, S) True = a real token, and what the model
-          needs); prompt_encoder(prompts) -> picks -> cond of those prompts, encoded once
+          needs); keep_encoded(prompts): encode a set once, for encode_prompts to serve
       sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
       as_image(latents) -> latents in the (N, C, H, W) layout the policy reads
@@ -51,15 +51,10 @@ class Backbone:
     def check_prompts(self, prompts, reward=None):
         """A one-line ValueError for a prompt this backbone cannot take (none here)."""
 
-    def prompt_encoder(self, prompts, budget=64 * 2**20):
-        """picks -> the conditioning of prompts[i] for each i in picks: a prompt set whose encoding
-        fits in `budget` bytes is encoded once, here; a larger one batch by batch."""
-        few = prompts[:2]  # what a prompt's encoding costs in memory
-        size = sum(v.nelement() * v.element_size() for v in self.encode_prompts(few).values())
-        if size / len(few) * len(prompts) > budget:
-            return lambda picks: self.encode_prompts([prompts[i] for i in picks])
-        encoded = self.encode_prompts(prompts)
-        return lambda picks: {key: v[torch.tensor(picks)] for key, v in encoded.items()}
+    def keep_encoded(self, prompts):
+        """Encode a prompt set once for encode_prompts to serve; returns whether it did (the
+        diffusers backbones, backbones/families.py; the embedded ones look a digit up already)."""
+        return False
 
     def sample_noise(self, n, generator=None):
         return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)

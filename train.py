@@ -99,6 +99,8 @@ class Config:
     seed: int = arg(0, "seeds contexts, rollouts and the policy initialisation")
     device: str | None = arg(None, "cpu | cuda; default: cuda if available")
     threads: int = arg(1, "CPU threads (1 suits the small backbones); 0: torch's")
+    compile: bool = arg(False, "torch.compile the frozen model (minutes, then faster on a GPU)")
+    attention: str | None = arg(None, "frozen model's attention: flash, _native_cudnn, sage, ...")
 
 
 # Each backbone's training configuration (the rest is Config's). The paper states K = 2 and a
@@ -138,7 +140,7 @@ COMPARATOR = dict(policy_inputs="stepwise", inference="stepwise", ppo_epochs="pp
 COMPARATOR.update(ppo_minibatches="ppo", ppo_clip="ppo")
 # what a continued run may change: how it runs, not what it trains
 CONTINUABLE = {"out_dir", "ckpt_interval", "log_interval", "iterations", "rollout_batch"}
-CONTINUABLE |= {"eval_contexts", "device", "threads", "model_path"}
+CONTINUABLE |= {"eval_contexts", "device", "threads", "model_path", "compile", "attention"}
 # what train.py writes into out_dir: a fresh run writes into no folder that holds anything else
 OUTPUTS = {"ckpt.pt", "ckpt.pt.tmp", "metrics.jsonl", "eval.json", "eval.json.tmp", "policy"}
 
@@ -159,7 +161,10 @@ def parse_config(argv=None):
         kind = next(t for t in getattr(item.type, "__args__", [item.type]) if t is not type(None))
         flag, default = "--" + item.name.replace("_", "-"), f" (default: {item.default})"
         help = item.metadata["help"] + ("" if item.default is None else default)
-        parser.add_argument(flag, type=kind, choices=CHOICES.get(item.name), help=help)
+        if kind is bool:  # a switch
+            parser.add_argument(flag, action="store_true", default=argparse.SUPPRESS, help=help)
+        else:
+            parser.add_argument(flag, type=kind, choices=CHOICES.get(item.name), help=help)
     given = vars(parser.parse_args(argv))
     backbone = given.get("backbone", Config.backbone)
     values = dict(PRESETS[backbone])
@@ -213,6 +218,7 @@ def check(config, world_size):
         (miniature and config.eval_contexts <= NEIGHBOURS, f"--eval-contexts > {NEIGHBOURS}"),
         (mixture and config.reward in reward_lib.IMAGE_CONTENT, f"{name}: no text in 8x8 digits"),
         (mixture and hidden, f"{name} has no --policy-inputs hidden"),
+        (mixture and (config.compile or config.attention), f"{name}: no --compile, --attention"),
         (config.policy != "stepwise" and stepwise_only, "--init tpdm, --inference mode and "
          "--policy-inputs hidden need --policy stepwise"),
     ]  # fmt: skip
@@ -245,9 +251,11 @@ def check(config, world_size):
 # the run
 
 
-def main(config, on_checkpoint=None):
-    """Train; returns the policy. on_checkpoint(policy, iteration), if given, sees the policy at the
-    start and at each checkpoint (the studies in evidence/ read it mid-run)."""
+def main(config, on_checkpoint=None, loaded=None, realism=True):
+    """Train; returns the policy. For the studies in evidence/ and the benchmark: on_checkpoint
+    (policy, iteration) sees the policy at the start and at each checkpoint; loaded is the
+    (backbone, reward) this configuration names, already built (loaded once for many runs);
+    realism=False leaves a miniature's realism measure out of the report."""
     # ---------------- ranks and device ----------------
     distributed = "RANK" in os.environ
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -261,6 +269,7 @@ def main(config, on_checkpoint=None):
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if distributed:  # torchrun: nccl on GPUs (bound to this rank's), gloo on CPUs
         backend, bound = ("nccl", device) if use_cuda else ("gloo", None)
         dist.init_process_group(backend, device_id=bound)
@@ -268,21 +277,27 @@ def main(config, on_checkpoint=None):
         torch.set_num_threads(config.threads)
 
     # ---------------- backbone, prompts, reward ----------------
-    torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
     saved = dataclasses.asdict(config)
     try:  # a model that is missing, gated or damaged: the library's own message, in one line
-        backbone = backbones.trained_backbone(saved, device)
+        backbone, reward = loaded or (backbones.trained_backbone(saved, device), None)
+        local = config.reward_checkpoint
         prompts = train_prompts or backbone.prompts
-        heldout = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
-        backbone.check_prompts(prompts + heldout[0], config.reward)  # here, not at an iteration
-        reward = reward_lib.load_reward(config.reward, backbone, device, config.reward_checkpoint)
+        contexts = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
+        backbone.check_prompts(prompts + contexts[0], config.reward)  # here, not at an iteration
+        if reward is None:
+            reward = reward_lib.load_reward(config.reward, backbone, device, local)
+        if config.attention:
+            backbone.model.set_attention_backend(config.attention)
+        if config.compile:  # in place: the hooks of --policy-inputs hidden stay on the same module
+            backbone.model.compile()
     except (OSError, ImportError, ValueError) as error:
         fail(f"{type(error).__name__}: {' '.join(str(error).split())}")
-    encode = backbone.prompt_encoder(prompts)
+    backbone.keep_encoded(prompts + contexts[0])  # once, on the CPU: no encoder runs in the loop
 
     # ---------------- policy and optimiser: the method's, or the comparator's ----------------
     init_times = backbone.default_times(config.steps) if config.init == "default" else None
     options = tpdm.policy_options(config, backbone) if config.policy == "stepwise" else {}
+    torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
     network, dims = backbones.BACKBONES[config.backbone]["policy"], backbone.policy_dims
     try:
         options.update(concentration=config.concentration)
@@ -299,8 +314,8 @@ def main(config, on_checkpoint=None):
         size = sum(p.numel() for p in raw_policy.parameters())
         print(f"policy: {config.policy}, {size:,} parameters | {world_size} rank(s), "
               f"{config.contexts // world_size} contexts each")  # fmt: skip
-        chunk = config.rollout_batch or 64  # held-out contexts per model call: as the loop's
-        gain = heldout_gain(backbone, reward, heldout, config.steps, chunk)
+    chunk = config.rollout_batch or 64  # held-out contexts per model call: as the loop's
+    gain = heldout_gain(backbone, reward, contexts, config.steps, chunk)  # each rank scores a share
 
     # ---------------- resume: nanoGPT's, exact (every draw of the loop is seeded) ----------------
     ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
@@ -337,7 +352,7 @@ def main(config, on_checkpoint=None):
         batch_prompts = [prompts[i] for i in picks]
         # ---------------- rollout: K schedules per context, sampled without gradients -------
         noise = torch.cat([backbone.sample_noise(1, g) for g in generators])
-        cond = encode(picks)
+        cond = backbone.encode_prompts(batch_prompts)
         rollouts = raw_policy.rollouts(policy, backbone, noise, cond, generators, K)
         with torch.no_grad():
             noise_k = noise.repeat_interleave(K, 0)  # context-major, as the rollouts
@@ -384,6 +399,9 @@ def main(config, on_checkpoint=None):
 
         # ---------------- log and checkpoint (rank 0) ----------------
         done = iteration + 1
+        checkpoint_now = done % config.ckpt_interval == 0 or done == config.iterations
+        # the mean schedule's gain over the default on held-out contexts, scored by every rank
+        heldout = dict(heldout_gain=gain(raw_policy)) if checkpoint_now else {}
         if not master:
             continue
         row = dict(
@@ -399,10 +417,8 @@ def main(config, on_checkpoint=None):
             stop_margin=rollouts.stop_margin.item(),  # the mean t_L
             rollout_s=t_rollout,
             step_s=time.time() - t0,
+            **heldout,
         )
-        checkpoint_now = done % config.ckpt_interval == 0 or done == config.iterations
-        if checkpoint_now:  # the mean schedule's gain over the default on held-out contexts
-            row["heldout_gain"] = gain(raw_policy)
         rows.append(row)
         with open(metrics_path, "a") as file:
             file.write(json.dumps(row) + "\n")
@@ -422,11 +438,11 @@ def main(config, on_checkpoint=None):
     if master:
         trained = dict(saved, iteration=config.iterations)
         save_policy(os.path.join(config.out_dir, "policy"), raw_policy, trained)
-        heldout_report(config.out_dir, backbone, reward, raw_policy, *heldout, config.reward,
-                       config.iterations, config.seed, chunk)  # fmt: skip
+    heldout_report(config.out_dir, backbone, reward, raw_policy, contexts, config.reward,
+                   config.iterations, chunk, realism)  # fmt: skip
+    if master:
         print(f"wrote {ckpt_path}, {metrics_path}, eval.json and policy/ in {config.out_dir}")
     if distributed:
-        dist.barrier()
         dist.destroy_process_group()
     return raw_policy
 

@@ -37,14 +37,15 @@ def _real(family, hub_id, guidance):
 
 # Model facts per backbone (train.py's PRESETS hold the training configurations). guidance: the
 # true-CFG scale (SD3.5, SD-XL: their model cards' and pipeline's values), Flux-Dev's distilled
-# guidance embedding, or None (no guidance input). policy: the size in policy.NETWORKS.
+# guidance embedding, or None (no guidance input). policy: the size in policy.NETWORKS. variant: the
+# half-precision files on the Hub, loaded for a half-precision run.
 EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded")
 DIGIT_PROMPTS = ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
 MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", prompts=DIGIT_PROMPTS)
 BACKBONES = {
     "sd35m": _real("sd3", "stabilityai/stable-diffusion-3.5-medium", 4.5),
     "sd35l": _real("sd3", "stabilityai/stable-diffusion-3.5-large", 3.5),
-    "sdxl": _real("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", 5.0),
+    "sdxl": dict(_real("sdxl", "stabilityai/stable-diffusion-xl-base-1.0", 5.0), variant="fp16"),
     "flux-dev": _real("flux", "black-forest-labs/FLUX.1-dev", 3.5),
     "flux-schnell": _real("flux", "black-forest-labs/FLUX.1-schnell", None),
     # The embedded backbones (MixtureBackbone): (spread, std, shift) per sub-population of a digit
@@ -95,8 +96,12 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
     location = path or spec["hub_id"]
     if path is None and "folder" in spec:  # a miniature: shipped in this checkout
         location = os.path.join(REPOSITORY, spec["folder"])
-    family = FAMILIES[spec["family"]]
-    pipe = getattr(diffusers, family.pipeline).from_pretrained(location, dtype=dtype)
+    family, options = FAMILIES[spec["family"]], dict(dtype=dtype)
+    if device.type == "cuda":  # straight to this rank's device (train.py set it), not via the CPU
+        options.update(device_map="cuda")
+    if location == spec["hub_id"] and "variant" in spec and dtype != torch.float32:
+        options.update(variant=spec["variant"])  # half the download
+    pipe = getattr(diffusers, family.pipeline).from_pretrained(location, **options)
     guidance = spec["guidance"] if guidance is None else guidance
     return family(pipe.to(device), name, resolution or spec["resolution"], guidance)
 

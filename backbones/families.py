@@ -20,6 +20,9 @@ warnings.filterwarnings(
 
 # the rewards that score named words of the prompt (the digit, the quoted text, the objects)
 PROMPT_REWARDS = ("digit", "preference", "ocr", "geneval")
+# host memory for a prompt set encoded once (keep_encoded): Flux-Dev's T5 rows are 4 MB per prompt
+KEPT_BYTES = 8 * 2**30
+NEGATIVES = ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
 # pixels per VAE decode call: four 1024^2 images, a whole batch of small ones
 DECODE_PIXELS = 4 * 1024**2
 
@@ -28,6 +31,7 @@ class PipelineBackbone(Backbone):
     """What the three families share."""
 
     cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
+    kept = rows = None  # keep_encoded's encodings (CPU) and each prompt's row in them
 
     def __init__(self, pipe, model, name, resolution, guidance, multiple):
         for component in pipe.components.values():
@@ -69,6 +73,53 @@ class PipelineBackbone(Backbone):
             )
         print(f"note: {what}")
 
+    @torch.no_grad()
+    def encode_prompts(self, prompts, **options):
+        """The pipeline's encode_prompt (`options` as its __call__ takes them), or the kept
+        encodings of keep_encoded."""
+        if self.kept is None or options:
+            return self.encode_text(prompts, **options)
+        missing = [prompt for prompt in prompts if prompt not in self.rows]
+        if missing:
+            raise ValueError(f"{shown(missing[0])} is not among the prompts keep_encoded encoded")
+        picks, count = torch.tensor([self.rows[prompt] for prompt in prompts]), len(prompts)
+        return {  # the negative's one row stands for every prompt's
+            key: (value.expand(count, *value.shape[1:]) if key in NEGATIVES else value[picks]).to(
+                self.device, non_blocking=True
+            )
+            for key, value in self.kept.items()
+        }
+
+    @torch.no_grad()
+    def keep_encoded(self, prompts, budget=KEPT_BYTES):
+        """Encode a prompt set once, kept on the CPU, where it fits in `budget` bytes (the shipped
+        sets do; HPDv2's 10^5 prompts do not): encode_prompts then serves these prompts from it,
+        the negative (empty) prompt is encoded once for all, and the text encoders are dropped
+        (T5-XXL alone is 9.5 GB). Returns whether it did; if not, each batch is encoded as it
+        comes, the encoders kept."""
+        prompts = list(dict.fromkeys(prompts))
+        if self.kept is not None and all(prompt in self.rows for prompt in prompts):
+            return True  # kept already: a backbone that several runs share
+        chunks = [prompts[i : i + 64] for i in range(0, len(prompts), 64)]
+        first = {key: value.cpu() for key, value in self.encode_text(chunks[0], False).items()}
+        if sum(value.nbytes for value in first.values()) / len(chunks[0]) * len(prompts) > budget:
+            return False
+        rows = [first] + [
+            {key: value.cpu() for key, value in self.encode_text(chunk, False).items()}
+            for chunk in chunks[1:]
+        ]
+        kept = {key: torch.cat([row[key] for row in rows]) for key in first}
+        if self.cfg:  # the negative row that the pipeline encodes for every prompt, once
+            negative = self.encode_text(prompts[:1])
+            kept |= {key: value.cpu() for key, value in negative.items() if key in NEGATIVES}
+        if self.device.type == "cuda":
+            kept = {key: value.pin_memory() for key, value in kept.items()}
+        self.kept, self.rows = kept, {prompt: row for row, prompt in enumerate(prompts)}
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if getattr(self.pipe, name, None) is not None:
+                setattr(self.pipe, name, None)
+        return True
+
     def guide(self, prediction):
         """Classifier-free guidance over a batch stacked [uncond; cond], as the pipelines do."""
         if not self.cfg:
@@ -91,7 +142,7 @@ class PipelineBackbone(Backbone):
             mask = torch.cat([_token_mask(*mask) for mask in masks], dim=1)
         cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, **extra)
         cond["text_mask"] = mask.to(self.device)
-        if self.cfg:
+        if uncond is not None:
             cond.update(negative_prompt_embeds=uncond, negative_pooled_prompt_embeds=uncond_pooled)
         return cond
 
@@ -155,13 +206,12 @@ class SD3Backbone(PipelineBackbone):
         self.policy_dims = _transformer_dims(config, config.in_channels)
 
     @torch.no_grad()
-    def encode_prompts(self, prompts, max_sequence_length=None, **options):
-        """The pipeline's encode_prompt; `options` as its __call__ takes them."""
+    def encode_text(self, prompts, negatives=True, max_sequence_length=None, **options):
         pipe, length = self.pipe, max_sequence_length or self.text_length
         clip = (pipe.tokenizer, prompts, pipe.tokenizer_max_length)
         t5 = (pipe.tokenizer_3, options.get("prompt_3") or prompts, length)  # T5's own prompt
         options = dict(prompt_2=None, prompt_3=None) | options  # SD3's required arguments
-        options.update(device=self.device, do_classifier_free_guidance=self.cfg)
+        options.update(device=self.device, do_classifier_free_guidance=self.cfg and negatives)
         outputs = pipe.encode_prompt(prompt=prompts, max_sequence_length=length, **options)
         return self.text_cond(prompts, (clip, t5), *outputs)
 
@@ -207,8 +257,7 @@ class FluxBackbone(PipelineBackbone):
         self.policy_dims = _transformer_dims(config, self.latent_channels)
 
     @torch.no_grad()
-    def encode_prompts(self, prompts, max_sequence_length=None, **options):
-        """The pipeline's encode_prompt; `options` as its __call__ takes them."""
+    def encode_text(self, prompts, negatives=True, max_sequence_length=None, **options):
         length = max_sequence_length or self.text_length
         embeds, pooled, _ = self.pipe.encode_prompt(
             prompt=prompts, device=self.device, max_sequence_length=length, **options
@@ -307,11 +356,10 @@ class SDXLBackbone(PipelineBackbone):
         return torch.where(times > 0, sigma, torch.zeros_like(sigma)).float()
 
     @torch.no_grad()
-    def encode_prompts(self, prompts, **options):
-        """The pipeline's encode_prompt; `options` as its __call__ takes them."""
-        pipe = self.pipe
+    def encode_text(self, prompts, negatives=True, **options):
+        pipe, cfg = self.pipe, self.cfg and negatives
         outputs = pipe.encode_prompt(
-            prompt=prompts, device=self.device, do_classifier_free_guidance=self.cfg, **options
+            prompt=prompts, device=self.device, do_classifier_free_guidance=cfg, **options
         )
         size, embeds = (self.resolution, self.resolution), outputs[0]
         projection = pipe.text_encoder_2.config.projection_dim
@@ -352,6 +400,17 @@ class SDXLBackbone(PipelineBackbone):
         leading = self.pipe.scheduler.config.timestep_spacing == "leading"
         scale = (first**2 + 1) ** 0.5 if leading else first
         return epsilon, noise.float() * scale, self.sigma
+
+    def decode_raw(self, latents):
+        """As the pipeline decodes: a float16 VAE that asks for it (SD-XL's overflows to NaN) is
+        upcast to float32 for the decode, then cast back."""
+        vae = self.pipe.vae
+        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
+        vae.to(torch.float32 if upcast else vae.dtype)
+        try:
+            return super().decode_raw(latents)
+        finally:
+            vae.to(torch.float16 if upcast else vae.dtype)
 
     def vae_input(self, latents):
         config = self.pipe.vae.config  # SD-XL's pipeline scales, and shifts by no shift_factor

@@ -37,6 +37,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -52,6 +53,7 @@ from evidence.results import (
     interval,
     record,
     run_training,
+    runs_line,
     write_json_atomic,
     write_lines_atomic,
 )
@@ -108,7 +110,7 @@ def train(args, name, row, seed, rate):
     arguments += ["--seed", str(seed), "--iterations", str(ITERATIONS)]
     arguments += ["--ckpt-interval", str(CURVE), "--init", "uniform"]
     arguments += ["--concentration", str(STEPS + 1), "--prompts", train_file]
-    arguments += ["--eval-prompts", heldout_file]
+    arguments += ["--eval-prompts", heldout_file, "--without-realism"]
     if row in EXPLAIN_ROWS and seed == 0:  # the policy at each checkpoint, for explain()
         arguments.append("--snapshots")
     return run_training(run_folder(args, name, row, seed, rate), arguments)
@@ -371,7 +373,7 @@ def plot(path, results):
 
 
 def main(args):
-    started = commit()
+    started, clock = commit(), time.time()
     summary = (
         f"K = {ROLLOUTS}, B = {CONTEXTS} contexts (RLOO at 2B: {2 * CONTEXTS}), L = {STEPS}, flat "
         f"start, {ITERATIONS} iterations, seeds {args.seeds[0]}-{args.seeds[-1]} "
@@ -395,6 +397,7 @@ def main(args):
     path = os.path.join(REPOSITORY, "docs", "regime.png")
     plot(path, results)
     lines.append("\nLearning curves and the JS weight: [docs/regime.png](regime.png)")
+    lines += ["", runs_line(started, clock, args.jobs)]
     print("\n".join(lines))
     record(
         "regime", " ".join(["python -m evidence.regime_study", *sys.argv[1:]]), lines, at=started

@@ -20,7 +20,9 @@ import contextlib
 import json
 import multiprocessing
 import os
+import shutil
 import subprocess
+import time
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
@@ -90,7 +92,8 @@ def write_json_atomic(path, data):
 
 def train_here(out_dir, arguments):
     """`python train.py --out-dir out_dir *arguments` in this process (a worker of run_training's
-    pool), its output in <out_dir>.log; "--snapshots" keeps the policy at each checkpoint."""
+    pool), its output in <out_dir>.log; "--snapshots" keeps the policy at each checkpoint,
+    "--without-realism" leaves a miniature's realism measure out of eval.json."""
     import train
 
     def snapshot(policy, iteration):  # what policy.load_policy reads
@@ -98,31 +101,72 @@ def train_here(out_dir, arguments):
         os.makedirs(out_dir + "-snapshots", exist_ok=True)
         torch.save(dict(state, iteration=iteration), f"{out_dir}-snapshots/policy-{iteration}.pt")
 
-    keep, arguments = "--snapshots" in arguments, [a for a in arguments if a != "--snapshots"]
+    keep, realism = "--snapshots" in arguments, "--without-realism" not in arguments
+    arguments = [a for a in arguments if a not in ("--snapshots", "--without-realism")]
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     with open(out_dir + ".log", "a") as log:
         with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
             try:
                 config = train.parse_config(["--out-dir", out_dir, *arguments])
-                train.main(config, on_checkpoint=snapshot if keep else None)
+                train.main(config, snapshot if keep else None, loaded(config), realism)
             except SystemExit as stop:  # train.py's one-line refusal, as an error here
                 raise RuntimeError(f"train.py {' '.join(arguments)}: {stop}") from None
 
 
+LOADED = {}  # this worker's backbones and rewards, built once for all its runs
+
+
+def loaded(config):
+    """(backbone, reward) of a training configuration, built at this worker's first run that asks
+    for them; one per prompt set, as a backbone keeps its set's encodings (keep_encoded)."""
+    import backbones
+    import rewards
+
+    names = ("backbone", "model_path", "resolution", "guidance", "dtype", "reward", "device")
+    names += ("reward_checkpoint", "prompts", "eval_prompts")
+    key = tuple(getattr(config, name) for name in names)
+    if key not in LOADED:
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        backbone = backbones.trained_backbone(vars(config), device)
+        reward = rewards.load_reward(config.reward, backbone, device, config.reward_checkpoint)
+        LOADED[key] = backbone, reward
+    return LOADED[key]
+
+
 WORKERS = None  # run_training's processes, started once: each imports torch and the models once
+RUNS = dict(trained=0, read=0)  # this process's runs: trained here, or read from this commit's
+
+
+def runs_line(started, clock, jobs):
+    """What a section says of how it ran: its time, its worker processes and its cached runs."""
+    minutes, runs = (time.time() - clock) / 60, RUNS["trained"] + RUNS["read"]
+    return (f"Ran at {started} in {minutes:.0f} min with {jobs} worker process(es) on "
+            f"{os.cpu_count()} cores: {RUNS['trained']} of its {runs} trainings run here, "
+            f"{RUNS['read']} read from runs this commit finished before.")  # fmt: skip
 
 
 def run_training(out_dir, arguments):
     """`python train.py --out-dir out_dir *arguments` in a worker process of its own (one CPU
-    thread; its output in <out_dir>.log), continued from its checkpoint when killed, and not
-    rerun when finished (eval.json exists); callers run several at once from threads. Returns its
-    eval.json and the rows of its metrics.jsonl."""
+    thread; its output in <out_dir>.log). <out_dir>.commit names the code that started it: at
+    this commit a killed run continues from its checkpoint and a finished one (eval.json) is read,
+    not rerun; a run of other code starts afresh. Callers run several at once from threads.
+    Returns its eval.json and the rows of its metrics.jsonl."""
     global WORKERS
-    if not os.path.isfile(os.path.join(out_dir, "eval.json")):
+    stamp, version = out_dir + ".commit", commit()
+    if not os.path.isfile(stamp) or open(stamp).read() != version:  # none, or of other code
+        for folder in (out_dir, out_dir + "-snapshots"):
+            shutil.rmtree(folder, ignore_errors=True)
+        os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
+        with open(stamp, "w") as file:
+            file.write(version)
+    if os.path.isfile(os.path.join(out_dir, "eval.json")):
+        RUNS["read"] += 1
+    else:
         if WORKERS is None:  # spawned, not forked: nothing of this process's state is copied
             context = multiprocessing.get_context("spawn")
             WORKERS = ProcessPoolExecutor(os.cpu_count(), mp_context=context)
         WORKERS.submit(train_here, out_dir, arguments).result()
+        RUNS["trained"] += 1
     with open(os.path.join(out_dir, "eval.json")) as file:
         report = json.load(file)
     with open(os.path.join(out_dir, "metrics.jsonl")) as file:

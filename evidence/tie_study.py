@@ -51,6 +51,7 @@ from evidence.results import (
     interval,
     record,
     run_training,
+    runs_line,
     write_json_atomic,
     write_lines_atomic,
 )
@@ -136,7 +137,8 @@ def train(out_dir, row, seed, rate, snapshots=False):
     arguments += ["--seed", str(seed), "--iterations", str(ITERATIONS)]
     arguments += ["--ckpt-interval", str(CURVE), "--init", "uniform"]
     arguments += ["--concentration", str(STEPS + 1), "--prompts", train_file]
-    arguments += ["--eval-prompts", heldout_file] + (["--snapshots"] if snapshots else [])
+    arguments += ["--eval-prompts", heldout_file, "--without-realism"]
+    arguments += ["--snapshots"] if snapshots else []
     return run_training(run_folder(out_dir, row, seed, rate), arguments)
 
 
@@ -455,7 +457,7 @@ def main(args):
         for arm, (title, rates_of) in arms.items():
             found = run_arm(args, pool, backbone, reward, arm, rates_of, mean)
             lines += arm_lines(title, rates_of, *found)
-    lines += ["", f"The study took {(time.time() - clock) / 60:.0f} min."]
+    lines += ["", runs_line(started, clock, args.jobs)]
     print("\n".join(lines))
     record("tie", " ".join(["python -m evidence.tie_study", *sys.argv[1:]]), lines, at=started)
 

@@ -11,8 +11,8 @@ with repeat_interleave), built once, and decodes with `backbone.decode` when it 
 - "teacher": minus the latent MSE to the frozen backbone's accurate solution `backbone.reference(
   noise, cond)` from the same noise and prompt (0 is best); no reward model, the digits' default.
 - "hpsv2": 100 x HPS v2.1 (or v2.0) cosine similarity (Wu et al. 2023), the paper's reward; needs
-  requirements-hps.txt and HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2.
-- "clip": 100 x CLIP cosine similarity (transformers), for machines without the HPS environment.
+  HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2.
+- "clip": 100 x CLIP cosine similarity (transformers), a lighter prompt-alignment reward than HPSv2.
 - "ocr" (ocr.py): word recall of the prompt's "quoted" text in what EasyOCR reads, the paper's
   text-rendering reward; evaluate.py also reports 1 - normalised edit distance.
 - "geneval" (geneval.py): the fraction of a GenEval prompt's requirements met; evaluate.py also

@@ -1,6 +1,6 @@
 """
-CLIP image-text similarity through transformers (no torchvision): a light prompt-alignment reward
-for machines without the HPS environment.
+CLIP image-text similarity through transformers (no torchvision): a lighter prompt-alignment
+reward than HPSv2.
 """
 
 import torch

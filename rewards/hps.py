@@ -1,7 +1,7 @@
 """
 HPSv2 (Human Preference Score v2, Wu et al. 2023), the paper's reward, through hpsv2x's own
-open_clip code: 100 x the cosine similarity of HPS's ViT-H-14 image and text embeddings. Needs the
-optional environment (requirements-hps.txt) and HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2.
+open_clip code: 100 x the cosine similarity of HPS's ViT-H-14 image and text embeddings. Needs
+HPS_v2.1_compressed.pt from the hub repo xswu/HPSv2.
 """
 
 import torch
@@ -61,7 +61,7 @@ class HPSReward:
         model_name="ViT-H-14",
         batch_size=16,
     ):
-        from hpsv2.src import open_clip  # the optional environment: tests/hps_env.sh
+        from hpsv2.src import open_clip  # imports torchvision: here, not with rewards
 
         checkpoint = checkpoint or hf_hub_download(HPS_REPO, HPS_FILES[version])
         self.backbone = backbone

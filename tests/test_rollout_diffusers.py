@@ -137,6 +137,19 @@ def test_decode_matches_the_pipeline(tiny):
     assert torch.allclose(images, decoded, atol=1e-5)
 
 
+def test_a_float16_sdxl_vae_decodes_in_float32_as_the_pipeline_does():
+    """SD-XL's VAE overflows in float16: upcast for the decode (force_upcast), then cast back."""
+    pipe = tiny_pipeline("sdxl")
+    pipe.vae.to(torch.float16)
+    backbone, seen = from_pipeline(pipe, resolution=RESOLUTION), []
+    pipe.vae.decoder.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    latents = backbone.sample_noise(2, torch.Generator().manual_seed(4))
+    images = backbone.decode(latents)
+    assert seen == [torch.float32] and pipe.vae.dtype == torch.float16
+    pipe.vae.to(torch.float32)  # the same (rounded) weights in float32
+    torch.testing.assert_close(images, backbone.decode(latents), rtol=0, atol=0)
+
+
 def _pipeline_vae_input(pipe, latents):
     config = pipe.vae.config
     if isinstance(pipe, FluxPipeline):

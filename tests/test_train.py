@@ -34,7 +34,7 @@ def test_a_run_writes_checkpoint_metrics_report_and_policy(digits_run):
     assert checkpoint["iteration"] == 60 and checkpoint["policy_config"]["steps"] == 4
     assert checkpoint["config"]["backbone"] == "digits" and checkpoint["metrics"] == rows
     evaluation = json.loads((digits_run / "eval.json").read_text())
-    methods = ["default", "learned (mean)", "learned (sampled)", "limit (teacher)"]
+    methods = ["default", "learned (mean)", "limit (teacher)"]
     assert [row["method"] for row in evaluation["rows"]] == methods
     assert evaluation["contexts"] == 128 and evaluation["iteration"] == 60
     assert evaluation["rows"][-1]["mean"] == 0.0  # the teacher's own output has no error
@@ -419,6 +419,15 @@ def test_two_process_torchrun_first_update_equals_single_process(tmp_path, polic
     assert "2 rank(s), 4 contexts each" in double.stdout
     single_row, double_row = (read_metrics(tmp_path / name)[0] for name in ("single", "double"))
     assert double_row["reward"] == pytest.approx(single_row["reward"], rel=1e-6)
+    # the held-out report, scored half by each rank, is the single process's
+    reports = [
+        json.loads((tmp_path / name / "eval.json").read_text()) for name in ("single", "double")
+    ]
+    assert [row["method"] for row in reports[1]["rows"]] == [
+        row["method"] for row in reports[0]["rows"]
+    ]
+    for one, two in zip(*(report["rows"] for report in reports)):
+        assert two["mean"] == pytest.approx(one["mean"], rel=1e-4, abs=1e-7)
     if "ppo" in policy:
         assert double_row["grad_norm"] > 0
         return
@@ -455,4 +464,46 @@ def test_the_stepwise_policy_trains_with_ppo_on_each_family(tiny_stepwise_runs, 
     assert all(row["grad_norm"] > 0 and 0 <= row["clip_fraction"] <= 1 for row in rows)
     assert torch.load(out / "ckpt.pt", weights_only=True)["policy_config"]["kind"] == "stepwise"
     methods = {row["method"] for row in json.loads((out / "eval.json").read_text())["rows"]}
-    assert {"default", "learned (mean)", "learned (sampled)"} <= methods
+    assert {"default", "learned (mean)"} <= methods
+
+
+@pytest.mark.parametrize("backbone", ["sd35m", "sdxl", "flux-dev"])
+def test_prompts_are_encoded_once_and_the_text_encoders_dropped(tiny_runs, monkeypatch, backbone):
+    """Before the loop the training and held-out prompts are encoded once, without negatives, and
+    the negative (empty) prompt once for all; the text encoders are then dropped and no prompt is
+    encoded again. The kept rows equal the pipeline's encoding of the same prompts, and a run given
+    its backbone already built (train.main's `loaded`) is the run that loads it (tiny_runs')."""
+    from conftest import small_policies
+
+    import backbones
+    import rollout
+
+    small_policies(monkeypatch)
+    monkeypatch.setattr(rollout.Backbone, "reference_steps", 4)
+    original = torch.load(tiny_runs[0][backbone] / "ckpt.pt", weights_only=True)
+    settings = {k: v for k, v in original["config"].items() if k in ("device", "resolution")}
+    built = backbones.load_backbone(backbone, path=original["config"]["model_path"], **settings)
+    prompts = (tiny_runs[1] / "prompts.txt").read_text().splitlines()
+    direct = built.encode_prompts(prompts)
+    calls, encode_prompt = [], type(built.pipe).encode_prompt
+
+    def counted(pipe, prompt=None, **options):
+        calls.append((len(prompt), options.get("do_classifier_free_guidance", False)))
+        return encode_prompt(pipe, prompt=prompt, **options)
+
+    monkeypatch.setattr(type(built.pipe), "encode_prompt", counted)
+    config = train.Config(
+        **dict(original["config"], out_dir=str(tiny_runs[1] / f"once_{backbone}"))
+    )
+    train.main(config, loaded=(built, rewards.load_reward("teacher", built)))
+    negatives = [(1, True)] if built.cfg else []
+    assert calls == [(3, False)] + negatives  # 3 prompts (the held-out ones are the same), then ""
+    names = ("text_encoder", "text_encoder_2", "text_encoder_3")
+    assert all(getattr(built.pipe, name, None) is None for name in names)
+    kept = built.encode_prompts(prompts)
+    assert len(calls) == 1 + len(negatives) and kept.keys() == direct.keys()
+    for key, value in direct.items():
+        torch.testing.assert_close(kept[key], value, rtol=1e-5, atol=1e-6)
+    again = torch.load(tiny_runs[1] / f"once_{backbone}" / "ckpt.pt", weights_only=True)["policy"]
+    for name, value in original["policy"].items():
+        torch.testing.assert_close(again[name], value, rtol=1e-5, atol=1e-7)
