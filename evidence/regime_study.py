@@ -54,6 +54,7 @@ from evidence.results import (
     record,
     run_training,
     runs_line,
+    this_commit_only,
     write_json_atomic,
     write_lines_atomic,
 )
@@ -374,6 +375,7 @@ def plot(path, results):
 
 def main(args):
     started, clock = commit(), time.time()
+    this_commit_only(args.out_dir)  # no cache of other code is read
     summary = (
         f"K = {ROLLOUTS}, B = {CONTEXTS} contexts (RLOO at 2B: {2 * CONTEXTS}), L = {STEPS}, flat "
         f"start, {ITERATIONS} iterations, seeds {args.seeds[0]}-{args.seeds[-1]} "

@@ -145,6 +145,18 @@ def runs_line(started, clock, jobs):
             f"{RUNS['read']} read from runs this commit finished before.")  # fmt: skip
 
 
+def this_commit_only(out_dir):
+    """A study's folder keeps what one commit computed: that of other code (by the commit named
+    in <out_dir>/commit.txt) is removed before the study starts."""
+    stamp, version = os.path.join(out_dir, "commit.txt"), commit()
+    if os.path.isfile(stamp) and open(stamp).read() == version:
+        return
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    with open(stamp, "w") as file:
+        file.write(version)
+
+
 def run_training(out_dir, arguments):
     """`python train.py --out-dir out_dir *arguments` in a worker process of its own (one CPU
     thread; its output in <out_dir>.log). <out_dir>.commit names the code that started it: at

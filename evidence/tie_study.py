@@ -52,6 +52,7 @@ from evidence.results import (
     record,
     run_training,
     runs_line,
+    this_commit_only,
     write_json_atomic,
     write_lines_atomic,
 )
@@ -439,7 +440,7 @@ def run_arm(args, pool, backbone, reward, arm, chosen, mean):
 
 def main(args):
     started, clock = commit(), time.time()
-    os.makedirs(args.out_dir, exist_ok=True)
+    this_commit_only(args.out_dir)  # no cache of other code is read
     torch.set_num_threads(1)
     backbone = backbones.load_backbone(NAME)
     reward = load_reward("preference", backbone)
