@@ -136,3 +136,20 @@ def test_arm_b_takes_the_largest_rate_that_stays_at_the_tie(tmp_path, monkeypatc
     assert (tmp_path / "trajectories.json").is_file()  # read back, not measured again
     monkeypatch.setattr(tie_study, "trajectory", None)
     assert tie_study.at_the_tie(str(tmp_path), None, None, sorted(drift))[0] == 1e-3
+
+
+def test_the_confirmatory_plan_is_the_one_its_docstring_states():
+    """The confirmatory run's prediction and seed counts follow from the exploratory numbers alone,
+    and are those the plan fixed before the run."""
+    from evidence import tie_confirm
+
+    lead, seeds = tie_confirm.plan()
+    assert round(lead["rloo"], 3) == 0.075 and round(lead["xctx"], 3) == 0.054
+    assert (seeds["B"][0], seeds["B"][-1], len(seeds["B"])) == (2000, 2147, 148)
+    assert (seeds["A"][0], seeds["A"][-1], len(seeds["A"])) == (3000, 3191, 192)
+    used = set(range(83)) | set(range(100)) | set(range(100, 104)) | set(range(1000, 1020))
+    assert not used & set(seeds["A"] + seeds["B"])  # fresh seeds
+    assert (
+        "148 seeds, 2000-2147" in tie_confirm.__doc__
+        and "192\n   seeds, 3000-3191" in tie_confirm.__doc__
+    )
