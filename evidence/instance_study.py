@@ -1,7 +1,8 @@
 """
 Could any instance policy gain on the trained miniatures, and does the learned one take it?
 (docs/RESULTS.md, section "instance"). For each miniature and L, on HELDOUT held-out contexts
-(held-out paraphrases, fresh noise), every row scored by the preference reward, realism beside it:
+(held-out paraphrases, fresh noise; each context's own search on the first SEARCHED of them), every
+row scored by the preference reward, realism beside it:
 
 - Oracles in two families. Time shifts of the default schedule (evidence.ablation's SHIFTS), and
   full schedules, the policy's own action space. Each as the best single schedule, chosen on
@@ -28,19 +29,18 @@ the decoded pixels before the 8-bit rounding the reward applies. The best single
 on random batches of training contexts from the best, on them, of the best single shift, the uniform
 schedule and REINFORCE's global schedules (a local search stays in its basin), and is that start
 where the fit does not beat it there (the gradient of the scorer on pixels before their rounding can
-lead away from a better schedule); fitted again with twice the iterations and set against
-REINFORCE's global schedule: the checks that it was found; the section says where one of them is
-above it beyond the interval. Each context's own search starts from it and keeps the best schedule
-it met, scored by the reward itself; the search is run again on the first CHECKED held-out contexts
-with twice the iterations, and the change in its mean is the convergence check. Each context's best
-found is a lower bound on its true best; the gap is one too only where the best single schedule was
-found.
+lead away from a better schedule); its fit continued for as many iterations again (the same
+batch stream) and REINFORCE's global schedule are the checks that it was found; the section says
+where one of them is above it beyond the interval. Each context's own search starts from it and
+keeps the best schedule it met, scored by the reward itself; continued for as many iterations
+again, the change in its mean is the convergence check. Each context's best found is a lower bound
+on its true best; the gap is one too only where the best single schedule was found.
 
     python -m evidence.instance_study --jobs 2   # 3 miniatures x L = 2, 3, 4; its time recorded
     python -m evidence.instance_study --backbones mini-sdxl --steps 2 --jobs 2   # a part of it
 
-Trainings already finished and cells already computed (oracles.json) are read, not repeated: delete
-a cell's oracles.json after changing how it is computed.
+Trainings and cells (oracles.json) that this commit finished are read, not repeated; the folder of
+another commit's code is removed first (evidence.results.this_commit_only).
 """
 
 import argparse
@@ -56,7 +56,15 @@ import torch
 import backbones
 from evaluate import mean_ci
 from evidence.ablation import SHIFTS, shifted
-from evidence.results import REPOSITORY, commit, record, run_training, write_json_atomic
+from evidence.results import (
+    REPOSITORY,
+    commit,
+    record,
+    run_training,
+    runs_line,
+    this_commit_only,
+    write_json_atomic,
+)
 from miniatures.data import prompt_lists
 from miniatures.realism import realism_measure
 from policy import (
@@ -82,13 +90,15 @@ add("--seeds", type=int, nargs="+", default=[0, 1, 2], help="REINFORCE and super
 add("--jobs", type=int, default=1, help="cells and trainings at the same time, one thread each")
 
 HELDOUT, TRAINING, VALIDATION = 256, 256, 64  # contexts: held-out, training oracles, validation
-CHECKED = 64  # held-out contexts searched again with twice the iterations (the convergence check)
+# the first held-out contexts, each searched for its own best: the gap's interval about doubles
+SEARCHED = 64  # (mini-sd3's ±0.035 on all 256 to ±0.07), small beside gaps of 0.2-0.8
 SIZES = (32, 64, 128, 256)  # the supervised predictor's numbers of training contexts
 SINGLE_ITERATIONS, SINGLE_BATCH = 300, 64  # the best single schedule's fit, from the best shift
 SEARCH_ITERATIONS, LR, STOP_MARGIN = 80, 0.1, 5e-3  # each context's search; its start's t_L
 UPDATES, BATCH, PREDICTOR_LR = 600, 64, 1e-3  # the supervised predictor
 BUDGET, BUDGET_STEPS = 2, 3  # "more training": 2 x the iterations and rollouts, at L = 3
 EXAMPLES = 6  # contexts drawn in the figure
+EVALUATED = 16  # train.py's held-out table (no realism): the section scores the checkpoints itself
 # single schedules found otherwise, which the best single schedule must not fall below
 CHECKS = ("best single schedule, twice the iterations", "REINFORCE global")
 
@@ -163,37 +173,44 @@ def times_of(logits):
 
 def best_single(objective, count, start, iterations, batch, seed):
     """One schedule (L+1,) maximising the mean of objective(index, times) over `count` contexts:
-    Adam from the schedule `start` on random batches of `batch` contexts."""
+    Adam from the schedule `start` on random batches of `batch` contexts. Yields it after
+    `iterations` steps, then after each `iterations` more: the same fit continued."""
     logits = logits_of(start).requires_grad_(True)
     optimizer = torch.optim.Adam([logits], lr=LR)
     generator = torch.Generator().manual_seed(seed)
-    for _ in range(iterations):
-        index = torch.randperm(count, generator=generator)[:batch]
-        loss = -objective(index, times_of(logits).expand(len(index), -1)).mean()
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-    return times_of(logits.detach())
+    while True:
+        for _ in range(iterations):
+            index = torch.randperm(count, generator=generator)[:batch]
+            loss = -objective(index, times_of(logits).expand(len(index), -1)).mean()
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        yield times_of(logits.detach())
 
 
 def best_each(objective, starts, iterations):
     """Each context's own schedule (N, L+1) maximising objective(index, times) (N,) for it: Adam
-    from `starts` (N, L+1), batch by batch, keeping the best schedule each context met."""
-    found = starts.clone()
+    from `starts` (N, L+1), batch by batch, keeping the best schedule each context met. Yields it
+    after `iterations` steps, then after each `iterations` more: the same searches continued."""
+    found, searches = starts.clone(), []
     for index in batches(len(starts)):
         logits = logits_of(starts[index]).requires_grad_(True)
-        optimizer = torch.optim.Adam([logits], lr=LR)
         best = torch.full((len(index),), -float("inf"))
-        for _ in range(iterations + 1):  # the last pass only scores the last step
-            times = times_of(logits)
-            values = objective(index, times)
-            better = values.detach() > best
-            best = torch.where(better, values.detach(), best)
-            found[index] = torch.where(better[:, None], times.detach(), found[index])
-            optimizer.zero_grad(set_to_none=True)
-            (-values.sum()).backward()  # each context's logits see only their own score
-            optimizer.step()
-    return found
+        searches.append((index, logits, torch.optim.Adam([logits], lr=LR), best))
+    passes = iterations + 1  # a pass scores the current step, then takes the next
+    while True:
+        for index, logits, optimizer, best in searches:
+            for _ in range(passes):
+                times = times_of(logits)
+                values = objective(index, times)
+                better = values.detach() > best
+                best.copy_(torch.where(better, values.detach(), best))
+                found[index] = torch.where(better[:, None], times.detach(), found[index])
+                optimizer.zero_grad(set_to_none=True)
+                (-values.sum()).backward()  # each context's logits see only their own score
+                optimizer.step()
+        yield found.clone()
+        passes = iterations  # the step after the last one scored is taken
 
 
 # -----------------------------------------------------------------------------
@@ -267,8 +284,8 @@ def train(args, run):
     from train import PRESETS  # the miniature's defaults, which the budget multiplies
 
     name, steps, kind, seed = run
-    flags = ["--backbone", name, "--steps", str(steps), "--seed", str(seed)]
-    flags += ["--policy", kind.split("-")[0]]
+    flags = ["--backbone", name, "--steps", str(steps), "--seed", str(seed), "--without-realism"]
+    flags += ["--policy", kind.split("-")[0], "--eval-contexts", str(EVALUATED)]
     if kind == "instance-budget":
         preset = PRESETS[name]
         flags += ["--iterations", str(BUDGET * preset["iterations"])]
@@ -279,14 +296,13 @@ def train(args, run):
 # -----------------------------------------------------------------------------
 # one cell: a miniature at one L
 def cell(args, name, steps):
-    """The oracles and the supervised predictors of one miniature at one L on the held-out
-    contexts: each row's reward per context, its times and realism; kept in oracles.json."""
+    """The oracles, the supervised predictors and the trained policies of one miniature at one L on
+    the held-out contexts: each row's reward per context, its times and realism; in oracles.json."""
     path = os.path.join(args.out_dir, name, f"L{steps}", "oracles.json")
     if os.path.isfile(path):
         with open(path) as file:
             return json.load(file)
     torch.set_num_threads(1)
-    started = time.time()
     backbone = backbones.load_backbone(name)
     reward = load_reward("preference", backbone)
     train_prompts, heldout_prompts = prompt_lists()
@@ -304,17 +320,18 @@ def cell(args, name, steps):
         times = times.expand(len(contexts), -1) if times.dim() == 1 else times
         return times, *score(backbone, reward, contexts, times)
 
-    def add(row, times):
-        times, scores, images = scored(times)
+    def add(row, times, contexts=heldout):
+        times, scores, images = scored(times, contexts)
         rows[row] = dict(reward=scores.tolist(), times=times.tolist(), **realism(images))
         return scores
 
     def own_best(contexts, single, iterations):
         """Each context's best: its own search's schedule, or the single one where that scores
-        higher by the reward."""
-        found = best_each(objective(contexts), single.expand(len(contexts), -1), iterations)
-        better = scored(found, contexts)[1] > scored(single, contexts)[1]
-        return torch.where(better[:, None], found, single)
+        higher by the reward; after `iterations` steps, then after each `iterations` more."""
+        alone = scored(single, contexts)[1]
+        for found in best_each(objective(contexts), single.expand(len(contexts), -1), iterations):
+            better = scored(found, contexts)[1] > alone
+            yield torch.where(better[:, None], found, single)
 
     default = backbone.default_times(steps)
     add("default", default)
@@ -327,31 +344,26 @@ def cell(args, name, steps):
     # restarts: the fit starts from the best, on training contexts, of the best shift, the
     # uniform schedule and REINFORCE's global schedules (a local search stays in its basin)
     starts = {"best shift": best_shift, "uniform": torch.linspace(1, 0, steps + 1)}
-    for seed in args.seeds:
-        folder = run_dir(args, name, steps, "global", seed)
-        policy = load_policy(os.path.join(folder, "ckpt.pt"))[0]
-        first = training[:1]  # a global policy's schedule is the same for every context
-        with torch.no_grad():
-            times = policy.times(backbone, first.noise, first.cond)[0]
-        starts[f"REINFORCE global, seed {seed}"] = times
+    trained = reinforce_rows(args, name, steps, backbone, reward, heldout, training, realism)
+    for seed in args.seeds:  # a global policy's schedule is the same for every context
+        row = f"REINFORCE global, seed {seed}"
+        starts[row] = torch.tensor(trained[row]["times"][0])
     tried = {what: scored(times, training)[1].mean().item() for what, times in starts.items()}
     start = starts[max(tried, key=tried.get)]
-    single = best_single(
-        objective(training), TRAINING, start, SINGLE_ITERATIONS, SINGLE_BATCH, seed=0
-    )
+    fit = best_single(objective(training), TRAINING, start, SINGLE_ITERATIONS, SINGLE_BATCH, 0)
+    single, longer = next(fit), next(fit)  # the fit, and it continued as long again
     if scored(single, training)[1].mean() < max(tried.values()):  # the fit lost: keep its start
         single = start
-    longer = best_single(
-        objective(training), TRAINING, start, 2 * SINGLE_ITERATIONS, SINGLE_BATCH, seed=0
-    )
     add("best single schedule", single)
     add("best single schedule, twice the iterations", longer)
-    own = own_best(heldout, single, SEARCH_ITERATIONS)
-    found = add("per-context best schedule", own)[:CHECKED]
-    longer_search = own_best(heldout[:CHECKED], single, 2 * SEARCH_ITERATIONS)
-    convergence = (scored(longer_search, heldout[:CHECKED])[1] - found).tolist()
-    targets = own_best(training, single, SEARCH_ITERATIONS)
-    validation_targets = own_best(validation, single, SEARCH_ITERATIONS)
+    searched = heldout[:SEARCHED]
+    search = own_best(searched, single, SEARCH_ITERATIONS)
+    found = add("per-context best schedule", next(search), searched)
+    same = realism(scored(single, searched)[2])["frechet"]  # the distance depends on the count
+    rows["per-context best schedule"]["single frechet"] = same
+    convergence = (scored(next(search), searched)[1] - found).tolist()
+    targets = next(own_best(training, single, SEARCH_ITERATIONS))
+    validation_targets = next(own_best(validation, single, SEARCH_ITERATIONS))
     preset, largest = backbones.BACKBONES[name]["policy"], SIZES[-1]
     for seed in args.seeds:  # what the predictor gets from the targets alone: their average
         policy = make_policy("global", backbone.policy_dims, steps, single, preset)
@@ -376,22 +388,17 @@ def cell(args, name, steps):
                     times = times_from_increments(mean_increments(policy(**test)))
                 what = "noise, prompt and first prediction" if richer else "noise and prompt"
                 add(f"supervised ({what}), {size} contexts, seed {seed}", times)
-    result = dict(rows=rows, convergence=convergence, starts=tried, seconds=time.time() - started)
+    rows.update(trained)
+    result = dict(rows=rows, convergence=convergence, starts=tried)
     write_json_atomic(path, result)
     return result
 
 
 @torch.no_grad()
-def reinforce_rows(args, name, steps):
+def reinforce_rows(args, name, steps, backbone, reward, heldout, training, realism):
     """The trained policies' rows on the held-out contexts (read from their checkpoints): the
     instance policy, its times averaged over training contexts, the global one, the budget's."""
-    torch.set_num_threads(1)
-    backbone = backbones.load_backbone(name)
-    reward = load_reward("preference", backbone)
-    train_prompts, heldout_prompts = prompt_lists()
-    heldout = Contexts.of(backbone, heldout_prompts, HELDOUT, HELDOUT_SEED)
-    training = Contexts.of(backbone, train_prompts, TRAINING, TUNING_SEED)
-    realism, rows = realism_measure(), {}
+    rows = {}
     for kind in kinds(steps):
         for seed in args.seeds:
             folder = run_dir(args, name, steps, kind, seed)
@@ -421,13 +428,15 @@ def grouped(rows):
 def cell_lines(name, steps, rows, convergence, starts=None):
     """The cell's table: per row its mean reward (mean over seeds, their range), the paired gain
     over the best single schedule with its 95% interval over the contexts (per context, the mean
-    over seeds), the share of the per-instance gap, and realism (Frechet distance); then what twice
-    the search's iterations add (convergence: per checked context), and the best single
-    schedule's starts (their mean reward on training contexts) where the cell tried several."""
+    over seeds; a row on the first n contexts, on those), the share of the per-instance gap, and
+    realism (Frechet distance; a row on n contexts: beside the best single schedule's on them,
+    "single frechet"); then what twice the search's iterations add (convergence: per searched
+    context), and the best single schedule's starts (their mean reward on training contexts)."""
     groups = grouped(rows)
     reward = {row: torch.tensor([v["reward"] for v in members]) for row, members in groups.items()}
     single = reward["best single schedule"][0]
-    gap = (reward["per-context best schedule"][0] - single).mean().item()
+    own = reward["per-context best schedule"][0]
+    gap = (own - single[: len(own)]).mean().item()
     lines = [
         f"\n{name}, L = {steps}",
         "",
@@ -438,11 +447,15 @@ def cell_lines(name, steps, rows, convergence, starts=None):
     for row, values in reward.items():
         means = values.mean(1)
         spread = f" ({means.min():.3f} to {means.max():.3f})" if len(means) > 1 else ""
-        difference, half = mean_ci(values.mean(0) - single)
-        frechet = sum(v["frechet"] for v in groups[row]) / len(groups[row])
+        label, count = row, values.shape[1]
+        difference, half = mean_ci(values.mean(0) - single[:count])
+        frechet = f"{sum(v['frechet'] for v in groups[row]) / len(groups[row]):.3f}"
+        if count < len(single):  # a row on the first contexts only
+            label += f", first {count} contexts"
+            frechet += f" (best single schedule {groups[row][0]['single frechet']:.3f})"
         lines.append(
-            f"| {row} | {means.mean():.3f}{spread} | {difference:+.3f} ± {half:.3f} | "
-            f"{difference / gap:+.0%} | {frechet:.3f} |"
+            f"| {label} | {means.mean():.3f}{spread} | {difference:+.3f} ± {half:.3f} | "
+            f"{difference / gap:+.0%} | {frechet} |"
         )
     more, half = mean_ci(torch.tensor(convergence))
     blind = reward.get(f"supervised (constant inputs), {SIZES[-1]} contexts")
@@ -456,8 +469,8 @@ def cell_lines(name, steps, rows, convergence, starts=None):
                 f"{share:+.3f} ± {spread:.3f} ({share / gap:+.0%} of the gap)"
             )
     lines += [
-        f"- convergence: twice the search's iterations add {more:+.3f} ± {half:.3f} on the first "
-        f"{len(convergence)} contexts ({more / gap:+.0%} of the gap)",
+        f"- convergence: the search continued to twice its iterations adds {more:+.3f} ± "
+        f"{half:.3f} on its {len(convergence)} contexts ({more / gap:+.0%} of the gap)",
     ]
     if starts:
         tried = ", ".join(f"{what} {value:.3f}" for what, value in starts.items())
@@ -498,33 +511,28 @@ def plot(path, results):
 
 
 def main(args):
-    started, code = time.time(), commit()
+    started, clock = commit(), time.time()
+    this_commit_only(args.out_dir)  # no cache of other code is read
     cells = [(name, steps) for name in args.backbones for steps in args.steps]
-    context = get_context("spawn")
-    with (
-        ThreadPoolExecutor(args.jobs) as threads,
-        ProcessPoolExecutor(args.jobs, mp_context=context) as processes,
-    ):
+    with ThreadPoolExecutor(args.jobs) as threads:
         list(threads.map(lambda run: train(args, run), trainings(args)))
-        oracles = [processes.submit(cell, args, *key) for key in cells]
-        learned = [processes.submit(reinforce_rows, args, *key) for key in cells]
-        results = {
-            key: {**made.result(), "rows": {**made.result()["rows"], **more.result()}}
-            for key, made, more in zip(cells, oracles, learned)
-        }
-    minutes = (time.time() - started) / 60
+    with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as processes:
+        longest = sorted(cells, key=lambda key: -key[1])  # first: no long cell left to the end
+        made = {key: processes.submit(cell, args, *key) for key in longest}
+        results = {key: made[key].result() for key in cells}
     lines = [
-        f"{HELDOUT} held-out contexts (held-out paraphrases, fresh noise) per cell; the "
-        "per-instance gap is the per-context best schedule minus the best single schedule; "
-        f"trained rows over seeds {args.seeds} (mean, range). The oracles search by gradient "
-        f"ascent (Adam, lr {LR}): the best single schedule {SINGLE_ITERATIONS} steps from the "
-        f"best start (each cell lists them) on batches of {SINGLE_BATCH} of {TRAINING} training "
-        "contexts (the row with twice the steps checks it), each context's own schedule "
-        f"{SEARCH_ITERATIONS} steps from it (the convergence line: twice the steps on the first "
-        f"{CHECKED} contexts). Supervised: the instance network fitted to the training contexts' "
-        f"own best schedules ({UPDATES} Adam steps, the best of {VALIDATION} validation "
-        f"contexts). REINFORCE: train.py's defaults; the budget row (L = {BUDGET_STEPS}) {BUDGET}x "
-        "the iterations and the rollouts."
+        f"{HELDOUT} held-out contexts (held-out paraphrases, fresh noise) per cell, the first "
+        f"{SEARCHED} of them each searched for its own best schedule: the per-context best row and "
+        "the per-instance gap (it minus the best single schedule) are on those; trained rows over "
+        f"seeds {args.seeds} (mean, range). The oracles search by gradient ascent (Adam, lr {LR}): "
+        f"the best single schedule {SINGLE_ITERATIONS} steps from the best start (each cell lists "
+        f"them) on batches of {SINGLE_BATCH} of {TRAINING} training contexts, each context's own "
+        f"schedule {SEARCH_ITERATIONS} steps from it; each checked by the same fit or searches "
+        "continued as many steps again (the row with twice the steps, the convergence line). "
+        f"Supervised: the instance network fitted to the own best schedules of {TRAINING} training "
+        f"contexts ({UPDATES} Adam steps, the best of {VALIDATION} validation contexts). "
+        f"REINFORCE: train.py's defaults; the budget row (L = {BUDGET_STEPS}) {BUDGET}x the "
+        "iterations and the rollouts."
     ]
     for key, result in results.items():
         lines += cell_lines(*key, result["rows"], result["convergence"], result.get("starts"))
@@ -532,18 +540,10 @@ def main(args):
     middle = {key: result["rows"] for key, result in results.items() if key[1] == middle}
     plot(os.path.join(REPOSITORY, "docs", "instance.png"), middle)
     figure = "Each context's best schedule against the best single one: [docs/instance.png]"
-    searched = sum(result["seconds"] for result in results.values()) / 60
-    lines += [
-        "",
-        figure + "(instance.png)",
-        "",
-        f"This run took {minutes:.0f} min on {args.jobs} job(s); the cells' oracles and predictors "
-        f"took {searched:.0f} min of one thread in all (a cell's oracles.json, once written, is "
-        "read, not computed again).",
-    ]
+    lines += ["", figure + "(instance.png)", "", runs_line(started, clock, args.jobs)]
     print("\n".join(lines))
     command = " ".join(["python -m evidence.instance_study", *sys.argv[1:]])
-    record("instance", command, lines, at=code)
+    record("instance", command, lines, at=started)
 
 
 if __name__ == "__main__":

@@ -26,12 +26,34 @@ def test_the_searches_find_a_known_optimum():
         return -(times - goal[index]).square().sum(-1)
 
     start = torch.linspace(1.0, 0.0, 4)
-    own = instance_study.best_each(objective, start.expand(12, -1), iterations=300)
+    own = next(instance_study.best_each(objective, start.expand(12, -1), iterations=300))
     assert (own - goal).abs().max() < 0.01
-    single = instance_study.best_single(objective, 12, start, 300, batch=12, seed=0)
+    single = next(instance_study.best_single(objective, 12, start, 300, batch=12, seed=0))
     assert (single - goal.mean(0)).abs().max() < 0.01
     # a search keeps the best schedule it met: never worse than where it started
     assert (objective(torch.arange(12), own) >= objective(torch.arange(12), start)).all()
+
+
+def test_a_continued_search_is_the_search_run_twice_as_long():
+    """The convergence checks continue a fit and the searches: N iterations, then N more, give
+    what 2N in one go give (the Adam state and the batch stream carried on)."""
+    torch.manual_seed(0)
+    goal = targets(200, 3, None)  # two batches of contexts for each context's own search
+
+    def objective(index, times):
+        return -(times - goal[index]).square().sum(-1).sqrt()
+
+    start = torch.linspace(1.0, 0.0, 4)
+    fit = instance_study.best_single(objective, 200, start, 7, batch=16, seed=0)
+    first, continued = next(fit), next(fit)
+    once = next(instance_study.best_single(objective, 200, start, 14, batch=16, seed=0))
+    assert not torch.allclose(first, once, atol=1e-4)  # the second half moved it
+    torch.testing.assert_close(continued, once)
+    search = instance_study.best_each(objective, start.expand(200, -1), 7)
+    first, continued = next(search), next(search)
+    once = next(instance_study.best_each(objective, start.expand(200, -1), 14))
+    assert not torch.allclose(first, once, atol=1e-4)
+    torch.testing.assert_close(continued, once)
 
 
 def test_the_supervised_predictor_learns_a_schedule_the_noise_determines():
@@ -81,10 +103,21 @@ def test_a_cell_states_each_rows_gain_over_the_best_single_schedule_and_share_of
     # two seeds are one row: their mean, their range, half the gap
     assert "| supervised (noise and prompt), 64 contexts | 2.000 (2.000 to 2.000) | +0.500" in text
     assert "+50% |" in text and "| default | 0.000 | -1.500 ± 6.353 | -150% |" in text
-    assert "twice the search's iterations add +0.100 ± 0.000 on the first 2 contexts (+10%" in text
+    assert "continued to twice its iterations adds +0.100 ± 0.000 on its 2 contexts (+10%" in text
     assert "learnable share, noise and prompt: supervised minus the same fit on constant " in text
     assert "inputs, +0.200 ± 0.000 (+20% of the gap)" in text
     assert "- the best single schedule against its checks" not in text  # no check in the rows
+
+
+def test_a_row_on_the_first_contexts_is_paired_with_the_best_single_schedule_on_them():
+    rows = {
+        "best single schedule": row([1.0, 2.0, 7.0, 9.0]),
+        "per-context best schedule": dict(row([2.0, 3.0]), **{"single frechet": 0.5}),
+    }
+    text = "\n".join(instance_study.cell_lines("mini-sd3", 2, rows, [0.1, 0.1]))
+    assert "| best single schedule | 4.750 | +0.000 ± 0.000 | +0% | 1.000 |" in text
+    row_line = "| per-context best schedule, first 2 contexts | 2.500 | +1.000 ± 0.000 | +100% | "
+    assert row_line + "1.000 (best single schedule 0.500) |" in text
 
 
 def test_a_cell_says_when_a_check_beats_the_best_single_schedule():
