@@ -9,7 +9,8 @@ row scored by the preference reward, realism beside it:
   training contexts, and as each context's own best, chosen on the context itself (hindsight).
   Sampler and reward are deterministic given the context and the schedule, so each context's own
   best is reachable by a policy that predicts it: the per-instance gap, each context's best minus
-  the best single schedule, is what any instance policy could gain at most.
+  the best single schedule, is what any instance policy could gain at most, where the best single
+  schedule was found (its checks below).
 - The learnable share: the instance policy's own network and inputs (policy.SchedulePolicy on the
   initial noise and the prompt's embeddings) trained supervised to output each training context's
   best full schedule (the Dirichlet likelihood of it), scored at its mean, for growing numbers of

@@ -1,7 +1,7 @@
 """
 James-Stein where theory says it can pay: the noise-limited regime, with power to see it.
 
-    python -m evidence.regime_study --jobs 2   # about 30 min on 2 cores
+    python -m evidence.regime_study --jobs 2   # 198 trainings; 25 min on 2 shared cores
     python -m evidence.regime_study --cells mini-sd3 --seeds 0 1 2 --jobs 2   # a part of it
 
 At K = 2 no baseline can be worth more than doubling RLOO's batch, and James-Stein at B = 4 at
