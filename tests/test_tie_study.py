@@ -68,13 +68,15 @@ def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
     lead = dict(rloo=0.1, xctx=0.05, best=0.05)
     prediction = dict(rho={0: 0.9}, factors={0: factors}, doubling_gain=0.4, lead=lead)
     pilot = dict(better="xctx", spread=0.3, difference="0.1 ± 0.1", asked=40, largest=100)
+    pilot["spreads"] = dict(rloo=0.2, xctx=0.3)
     lines = tie_study.arm_lines("Arm A", chosen, prediction, pilot, list(range(3)), runs)
     text = "\n".join(lines)
     assert "| 0 | 0.90 | 1.200 | 1.100 | 1.300 | 1.250 |" in text
     assert "over the better of the two +0.050 (reward linear in log2 of the batch)" in text
+    assert "spreads (area) of JS - RLOO 0.200 and of JS - cross-context 0.300" in text
     assert (
-        "asks 40 seeds (the most when no lead is predicted), run: 3 (seeds 0-2; at most 100)"
-        in text
+        "with the larger spread asks 40 seeds (the most when no lead is predicted), run: 3 "
+        "(seeds 0-2; at most 100)" in text
     )
     # JS - cross-context per seed: 0.1 - 0.1, 0.1, 0.1 + 0.1 -> 0.100 ± t(0.975, 2) x 0.1 / sqrt 3
     half = 4.302653 * 0.1 / math.sqrt(3)
