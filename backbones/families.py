@@ -405,12 +405,13 @@ class SDXLBackbone(PipelineBackbone):
         """As the pipeline decodes: a float16 VAE that asks for it (SD-XL's overflows to NaN) is
         upcast to float32 for the decode, then cast back."""
         vae = self.pipe.vae
-        upcast = vae.dtype == torch.float16 and vae.config.force_upcast
-        vae.to(torch.float32 if upcast else vae.dtype)
+        if not (vae.dtype == torch.float16 and vae.config.force_upcast):
+            return super().decode_raw(latents)
+        vae.to(torch.float32)
         try:
             return super().decode_raw(latents)
         finally:
-            vae.to(torch.float16 if upcast else vae.dtype)
+            vae.to(torch.float16)
 
     def vae_input(self, latents):
         config = self.pipe.vae.config  # SD-XL's pipeline scales, and shifts by no shift_factor

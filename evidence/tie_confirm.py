@@ -74,10 +74,6 @@ def one_sided_p(values):
     return float(stats.ttest_1samp(values, 0.0, alternative="greater").pvalue)
 
 
-def differences(first, second, which):
-    return [gains(a)[which] - gains(b)[which] for a, b in zip(first, second)]
-
-
 def arm_lines(arm, runs):
     lines = ["| row | lr | endpoint gain | area under the curve |", "|---|---|---|---|"]
     for row, rate in RATES[arm].items():
@@ -102,7 +98,7 @@ def main(args):
             for (row, _), result in zip(work, found):
                 runs[arm][row].append(result)
     b, a = runs["B"], runs["A"]
-    p = {row: one_sided_p(differences(b["js"], b[row], 1)) for row in ("rloo", "xctx")}
+    p = {row: one_sided_p(tie_study.differences(b["js"], b[row], 1)) for row in ("rloo", "xctx")}
     both = max(p.values())
     lines = [
         "The plan, fixed before the run (evidence/tie_confirm.py's docstring): arm B's predicted "
@@ -120,8 +116,8 @@ def main(args):
         "",
     ]
     for row in ("rloo", "xctx"):
-        area = interval(differences(b["js"], b[row], 1), 3)
-        endpoint = interval(differences(b["js"], b[row], 0), 3)
+        area = interval(tie_study.differences(b["js"], b[row], 1), 3)
+        endpoint = interval(tie_study.differences(b["js"], b[row], 0), 3)
         lines.append(
             f"- JS - {row}: area {area} (predicted {lead[row]:+.3f}; one-sided p {p[row]:.3g}), "
             f"endpoint {endpoint}"
@@ -136,12 +132,12 @@ def main(args):
         "",
     ]
     for measure, index in (("area", 1), ("endpoint", 0)):
-        values = differences(a["js"], a["rloo"], index)
+        values = tie_study.differences(a["js"], a["rloo"], index)
         p_two = float(stats.ttest_1samp(values, 0.0).pvalue)
         lines.append(f"- JS - RLOO, {measure}: {interval(values, 3)} (two-sided p {p_two:.3g})")
     lines += [
         f"- the bound predicts +0.000; the exploratory run measured +{ARM_A_LEAD} on the area; "
-        f"the spread here {statistics.stdev(differences(a['js'], a['rloo'], 1)):.3f}.",
+        f"the spread here {statistics.stdev(tie_study.differences(a['js'], a['rloo'], 1)):.3f}.",
         "",
         runs_line(started, clock, args.jobs),
     ]
