@@ -24,14 +24,20 @@ import json
 import math
 import os
 import signal
+import sys
+from pickle import UnpicklingError
 
 import torch
 import torch.distributed as dist
+from huggingface_hub import hf_hub_download
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 from tqdm import tqdm
 
 import backbones
 import rewards as reward_lib
-from policy import GlobalPolicy, load_policy
+from comparator.tpdm import StepwisePolicy
+from policy import GlobalPolicy, SchedulePolicy
 from prompts import (
     HELDOUT_SEED,
     context_noise,
@@ -45,6 +51,78 @@ from prompts import (
 # the checkpoint of `python train.py` (its default --out-dir): evaluate.py's and sample.py's default
 MAIN_RUN = os.path.join("out", "digits-L4-instance-s0", "ckpt.pt")
 GAIN_CONTEXTS = 32  # held-out contexts of the gain logged at each checkpoint (heldout_gain)
+# every policy kind (train.py's --policy), by the name its checkpoint records
+POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": StepwisePolicy}
+# what reading a checkpoint that is missing, damaged or of another program raises
+DAMAGED = EOFError, LookupError, OSError, RuntimeError, SafetensorError, UnpicklingError, ValueError
+
+
+# -----------------------------------------------------------------------------
+# a trained policy, rebuilt from its checkpoint; the doors of evaluate.py and sample.py
+def load_policy(source):
+    """(policy on the CPU in eval mode, the configuration train.py trained it with) from a ckpt.pt,
+    a policy/ folder or a Hub repository id; strict: every weight must match its network. A source
+    whose first folder exists here is local: missing, it is a FileNotFoundError before any Hub call;
+    damaged, a ValueError that names it."""
+    local = os.path.exists(source.split("/")[0]) or source.count("/") != 1  # else user/name
+    if local and not os.path.exists(source):
+        raise FileNotFoundError(f"no checkpoint at {source}: train one with python train.py")
+    try:
+        if os.path.isfile(source):
+            state = torch.load(source, map_location="cpu", weights_only=True)
+            training = dict(state["config"], iteration=state["iteration"])
+            arguments = dict(state["policy_config"], training_config=training)
+            arguments, weights = dict(arguments, backbone=training["backbone"]), state["policy"]
+        else:  # the Hub format (policy.save_policy): a policy/ folder or a Hub repository id
+            paths = [os.path.join(source, name) for name in ("config.json", "model.safetensors")]
+            if not os.path.isdir(source):  # a Hub repository id
+                paths = [hf_hub_download(source, os.path.basename(path)) for path in paths]
+            with open(paths[0]) as file:
+                arguments, weights = json.load(file), load_file(paths[1])
+        kind = arguments.get("kind", "instance" if "latent_channels" in arguments else "global")
+        policy = POLICIES[kind](**arguments)
+        policy.load_state_dict(weights)
+    except DAMAGED as error:
+        reason = f"{type(error).__name__}: {' '.join(str(error).split()).split('. ')[0]}"
+        raise ValueError(f"cannot read a policy from {source}: {reason.rstrip(': ')}") from error
+    training = policy.training_config or dict(backbone=policy.backbone, steps=policy.steps)
+    return policy.eval(), training
+
+
+def out_folder(args, name):
+    """--out-dir, else `name` next to a local checkpoint (in the working folder for a hub id): the
+    door's check that it is a folder, or one that can be made, where files can be written."""
+    beside = os.path.dirname(os.path.abspath(args.ckpt)) if os.path.exists(args.ckpt) else "."
+    out_dir = args.out_dir or os.path.join(beside, name)
+    existing = os.path.abspath(out_dir)
+    while not os.path.exists(existing):  # the nearest folder that exists: where it is made
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
+        raise ValueError(f"--out-dir {out_dir}: {existing} is not a folder that can be written")
+    return out_dir
+
+
+def load_rewards(names, backbone, device, local):
+    """name -> reward for those of `names` that load here (`local`: name -> its local weights), a
+    note for each that does not."""
+    rewards = {}
+    for name in names:
+        try:
+            rewards[name] = reward_lib.load_reward(name, backbone, device, local.get(name))
+        except (ImportError, OSError, ValueError) as error:
+            print(f"skipping reward {name}: {' '.join(str(error).split())}")
+    return rewards
+
+
+def run_command(main):
+    """A command as a user runs it: a user's input's error (a missing or damaged file, a refused
+    value, Ctrl-C) ends in one `error:` line and exit status 1, not a traceback."""
+    sys.stdout.reconfigure(errors="backslashreplace")  # an ASCII terminal prints the tables' ±
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
+    try:
+        main()
+    except (OSError, ValueError, KeyboardInterrupt) as error:
+        raise SystemExit(f"error: {' '.join(str(error).split()) or 'interrupted'}") from None
 
 
 # -----------------------------------------------------------------------------
@@ -234,7 +312,7 @@ parser = argparse.ArgumentParser(description="Paired evaluation of learned sampl
 add = parser.add_argument
 add("--ckpt", default=MAIN_RUN, help=f"train.py's ckpt.pt or policy/ folder (default: {MAIN_RUN})")
 add("--global-ckpt", help="optional checkpoint of a global schedule (same backbone and L)")
-add("--out-dir", help="output folder; default: eval/ next to --ckpt")
+add("--out-dir", help="output folder; default: eval/ next to --ckpt (a hub id: here)")
 add("--prompts", help="prompt file (.txt, .json, .jsonl); default: the run's held-out prompts")
 add("--hpdv2", nargs="?", const="hub", help="HPDv2 test prompts: folder of <style>.json, else hub")
 add("--count", type=int, help="contexts (prompts cycled); default: the run's held-out count")
@@ -255,32 +333,31 @@ def main(argv=None):
     # ---------------- the door ----------------
     for flag in ("count", "limit", "batch_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
     if any("=" not in item for item in args.reward_checkpoint):
-        parser.error("--reward-checkpoint takes NAME=PATH")
-    if not os.path.exists(args.ckpt) and args.ckpt.count("/") != 1:  # nor a hub id user/name
-        parser.error(f"no checkpoint at {args.ckpt}: train one with python train.py")
+        raise ValueError("--reward-checkpoint takes NAME=PATH")
     learned, config = load_policy(args.ckpt)
     steps, trained_on = config["steps"], config["backbone"]
     policies = {"learned": learned}
     if args.global_ckpt:
         policies["global"], global_config = load_policy(args.global_ckpt)
-        if not isinstance(policies["global"], GlobalPolicy) or global_config["steps"] != steps:
-            parser.error(f"--global-ckpt must be a run of --policy global at L = {steps}")
+        run = policies["global"].config["kind"], global_config["backbone"], global_config["steps"]
+        if run != ("global", trained_on, steps):
+            raise ValueError(f"--global-ckpt is no global policy's run on {trained_on}, L={steps}")
     if args.schnell and trained_on not in backbones.DISTILLED:
-        parser.error(f"--schnell is for {' and '.join(backbones.DISTILLED)}, not {trained_on}")
-    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "eval")
+        raise ValueError(f"--schnell is for {' and '.join(backbones.DISTILLED)}, not {trained_on}")
+    prompt_list, styles = None, None  # styles group the tables: HPDv2's, a .jsonl's style or tag
+    if args.hpdv2:
+        prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
+    elif prompt_file := args.prompts or config["eval_prompts"]:
+        prompt_list, styles = load_prompt_file(prompt_file), prompt_groups(prompt_file)
+    out_dir = out_folder(args, "eval")
     local = {config["reward"]: config.get("reward_checkpoint")}  # reward -> its local weights
     local.update(item.split("=", 1) for item in args.reward_checkpoint)
     beside = ["clip"] if config["reward"] == "hpsv2" else []
     reward_names = args.rewards or [config["reward"], *beside]
 
     # ---------------- contexts, backbone, rewards ----------------
-    prompt_list, styles = None, None  # styles group the tables: HPDv2's, a .jsonl's style or tag
-    if args.hpdv2:
-        prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
-    elif prompt_file := args.prompts or config["eval_prompts"]:
-        prompt_list, styles = load_prompt_file(prompt_file), prompt_groups(prompt_file)
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if use_cuda else "cpu")
     torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
@@ -291,14 +368,9 @@ def main(argv=None):
     styles = [styles[i % len(styles)] if styles else None for i in range(len(prompts))]
     prompts, seeds, styles = prompts[: args.limit], seeds[: args.limit], styles[: args.limit]
     backbone.keep_encoded(prompts)  # once, and the text encoders dropped, where the set fits
-    rewards = {}
-    for name in reward_names:
-        try:
-            rewards[name] = reward_lib.load_reward(name, backbone, device, local.get(name))
-        except (ImportError, OSError, ValueError) as error:
-            print(f"skipping reward {name}: {' '.join(str(error).split())}")
+    rewards = load_rewards(reward_names, backbone, device, local)
     if not rewards:
-        raise SystemExit(f"evaluate.py: error: none of the rewards {reward_names} loaded")
+        raise ValueError(f"none of the rewards {reward_names} loaded")
 
     # ---------------- score every method on the same contexts ----------------
     methods = {"default": default_schedule(backbone, steps)}
@@ -357,5 +429,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
-    main()
+    run_command(main)

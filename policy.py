@@ -12,18 +12,14 @@ increment tau_{L+1} = t_L (at least TAU_FLOOR) is the learnable stop margin: sam
 - GlobalPolicy: one schedule for every context (the ablation), the same network on constant inputs.
 - DirichletRollouts: what train.py's loop asks of either, K schedules drawn per context, then
   sampled, and the log-probability of what was drawn.
-- make_policy builds one for a backbone, load_policy rebuilds one from train.py's ckpt.pt, its
-  policy/ folder (the Hub format) or a Hub repository id.
+- make_policy builds one for a backbone, save_policy saves it in the Hub format (evaluate.py's
+  load_policy rebuilds one from train.py's ckpt.pt, its policy/ folder or a Hub repository id).
 Both start at the initial increments `initial_logits` gives for every input (init="default": a
 backbone's default schedule; "uniform": equal increments) with sum(alpha) = concentration. Why the
 network and its start are as they are: docs/DESIGN.md.
 """
 
-import contextlib
-import io
-import json
 import math
-import os
 
 import torch
 import torch.nn as nn
@@ -47,7 +43,7 @@ A sampling-schedule policy: for an initial noise and a prompt it proposes when a
 text-to-image sampler takes its L steps. Trained with
 REINFORCE and a James-Stein baseline, after Yu et al., "Designing Instance-Level Sampling Schedules
 via REINFORCE with James-Stein Shrinkage" (CVPR 2026, {{ paper_url }}). config.json names the
-backbone, L and the training configuration. Load it with `policy.load_policy(folder or repo id)`
+backbone, L and the training configuration. Load it with `evaluate.load_policy(folder or repo id)`
 and sample with `backbones.pipeline.generate(pipe, policy, prompt)`, from the reference
 implementation of the paper that trained it (library `instance-schedules`).
 """
@@ -286,7 +282,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
     ):
         super().__init__()
         # what it was trained for: the backbone's name and train.py's configuration (None when
-        # unknown); the Hub format records them with the weights (load_policy)
+        # unknown); the Hub format records them with the weights (save_policy)
         self.backbone, self.training_config = backbone, training_config
         self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels)
         self.config.update(text_dim=text_dim, pooled_dim=pooled_dim, widths=list(widths), dim=dim)
@@ -420,7 +416,7 @@ class GlobalPolicy(SchedulePolicy):
 
 
 # -----------------------------------------------------------------------------
-# a policy built for a backbone, and loaded back
+# a policy built for a backbone, and saved
 
 # Network sizes, named in backbones.BACKBONES ("policy"). "real": about 20M parameters for the real
 # models (the paper: "about 20M parameters, under 1% of the sampler"); "embedded": for the 8x8
@@ -432,53 +428,20 @@ NETWORKS = {
 }
 
 
-def policy_class(kind):
-    """The class of a policy kind: this file's, or the comparator's step-wise policy (which builds
-    on this file, hence imported here only when asked for)."""
-    if kind == "stepwise":
-        from comparator.tpdm import StepwisePolicy
-
-        return StepwisePolicy
-    return {"instance": SchedulePolicy, "global": GlobalPolicy}[kind]
-
-
-def make_policy(kind, backbone_dims, steps, init_times=None, network="embedded", **options):
-    """A policy for a backbone (`backbone_dims` = Backbone.policy_dims), sized by NETWORKS[network];
-    it starts at the default schedule `init_times` (L+1,) when given, else at equal increments."""
+def make_policy(policy_cls, backbone_dims, steps, init_times=None, network="embedded", **options):
+    """A policy of class `policy_cls` (a value of evaluate.POLICIES) for a backbone (`backbone_dims`
+    = Backbone.policy_dims), sized by NETWORKS[network]; it starts at the default schedule
+    `init_times` (L+1,) when given, else at equal increments."""
     start = dict(init="uniform")
     if init_times is not None:
         start = dict(init="default", init_times=json_times(init_times))
     arguments = start | NETWORKS[network] | options  # options win: the comparator's init
-    return policy_class(kind).for_backbone(steps, backbone_dims, **arguments)
-
-
-def load_policy(source):
-    """(policy on the CPU in eval mode, the configuration train.py trained it with) from a ckpt.pt,
-    a policy/ folder or a Hub repository id; strict: every weight must match its network."""
-    if os.path.isfile(source):
-        state = torch.load(source, map_location="cpu", weights_only=True)
-        training = dict(state["config"], iteration=state["iteration"])
-        arguments = dict(state["policy_config"], training_config=training)
-        policy = policy_class(arguments["kind"])(backbone=training["backbone"], **arguments)
-        policy.load_state_dict(state["policy"])
-        return policy.eval(), training
-    if os.path.isdir(source):
-        config_path = os.path.join(source, "config.json")
-    else:  # a Hub repository id
-        from huggingface_hub import hf_hub_download
-
-        config_path = hf_hub_download(source, "config.json")
-    with open(config_path) as file:
-        saved = json.load(file)
-    kind = saved.get("kind", "instance" if "latent_channels" in saved else "global")
-    with contextlib.redirect_stdout(io.StringIO()):  # the mixin prints "Loading weights from ..."
-        policy = policy_class(kind).from_pretrained(source, strict=True)
-    training = policy.training_config or dict(backbone=policy.backbone, steps=policy.steps)
-    return policy.eval(), training
+    return policy_cls.for_backbone(steps, backbone_dims, **arguments)
 
 
 def save_policy(folder, policy, config):
     """The policy in the Hub format: config.json holds its constructor arguments, the backbone and
-    train.py's configuration `config` (with the iteration); model.safetensors its weights."""
+    train.py's configuration `config` (with the iteration); model.safetensors its weights;
+    evaluate.load_policy loads it back."""
     arguments = dict(policy.config, backbone=config["backbone"], training_config=config)
     policy.save_pretrained(folder, config=arguments)

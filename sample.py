@@ -27,24 +27,21 @@ import json
 import math
 import os
 import re
-import signal
 
 import torch
 
 import backbones
-from evaluate import MAIN_RUN, default_schedule, policy_schedule, run_method
-from policy import load_policy
-from prompts import context_noise, load_prompt_file, noise_seed
-from rewards import load_reward
+import evaluate
+from prompts import load_prompt_file, noise_seed
 
 # -----------------------------------------------------------------------------
 # configuration
 parser = argparse.ArgumentParser(description="Sample with a learned schedule next to the default.")
 add = parser.add_argument
 # I/O
-add("--ckpt", default=MAIN_RUN, help=f"train.py's ckpt.pt, its policy/ folder or a hub id "
-    f"(default: {MAIN_RUN})")  # fmt: skip
-add("--out-dir", help="output folder; default: samples/ next to --ckpt")
+add("--ckpt", default=evaluate.MAIN_RUN, help=f"train.py's ckpt.pt, its policy/ folder or a hub id "
+    f"(default: {evaluate.MAIN_RUN})")  # fmt: skip
+add("--out-dir", help="output folder; default: samples/ next to --ckpt (a hub id: here)")
 # contexts
 add("--prompt", action="append", default=[], help="a prompt (repeatable)")
 add("--prompts", help="prompt file (.txt, .json, .jsonl)")
@@ -85,29 +82,20 @@ def sample_contexts(backbone, policy, prompts, seeds, draws=None, batch_size=8, 
     -> (images (N, 3, H, W) on CPU, times (N, L+1) or None, latent mean squared distance to the
     teacher (N,), score by `reward` or, when None, minus that distance (N,))."""
     methods = {
-        "default": default_schedule(backbone, policy.steps),
-        "learned": policy_schedule(policy, backbone, draws),
-        "teacher": None,
+        "default": evaluate.default_schedule(backbone, policy.steps),
+        "learned": evaluate.policy_schedule(policy, backbone, draws),
     }
-    batches = {name: [] for name in methods}
-    for start in range(0, len(prompts), batch_size):
-        batch_prompts = prompts[start : start + batch_size]
-        noise = context_noise(backbone, seeds[start : start + batch_size])
-        cond = backbone.encode_prompts(batch_prompts)
-        teacher = backbone.reference(noise, cond)
-        for name, method in methods.items():
-            times, latents = (
-                (None, teacher) if method is None else run_method(backbone, method, noise, cond)
-            )
-            images = backbone.decode(latents).float().cpu()
-            error = (latents.float() - teacher.float()).square().flatten(1).mean(1)
-            score = -error if reward is None else reward(latents, batch_prompts, noise, cond)
-            times = None if times is None else times.float().cpu()
-            batches[name].append((images, times, error.cpu(), score.float().cpu()))
-    return {
-        name: tuple(None if column[0] is None else torch.cat(column) for column in zip(*rows))
-        for name, rows in batches.items()
-    }
+    # evaluate.score_table's columns: what is kept of each method's latents, on the CPU
+    keep = dict(image=lambda latents, *_: backbone.decode(latents), latents=lambda *seen: seen[0])
+    keep |= {} if reward is None else {"score": reward}
+    table, times = evaluate.score_table(
+        backbone, keep, prompts, seeds, methods, "teacher", batch_size
+    )
+    results = {}
+    for name, row in table.items():  # default, learned, teacher
+        error = (row["latents"] - table["teacher"]["latents"]).square().flatten(1).mean(1)
+        results[name] = (row["image"], times.get(name), error, row.get("score", -error))
+    return results
 
 
 @torch.no_grad()
@@ -180,20 +168,6 @@ def save_figures(out_dir, contexts, results, label, measure):
     plt.close(figure)
 
 
-def run_reward(config, backbone, device):
-    """The run's own reward and its name in the printed comparisons; None (minus the distance to
-    the teacher, computed anyway) for the teacher reward or, with a note, one that cannot load."""
-    name = config.get("reward")
-    if name not in (None, "teacher"):
-        try:
-            checkpoint = config.get("reward_checkpoint")
-            reward = load_reward(name, backbone, device=device, checkpoint=checkpoint)
-            return reward, f"the {name} reward"
-        except (ImportError, ValueError, OSError) as error:
-            print(f"note: the {name} reward is not available ({error}); comparing by the teacher")
-    return None, "minus the distance to the teacher"
-
-
 def write_images(out_dir, contexts, pictures):
     """One PNG per context and method (pictures: method -> PIL images)."""
     os.makedirs(out_dir, exist_ok=True)
@@ -207,19 +181,19 @@ def main(argv=None):
     args = parser.parse_args(argv)
     # ---------------- the door ----------------
     if args.batch_size < 1:
-        parser.error(f"--batch-size must be at least 1 (got {args.batch_size})")
-    if not os.path.exists(args.ckpt) and args.ckpt.count("/") != 1:  # nor a hub id user/name
-        parser.error(f"no checkpoint at {args.ckpt}: train one with python train.py")
-    policy, config = load_policy(args.ckpt)
+        raise ValueError(f"--batch-size must be at least 1 (got {args.batch_size})")
+    policy, config = evaluate.load_policy(args.ckpt)
+    if args.export and policy.config["kind"] != "global":
+        raise ValueError("--export is for a global policy (train.py --policy global) only")
     spec = backbones.BACKBONES[config["backbone"]]
     prompts = args.prompt + (load_prompt_file(args.prompts) if args.prompts else [])
     if not prompts and spec.get("prompts"):  # the miniatures' held-out paraphrases
         prompts = load_prompt_file(spec["prompts"][1])[:10]
-    if not prompts and spec["family"] != "mixture":
-        parser.error(f"backbone {config['backbone']} needs --prompt TEXT or --prompts FILE")
+    if not prompts and spec["family"] != "mixture" and not args.export:
+        raise ValueError(f"backbone {config['backbone']} needs --prompt TEXT or --prompts FILE")
     if args.pipeline and (policy.pipeline_refusal or spec["family"] == "mixture"):
-        parser.error(policy.pipeline_refusal or "--pipeline needs a diffusers backbone")
-    out_dir = args.out_dir or os.path.join(os.path.dirname(os.path.abspath(args.ckpt)), "samples")
+        raise ValueError(policy.pipeline_refusal or "--pipeline needs a diffusers backbone")
+    out_dir = None if args.export else evaluate.out_folder(args, "samples")  # --export: no images
 
     # ---------------- backbone, contexts ----------------
     use_cuda = torch.cuda.is_available() and args.device != "cpu"
@@ -229,8 +203,9 @@ def main(argv=None):
     if args.export:
         from backbones.pipeline import schedule_json
 
+        exported = json.dumps(schedule_json(policy, backbone), indent=1)  # whole, then written
         with open(args.export, "w") as handle:
-            json.dump(schedule_json(policy, backbone), handle, indent=1)
+            handle.write(exported)
         return print(f"wrote the schedule of {args.ckpt} to {args.export}")
     backbone.check_prompts(prompts, config.get("reward"))
     contexts = [(prompt, seed) for prompt in prompts or backbone.prompts for seed in args.seeds]
@@ -244,7 +219,10 @@ def main(argv=None):
         return print(f"wrote {2 * len(contexts)} images from the diffusers pipeline to {out_dir}")
 
     # ---------------- sample: default, learned and teacher from the same noise ----------------
-    reward, measure = run_reward(config, backbone, device)
+    name = config.get("reward", "teacher")  # the run's, else minus the distance to the teacher
+    local = {name: config.get("reward_checkpoint")}
+    reward = evaluate.load_rewards({name} - {"teacher"}, backbone, device, local).get(name)
+    measure = "minus the distance to the teacher" if reward is None else f"the {name} reward"
     draws = torch.Generator().manual_seed(args.draw_seed) if args.stochastic else None
     results = sample_contexts(backbone, policy, prompts, seeds, draws, args.batch_size, reward)
     learned, default = results["learned"], results["default"]
@@ -271,5 +249,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
-    main()
+    evaluate.run_command(main)

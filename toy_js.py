@@ -278,5 +278,8 @@ def main(out_dir, quick=False):
 if __name__ == "__main__":
     args = parser.parse_args()
     started = time.time()
-    main(args.out_dir, args.quick)
+    try:  # a user's error (a file as --out-dir) or Ctrl-C: one line, not a traceback
+        main(args.out_dir, args.quick)
+    except (OSError, KeyboardInterrupt) as error:
+        raise SystemExit(f"error: {str(error) or 'interrupted'}") from None
     print(f"\nwrote {args.out_dir}/toy_js.json and toy_js.png in {time.time() - started:.1f} s")

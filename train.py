@@ -21,12 +21,17 @@ If out_dir holds a ckpt.pt, the same command continues that run where it stopped
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import pickle
+import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -37,8 +42,7 @@ import backbones
 import rewards as reward_lib
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from comparator import tpdm
-from evaluate import heldout_gain, heldout_report
-from miniatures.realism import NEIGHBOURS
+from evaluate import POLICIES, heldout_gain, heldout_report
 from policy import make_policy, save_policy
 from prompts import SHIPPED, context_seed, heldout_contexts, load_prompt_file
 
@@ -87,7 +91,7 @@ class Config:
     adam_beta2: float = arg(0.999, "AdamW's beta2 (beta1 is 0.9)")
     adam_eps: float = arg(1e-8, "AdamW's epsilon")
     grad_clip: float = arg(1.0, "gradient-norm clip")
-    # the comparator TPDM (comparator/tpdm.py): its policy's inputs and its PPO update (COMPARATOR)
+    # the comparator TPDM (comparator/tpdm.py): its policy's inputs and its PPO update
     policy_inputs: str = arg("sampler", "stepwise: sampler | hidden (the denoiser's, hooks)")
     inference: str = arg("mean", "stepwise: the Beta's mean | mode at evaluation")
     ppo_epochs: int = arg(4, "ppo: passes over each batch")
@@ -135,14 +139,10 @@ CHOICES.update(policy=["instance", "global", "stepwise"], init=["default", "unif
 CHOICES.update(optimizer=["reinforce", "ppo"], lr_decay=["cosine", "constant"])
 CHOICES.update(policy_inputs=["sampler", "hidden"], inference=["mean", "mode"])
 CHOICES.update(device=["cpu", "cuda"], dtype=["bfloat16", "float16", "float32"])
-# the comparator's settings: of its policy (--policy stepwise) or its update (--optimizer ppo)
-COMPARATOR = dict(policy_inputs="stepwise", inference="stepwise", ppo_epochs="ppo")
-COMPARATOR.update(ppo_minibatches="ppo", ppo_clip="ppo")
 # what a continued run may change: how it runs, not what it trains
 CONTINUABLE = {"out_dir", "ckpt_interval", "log_interval", "iterations", "rollout_batch"}
 CONTINUABLE |= {"eval_contexts", "device", "threads", "model_path", "compile", "attention"}
-# what train.py writes into out_dir: a fresh run writes into no folder that holds anything else
-OUTPUTS = {"ckpt.pt", "ckpt.pt.tmp", "metrics.jsonl", "eval.json", "eval.json.tmp", "policy"}
+CONTINUABLE |= {"prompts", "eval_prompts"}  # a file by another name: compared by its contents
 
 
 def parse_config(argv=None):
@@ -189,18 +189,20 @@ def fail(message):
 
 
 def check(config, world_size):
-    """Returns the training and held-out prompts (None: the backbone's own) and the checkpoint that
-    out_dir holds (None: a fresh run)."""
-    spec, name = backbones.BACKBONES[config.backbone], config.backbone
+    """Returns the training and held-out prompts (None: the backbone's own), their digest and the
+    checkpoint that out_dir holds (None: a fresh run)."""
+    spec, name, out = backbones.BACKBONES[config.backbone], config.backbone, config.out_dir
     cuda, mixture = torch.cuda.is_available(), spec["family"] == "mixture"
-    miniature = "folder" in spec  # whose held-out report measures realism (NEIGHBOURS-NN)
     counts = "steps iterations ckpt_interval log_interval eval_contexts rollout_batch ppo_epochs"
     least = dict.fromkeys([*counts.split(), "ppo_minibatches"], 1)
-    least.update(seed=0, rollouts=2, contexts=MIN_CONTEXTS[config.baseline])
+    least.update(seed=0, threads=0, rollouts=2, contexts=MIN_CONTEXTS[config.baseline])
     why = dict(rollouts=" (leave-one-out)", contexts=f" for --baseline {config.baseline}")
     for key, bound in least.items():
         if getattr(config, key) is not None and getattr(config, key) < bound:
             fail(f"--{key.replace('_', '-')} must be at least {bound}{why.get(key, '')}")
+    for key, value in vars(config).items():  # nan and inf pass argparse's float
+        if isinstance(value, float) and not math.isfinite(value):
+            fail(f"--{key.replace('_', '-')} must be a finite number")
     positive = [config.lr, config.concentration, config.grad_clip, config.adam_eps]
     hidden = config.policy_inputs == "hidden"  # like --init tpdm, --inference mode: stepwise's
     stepwise_only = hidden or config.init == "tpdm" or config.inference == "mode"
@@ -215,12 +217,18 @@ def check(config, world_size):
          f"{name} on a CPU takes hours per update; pass --device cpu to insist"),
         (config.guidance is not None and spec["guidance"] is None, f"{name} runs no --guidance"),
         (spec["hub_id"] is None and config.resolution, f"{name} draws one size: drop --resolution"),
-        (miniature and config.eval_contexts <= NEIGHBOURS, f"--eval-contexts > {NEIGHBOURS}"),
         (mixture and config.reward in reward_lib.IMAGE_CONTENT, f"{name}: no text in 8x8 digits"),
         (mixture and hidden, f"{name} has no --policy-inputs hidden"),
         (mixture and (config.compile or config.attention), f"{name}: no --compile, --attention"),
+        (config.dtype == "float16" and spec["family"] in ("sd3", "flux"),
+         f"{name}: SD3.5 and Flux overflow in --dtype float16; pass bfloat16 or float32"),
+        (config.attention and spec["family"] in ("sd3", "sdxl"), f"{name}: --attention reaches "
+         "Flux's attention only (SD3's and SD-XL's processors call torch's SDPA themselves)"),
+        (config.attention and config.attention not in backbones.families.attention_backends(),
+         f"--attention: one of {', '.join(backbones.families.attention_backends())}"),
         (config.policy != "stepwise" and stepwise_only, "--init tpdm, --inference mode and "
          "--policy-inputs hidden need --policy stepwise"),
+        (not out or os.path.exists(out) and not os.path.isdir(out), f"--out-dir {out!r}: a folder"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:
@@ -232,19 +240,31 @@ def check(config, world_size):
         reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
     except (ValueError, OSError) as error:
         fail(error)
-    ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
-    if not os.path.isfile(ckpt_path):  # a fresh run: out_dir absent, empty or ours
-        if os.path.isdir(config.out_dir) and set(os.listdir(config.out_dir)) - OUTPUTS:
-            fail(f"--out-dir {config.out_dir} holds files train.py did not write; pass another")
-        return prompts, heldout, None
-    found = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    changed = [key for key, value in found["config"].items()
-               if key not in CONTINUABLE and getattr(config, key, None) != value]  # fmt: skip
+    digest = hashlib.sha256(json.dumps([prompts, heldout]).encode()).hexdigest()
+    ckpt_path = os.path.join(out, "ckpt.pt")
+    if not os.path.exists(ckpt_path):  # a fresh run: in an absent or empty folder only
+        if os.path.isdir(out) and set(os.listdir(out)) - {"ckpt.pt.tmp"}:
+            fail(f"--out-dir {out} holds files but no ckpt.pt to continue; pass another")
+        parent = os.path.abspath(out)  # the folder it will be made in must be writable
+        while not os.path.isdir(parent):
+            parent = os.path.dirname(parent)
+        if not os.access(parent, os.W_OK):
+            fail(f"--out-dir {out}: {parent} is not writable")
+        return prompts, heldout, digest, None
+    try:  # every started run has one (written before its first iteration)
+        found = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+        changed = [key for key, value in found["config"].items()
+                   if key not in CONTINUABLE and getattr(config, key, None) != value]  # fmt: skip
+        changed += ["prompt file contents"] if found["prompts_sha256"] != digest else []
+    except (OSError, RuntimeError, EOFError, KeyError, TypeError, pickle.UnpicklingError) as error:
+        fail(f"{ckpt_path} is not a checkpoint of train.py ({type(error).__name__}); pass another")
     if changed:
         fail(f"{ckpt_path} is a run with other {', '.join(changed)}; pass another --out-dir")
     if found["iteration"] > config.iterations:
         fail(f"{ckpt_path} is at iteration {found['iteration']}, past --iterations")
-    return prompts, heldout, found
+    if os.path.isdir(os.path.join(out, "eval.json")):
+        fail(f"{os.path.join(out, 'eval.json')} is a folder; train.py writes its report there")
+    return prompts, heldout, digest, found
 
 
 # -----------------------------------------------------------------------------
@@ -260,19 +280,17 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
     distributed = "RANK" in os.environ
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     master = rank == 0
-    if master:  # the settings that apply to this run: the comparator's to its runs only
-        applies = (None, config.policy, config.optimizer)
-        shown = [f"{k}={v}" for k, v in vars(config).items() if COMPARATOR.get(k) in applies]
-        print("configuration: " + " ".join(shown))
-    train_prompts, eval_prompts, found = check(config, world_size)
+    if master:
+        print("configuration: " + " ".join(f"{k}={v}" for k, v in vars(config).items()))
+    train_prompts, eval_prompts, digest, found = check(config, world_size)
     use_cuda = torch.cuda.is_available() and config.device != "cpu"
     device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', 0)}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if distributed:  # torchrun: nccl on GPUs (bound to this rank's), gloo on CPUs
-        backend, bound = ("nccl", device) if use_cuda else ("gloo", None)
-        dist.init_process_group(backend, device_id=bound)
+    if distributed:  # torchrun: nccl on GPUs (bound to this rank's), gloo on CPUs; a rank may
+        backend, bound = ("nccl", device) if use_cuda else ("gloo", None)  # wait for another's
+        dist.init_process_group(backend, device_id=bound, timeout=timedelta(hours=1))  # load
     if config.threads:
         torch.set_num_threads(config.threads)
 
@@ -280,30 +298,33 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
     saved = dataclasses.asdict(config)
     try:  # a model that is missing, gated or damaged: the library's own message, in one line
         backbone, reward = loaded or (backbones.trained_backbone(saved, device), None)
-        local = config.reward_checkpoint
-        prompts = train_prompts or backbone.prompts
-        contexts = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
-        backbone.check_prompts(prompts + contexts[0], config.reward)  # here, not at an iteration
         if reward is None:
-            reward = reward_lib.load_reward(config.reward, backbone, device, local)
-        if config.attention:
-            backbone.model.set_attention_backend(config.attention)
-        if config.compile:  # in place: the hooks of --policy-inputs hidden stay on the same module
-            backbone.model.compile()
+            reward = reward_lib.load_reward(
+                config.reward, backbone, device, config.reward_checkpoint
+            )
     except (OSError, ImportError, ValueError) as error:
-        fail(f"{type(error).__name__}: {' '.join(str(error).split())}")
+        way_out = "; accept its licence on the Hub and `hf auth login`, or --model-path a copy"
+        hub = backbones.BACKBONES[config.backbone]["hub_id"] and not config.model_path
+        fail(f"{type(error).__name__}: {' '.join(str(error).split())}" + (way_out if hub else ""))
+    prompts = train_prompts or backbone.prompts
+    contexts = heldout_contexts(eval_prompts or backbone.prompts, config.eval_contexts)
+    backbone.check_prompts(prompts + contexts[0], config.reward)  # here, not at an iteration
+    if config.attention:  # this model's attention alone; a ValueError where it cannot run here
+        backbone.set_attention(config.attention)
+    if config.compile:  # in place, its hooks first: a compiled model runs no hook added later
+        if config.policy_inputs == "hidden":
+            tpdm.hidden_states(backbone)
+        backbone.model.compile()
     backbone.keep_encoded(prompts + contexts[0])  # once, on the CPU: no encoder runs in the loop
 
     # ---------------- policy and optimiser: the method's, or the comparator's ----------------
     init_times = backbone.default_times(config.steps) if config.init == "default" else None
     options = tpdm.policy_options(config, backbone) if config.policy == "stepwise" else {}
+    options.update(concentration=config.concentration)
     torch.manual_seed(config.seed)  # the policy's initialisation; the loop's draws seed their own
     network, dims = backbones.BACKBONES[config.backbone]["policy"], backbone.policy_dims
-    try:
-        options.update(concentration=config.concentration)
-        raw_policy = make_policy(config.policy, dims, config.steps, init_times, network, **options)
-    except ValueError as error:  # a concentration too small for the smallest increment
-        fail(f"--concentration {config.concentration}: {error}")
+    policy_class = POLICIES[config.policy]
+    raw_policy = make_policy(policy_class, dims, config.steps, init_times, network, **options)
     raw_policy = raw_policy.to(device)
     policy = DistributedDataParallel(raw_policy) if distributed else raw_policy
     betas, parameters = (0.9, config.adam_beta2), raw_policy.parameters()
@@ -320,6 +341,14 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
     # ---------------- resume: nanoGPT's, exact (every draw of the loop is seeded) ----------------
     ckpt_path = os.path.join(config.out_dir, "ckpt.pt")
     metrics_path = os.path.join(config.out_dir, "metrics.jsonl")
+
+    def save_checkpoint(iteration):  # what a resume needs to continue exactly, written atomically
+        state = dict(policy=raw_policy.state_dict(), policy_config=raw_policy.config)
+        state.update(optimizer=optimizer.state_dict(), iteration=iteration, config=saved)
+        state.update(rng=torch.get_rng_state(), metrics=rows, prompts_sha256=digest)
+        torch.save(state, ckpt_path + ".tmp")
+        os.replace(ckpt_path + ".tmp", ckpt_path)
+
     start, rows = 0, []
     if found:  # weights, optimiser, RNG and the metrics rows up to its iteration
         raw_policy.load_state_dict(found["policy"])
@@ -329,9 +358,11 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
     if master:
         print(f"continuing {ckpt_path} from iteration {start}" if found else "a fresh run")
         os.makedirs(config.out_dir, exist_ok=True)
+        if not found:  # from here on the same command continues this run, whatever stops it
+            save_checkpoint(0)
         with open(metrics_path, "w") as file:  # a kill may have left rows past the checkpoint
             file.writelines(json.dumps(row) + "\n" for row in rows)
-        if on_checkpoint and not found:
+        if on_checkpoint and start == 0:
             on_checkpoint(raw_policy, 0)
 
     # ---------------- the loop ----------------
@@ -379,23 +410,18 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
         advantages = advantages[first : first + contexts_per_rank].flatten().to(device)
 
         # ---------------- policy gradient ----------------
-        lr = get_lr(config, iteration)
-
-        def step(loss):  # one AdamW step at this iteration's rate, the gradient norm clipped
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_policy.parameters(), config.grad_clip)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
-            return grad_norm
-
+        for group in optimizer.param_groups:
+            group["lr"] = get_lr(config, iteration)
         if config.optimizer == "ppo":  # the comparator's update: clipped steps on this batch
-            update = tpdm.ppo_update(config, iteration, rollouts, policy, advantages, step)
+            update = tpdm.ppo_update(config, iteration, rollouts, policy, advantages, optimizer)
             loss, grad_norm, clip_fraction = update
         else:  # REINFORCE; log pi is the joint Dirichlet log-density, recomputed with gradients
             loss = -(advantages * rollouts.log_prob(policy)).mean()
-            grad_norm, clip_fraction = step(loss), None
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(raw_policy.parameters(), config.grad_clip)
+            optimizer.step()
+            clip_fraction = None
 
         # ---------------- log and checkpoint (rank 0) ----------------
         done = iteration + 1
@@ -425,19 +451,17 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
         if done % config.log_interval == 0 or done == config.iterations:  # the row's numbers
             shown = [f"{key} {value:.4g}" for key, value in row.items() if isinstance(value, float)]
             progress.write(f"iter {done:5d} | " + " | ".join(shown))
-        if checkpoint_now:  # what a resume needs to continue exactly, written atomically
-            state = dict(policy=raw_policy.state_dict(), policy_config=raw_policy.config)
-            state.update(optimizer=optimizer.state_dict(), iteration=done, config=saved)
-            state.update(rng=torch.get_rng_state(), metrics=rows)
-            torch.save(state, ckpt_path + ".tmp")
-            os.replace(ckpt_path + ".tmp", ckpt_path)
+        if checkpoint_now:
+            save_checkpoint(done)
             if on_checkpoint:
                 on_checkpoint(raw_policy, done)
 
     # ---------------- the policy in the Hub format, the held-out report (eval.json last) -------
-    if master:
-        trained = dict(saved, iteration=config.iterations)
-        save_policy(os.path.join(config.out_dir, "policy"), raw_policy, trained)
+    if master:  # written whole or not at all, as the checkpoint
+        folder = os.path.join(config.out_dir, "policy")
+        save_policy(folder + ".tmp", raw_policy, dict(saved, iteration=config.iterations))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(folder + ".tmp", folder)
     heldout_report(config.out_dir, backbone, reward, raw_policy, contexts, config.reward,
                    config.iterations, chunk, realism)  # fmt: skip
     if master:
@@ -455,6 +479,12 @@ def get_lr(config, iteration):
     return config.lr * 0.5 * (1 + math.cos(math.pi * iteration / config.iterations))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # a user's mistake or Ctrl-C ends in one line, no traceback
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
-    main(parse_config())
+    sys.stdout.reconfigure(errors="backslashreplace")  # a terminal that cannot print "±"
+    try:
+        main(parse_config())
+    except KeyboardInterrupt:
+        fail("interrupted; the same command continues from the last checkpoint")
+    except (OSError, ValueError) as error:  # a file or a setting of the user's
+        fail(" ".join(str(error).split()))

@@ -31,7 +31,7 @@ class PipelineBackbone(Backbone):
     """What the three families share."""
 
     cfg = False  # true CFG: a [uncond; cond] batch per model call (SD3, SD-XL)
-    kept = rows = None  # keep_encoded's encodings (CPU) and each prompt's row in them
+    kept = rows = None  # keep_encoded's encodings and each prompt's row in them
 
     def __init__(self, pipe, model, name, resolution, guidance, multiple):
         for component in pipe.components.values():
@@ -39,7 +39,8 @@ class PipelineBackbone(Backbone):
                 component.eval().requires_grad_(False)
         pipe.set_progress_bar_config(disable=True)
         self.pipe, self.model, self.name, self.prompts = pipe, model, name, None
-        self.device, self.dtype = model.device, model.dtype
+        # where the pipeline computes: the GPU also under enable_model_cpu_offload (weights on CPU)
+        self.device, self.dtype = pipe._execution_device, model.dtype
         self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
         self.resolution = side = resolution or pipe.default_sample_size * pipe.vae_scale_factor
         if side % multiple:
@@ -82,11 +83,9 @@ class PipelineBackbone(Backbone):
         missing = [prompt for prompt in prompts if prompt not in self.rows]
         if missing:
             raise ValueError(f"{shown(missing[0])} is not among the prompts keep_encoded encoded")
-        picks, count = torch.tensor([self.rows[prompt] for prompt in prompts]), len(prompts)
-        return {  # the negative's one row stands for every prompt's
-            key: (value.expand(count, *value.shape[1:]) if key in NEGATIVES else value[picks]).to(
-                self.device, non_blocking=True
-            )
+        picks = torch.tensor([self.rows[prompt] for prompt in prompts])
+        return {  # the negative's one row, kept on the device, stands for every prompt's
+            key: value[picks * 0 if key in NEGATIVES else picks].to(self.device)
             for key, value in self.kept.items()
         }
 
@@ -100,25 +99,43 @@ class PipelineBackbone(Backbone):
         prompts = list(dict.fromkeys(prompts))
         if self.kept is not None and all(prompt in self.rows for prompt in prompts):
             return True  # kept already: a backbone that several runs share
-        chunks = [prompts[i : i + 64] for i in range(0, len(prompts), 64)]
-        first = {key: value.cpu() for key, value in self.encode_text(chunks[0], False).items()}
-        if sum(value.nbytes for value in first.values()) / len(chunks[0]) * len(prompts) > budget:
-            return False
-        rows = [first] + [
-            {key: value.cpu() for key, value in self.encode_text(chunk, False).items()}
-            for chunk in chunks[1:]
-        ]
-        kept = {key: torch.cat([row[key] for row in rows]) for key in first}
+        chunks, rows = [prompts[i : i + 64] for i in range(0, len(prompts), 64)], []
+        # on the CPU, not page-locked: a batch's rows go to the GPU just before its model call
+        for chunk in chunks:
+            rows.append({key: value.cpu() for key, value in self.encode_text(chunk, False).items()})
+            per_prompt = sum(value.nbytes for value in rows[-1].values()) / len(chunk)
+            if per_prompt * len(prompts) > budget:
+                return False
+        kept = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
         if self.cfg:  # the negative row that the pipeline encodes for every prompt, once
             negative = self.encode_text(prompts[:1])
-            kept |= {key: value.cpu() for key, value in negative.items() if key in NEGATIVES}
-        if self.device.type == "cuda":
-            kept = {key: value.pin_memory() for key, value in kept.items()}
+            kept |= {key: value for key, value in negative.items() if key in NEGATIVES}
         self.kept, self.rows = kept, {prompt: row for row, prompt in enumerate(prompts)}
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if getattr(self.pipe, name, None) is not None:
                 setattr(self.pipe, name, None)
         return True
+
+    def set_attention(self, name):
+        """diffusers' attention backend `name` on this model's processors alone (Flux's: SD3's and
+        SD-XL's call torch's SDPA themselves), not as every model's default; ValueError in one line
+        where it cannot run: a package missing, a probe call failing on this device and dtype."""
+        from diffusers.models import attention_dispatch as dispatch
+
+        processors = self.model.attn_processors.values()
+        processors = [p for p in processors if hasattr(p, "_attention_backend")]
+        assert processors, f"{self.name}: --attention reaches Flux's attention only"
+        head = self.model.config.attention_head_dim
+        probe = torch.zeros(1, 8, 1, head, device=self.device, dtype=self.dtype)  # (N, S, H, D)
+        try:  # the name, what set_attention_backend checks and fetches, then one call
+            backend = dispatch.AttentionBackendName(name)
+            dispatch._check_attention_backend_requirements(backend)
+            dispatch._maybe_download_kernel_for_backend(backend)
+            dispatch.dispatch_attention_fn(probe, probe, probe, backend=backend)
+        except (OSError, ImportError, RuntimeError, ValueError) as error:
+            raise ValueError(f"--attention {name}: {' '.join(str(error).split())}") from error
+        for processor in processors:
+            processor._attention_backend = backend
 
     def guide(self, prediction):
         """Classifier-free guidance over a batch stacked [uncond; cond], as the pipelines do."""
@@ -162,6 +179,13 @@ class PipelineBackbone(Backbone):
         """What the VAE decodes: the flows' latents unscaled and unshifted (SD-XL has its own)."""
         config = self.pipe.vae.config
         return self.as_image(latents) / config.scaling_factor + config.shift_factor
+
+
+def attention_backends():
+    """The names --attention takes: diffusers' AttentionBackendName."""
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    return [backend.value for backend in AttentionBackendName]
 
 
 def _call_default(pipe, argument):
@@ -334,8 +358,8 @@ class SDXLBackbone(PipelineBackbone):
                 f"{name}: only epsilon prediction with linear sigma interpolation on "
                 "discrete timesteps is supported"
             )
-        alphas_cumprod = type(pipe.scheduler).from_config(config).alphas_cumprod
-        self.noise_table = ((1 - alphas_cumprod) / alphas_cumprod).double() ** 0.5  # (1000,) sigmas
+        alphas = type(pipe.scheduler).from_config(config).alphas_cumprod.to(self.device)  # once
+        self.noise_table = ((1 - alphas) / alphas).double() ** 0.5  # (1000,) sigmas, on the device
         unet = self.model.config
         self.latent_shape = (unet.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
         self.policy_dims = dict(
@@ -351,7 +375,7 @@ class SDXLBackbone(PipelineBackbone):
         timestep = (times.float() * last).double().clamp(0, last)
         low = timestep.floor().long().clamp(max=last - 1)
         weight = timestep - low
-        table = self.noise_table.to(times.device)
+        table = self.noise_table.to(times.device)  # a copy only for times on another device
         sigma = table[low] * (1 - weight) + table[low + 1] * weight
         return torch.where(times > 0, sigma, torch.zeros_like(sigma)).float()
 

@@ -29,10 +29,6 @@ class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
     """Flow matching with given times (L+1,); what the pipeline asks set_timesteps for (steps,
     sigmas, a shift mu) is ignored."""
 
-    def install(self, times):
-        self.learned = torch.as_tensor(times, dtype=torch.float32).cpu()
-        return self
-
     def set_timesteps(
         self, num_inference_steps=None, device=None, sigmas=None, mu=None, timesteps=None
     ):
@@ -45,10 +41,6 @@ class LearnedFlowMatchScheduler(FlowMatchEulerDiscreteScheduler):
 class LearnedEulerScheduler(EulerDiscreteScheduler):
     """SD-XL's Euler sampler with given times (L+1,): timesteps t * 999 (continuous), sigmas from
     the noise table (families.SDXLBackbone.sigma), the last one sigma(t_L) instead of 0."""
-
-    def install(self, times, sigmas):
-        self.learned = [torch.as_tensor(x, dtype=torch.float32).cpu() for x in (times, sigmas)]
-        return self
 
     def set_timesteps(self, num_inference_steps=None, device=None, timesteps=None, sigmas=None):
         times, sigmas = self.learned
@@ -70,10 +62,14 @@ def learned_scheduler(backbone, times):
     """A scheduler for backbone's pipeline that runs `times` (L+1,) exactly."""
     config = backbone.pipe.scheduler.config
     overrides = {key: value for key, value in EXACT.items() if key in config}
+    times = torch.as_tensor(times, dtype=torch.float32).cpu()
     if isinstance(backbone, families.SDXLBackbone):  # whose config SDXLBackbone has checked
         scheduler = LearnedEulerScheduler.from_config(config, **overrides)
-        return scheduler.install(times, backbone.sigma(times))
-    return LearnedFlowMatchScheduler.from_config(config, **overrides).install(times)
+        scheduler.learned = times, backbone.sigma(times).cpu()
+    else:
+        scheduler = LearnedFlowMatchScheduler.from_config(config, **overrides)
+        scheduler.learned = times
+    return scheduler
 
 
 def pipeline_noise(backbone, count, generator=None):
@@ -153,6 +149,10 @@ def generate(
                 f"this policy was trained on {policy.backbone} ({family}), "
                 f"not for a {type(pipe).__name__}"
             )
+        dims = backbone.policy_dims  # a global policy's config has none of them
+        built = {key: policy.config.get(key, value) for key, value in dims.items()}
+        if built != dims:
+            raise ValueError(f"this policy was built for {built}, not this pipeline's {dims}")
         prompts = [prompt] if isinstance(prompt, str) else prompt
         cond = backbone.encode_prompts(
             None if "prompt_embeds" in pipe_kwargs else list(prompts), **pipe_kwargs

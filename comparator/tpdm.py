@@ -17,7 +17,6 @@ init="tpdm" starts every step at TPDM's head bias (a, b) = (2.5, 1.0) (scripts/l
 At inference the rate is the Beta's mode, TPDM's (modeling_sd3_pnt.py, `predict`), or its mean.
 """
 
-import contextlib
 import math
 
 import torch
@@ -66,27 +65,28 @@ def token_grid(features):
     return features.transpose(1, 2).reshape(len(features), -1, side, side)
 
 
-@contextlib.contextmanager
 def hidden_states(backbone):
-    """Forward hooks on the backbone's HIDDEN_LAYERS; yields read() -> (features (N, 2D, h, w),
-    embedding (N, E)) float32 of the last model call, CFG-guided, as TPDM's predictor reads them."""
+    """read() -> (features (N, 2D, h, w), embedding (N, E)) float32 of the last model call,
+    CFG-guided, as TPDM's predictor reads them: forward hooks on HIDDEN_LAYERS, put on once (a
+    compiled model runs only the hooks it had when compiled: train.py calls this first)."""
+    if getattr(backbone, "read_hidden", None) is not None:
+        return backbone.read_hidden
+    assert backbone.model._compiled_call_impl is None, "hidden_states(backbone), then compile"
     names = next(HIDDEN_LAYERS[name] for name, cls in FAMILIES.items() if isinstance(backbone, cls))
-    captured, modules = {}, [backbone.model.get_submodule(name) for name in names]
+    modules = [backbone.model.get_submodule(name) for name in names]
+    captured = dict.fromkeys(modules)  # its keys fixed: a compiled model then compiles once
 
     def keep(module, inputs, output):
         captured[module] = output
-
-    handles = [module.register_forward_hook(keep) for module in modules]
 
     def read():
         first, last, time = (backbone.guide(captured[module].float()) for module in modules)
         return torch.cat([token_grid(first), token_grid(last)], dim=1), time
 
-    try:
-        yield read
-    finally:
-        for handle in handles:
-            handle.remove()
+    for module in modules:
+        module.register_forward_hook(keep)
+    backbone.read_hidden = read
+    return read
 
 
 def time_features(time, step, steps):
@@ -202,29 +202,20 @@ def run_stepwise(backbone, noise, cond, steps, decide):
 
 class Stepper:
     """run_stepwise's `decide` for a step-wise policy: a rate r_l at each step, deterministic when
-    draws is None, else drawn from one generator or one per sample, recorded for the update. Sample
-    inside `with stepper:`, which holds the hooks that read the denoiser's hidden states."""
+    draws is None, else drawn from one generator or one per sample, recorded for the update."""
 
     def __init__(self, policy, backbone, cond, draws=None):
         self.policy, self.backbone, self.cond, self.draws = policy, backbone, cond, draws
-        self.hidden = policy.inputs == "hidden"
-        keys = ("latent", "embedding") if self.hidden else ("latent",)
+        self.read = hidden_states(backbone) if policy.inputs == "hidden" else None  # last call's
+        keys = ("latent", "embedding") if self.read else ("latent",)
         self.steps = {key: [] for key in (*keys, "time", "parameters", "pair", "next")}
         self.prompt = None
-
-    def __enter__(self):
-        self.hooks = hidden_states(self.backbone) if self.hidden else contextlib.nullcontext()
-        self.read = self.hooks.__enter__()  # () -> the last model call's hidden states
-        return self
-
-    def __exit__(self, *error):
-        self.hooks.__exit__(*error)
 
     def __call__(self, step, t, state, estimate):
         if self.prompt is None:  # the prompt's inputs: the same at every step
             self.prompt = self.backbone.policy_inputs(state, self.cond)
             del self.prompt["latent"]
-        if self.hidden:
+        if self.read:
             # kept in the backbone's dtype (memory), and read so both at rollout and update
             latent, embedding = (value.to(self.backbone.dtype) for value in self.read())
             inputs = dict(latent=latent, embedding=embedding)
@@ -260,8 +251,8 @@ class Stepper:
 def sample(policy, backbone, noise, cond, draws=None):
     """(times (N, L+1), latents) of these contexts sampled with a step-wise policy, its draws as
     Stepper takes them."""
-    with Stepper(policy, backbone, cond, draws) as stepper:
-        latents = run_stepwise(backbone, noise, cond, policy.steps, stepper)
+    stepper = Stepper(policy, backbone, cond, draws)
+    latents = run_stepwise(backbone, noise, cond, policy.steps, stepper)
     return stepper.times(), latents
 
 
@@ -295,8 +286,8 @@ class StepwiseRollouts:
         self.backbone, self.records = backbone, []
 
     def sample(self, part, noise, cond):
-        with Stepper(self.policy, self.backbone, cond, [self.draws[i] for i in part]) as stepper:
-            latents = run_stepwise(self.backbone, noise, cond, self.policy.steps, stepper)
+        stepper = Stepper(self.policy, self.backbone, cond, [self.draws[i] for i in part])
+        latents = run_stepwise(self.backbone, noise, cond, self.policy.steps, stepper)
         self.records.append(stepper.record())
         return latents
 
@@ -366,11 +357,11 @@ def ppo_objective(logp, logp_old, advantages, clip):
     return loss, (clipped != ratio).float().mean().detach()
 
 
-def ppo_update(config, iteration, rollouts, policy, advantages, step):
+def ppo_update(config, iteration, rollouts, policy, advantages, optimizer):
     """PPO's update on one batch (train.py's --optimizer ppo): ppo_epochs passes over a shuffle
-    seeded by the run's seed and iteration, one step(loss) per minibatch against log pi as drawn;
-    advantages (N,) r - b. Returns the last loss and grad norm, and the fraction clipped in the last
-    pass."""
+    seeded by the run's seed and iteration, one clipped optimiser step per minibatch against log pi
+    as drawn; advantages (N,) r - b. Returns the last loss and grad norm, and the fraction clipped
+    in the last pass."""
     shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + iteration)
     for _ in range(config.ppo_epochs):
         order = torch.randperm(len(advantages), generator=shuffle).to(advantages.device)
@@ -378,6 +369,9 @@ def ppo_update(config, iteration, rollouts, policy, advantages, step):
         for index in order.chunk(config.ppo_minibatches):
             logp, logp_old = rollouts.log_prob(policy, index), rollouts.logp[index]
             loss, fraction = ppo_objective(logp, logp_old, advantages[index], config.ppo_clip)
-            grad_norm = step(loss)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
+            optimizer.step()
             clipped.append(fraction * len(index))
     return loss, grad_norm, (sum(clipped) / len(advantages)).item()

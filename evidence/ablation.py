@@ -48,19 +48,21 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import backbones
-from evaluate import default_schedule, fixed_schedule, policy_schedule, score_table
+from evaluate import default_schedule, fixed_schedule, load_policy, policy_schedule, score_table
 from evidence.results import (
     REPOSITORY,
     commit,
     heldout_mean,
     interval,
+    one_line_errors,
     record,
     run_training,
+    this_commit_only,
     write_json_atomic,
 )
 from miniatures.data import prompt_lists
 from miniatures.realism import realism_measure, realism_table
-from policy import increments_from_times, load_policy, times_from_increments
+from policy import increments_from_times, times_from_increments
 from prompts import HELDOUT_SEED, context_noise, heldout_contexts
 from rewards import load_reward
 
@@ -379,6 +381,7 @@ def miniature_evidence(args):
             f"ablation.py: --mini-trainings takes names of {list(MINI_TRAININGS)}, with "
             f"'instance' among them; got {selected}"
         )
+    this_commit_only(args.out_dir)
     runs = [
         (name, training, seed, steps)
         for name in args.backbones
@@ -592,6 +595,7 @@ def distilled_comparison(args):
     docs/distilled.png."""
 
     started = commit()
+    this_commit_only(args.out_dir)
     runs = [
         (name, "instance", seed, steps)
         for name, budgets in DISTILLED_STEPS.items()
@@ -770,6 +774,7 @@ def main(args):
             f"ablation.py: --trainings takes names of {list(TRAININGS)}, with 'global, js' "
             f"and 'instance, js' among them; got {selected}"
         )
+    this_commit_only(args.out_dir)
     runs = [
         (name, training, seed)
         for name in args.backbones
@@ -861,12 +866,13 @@ if __name__ == "__main__":
     if arguments.distilled or arguments.miniatures:
         if arguments.out_dir == parser.get_default("out_dir"):  # the miniatures' runs are shared
             arguments.out_dir = "out/ablation-miniatures"
-    if arguments.distilled:
-        distilled_comparison(arguments)
-    elif arguments.miniatures:
-        arguments.backbones = [
-            name for name in arguments.backbones if name.startswith("mini-")
-        ] or MINIATURES
-        miniature_evidence(arguments)
-    else:
-        main(arguments)
+    with one_line_errors():
+        if arguments.distilled:
+            distilled_comparison(arguments)
+        elif arguments.miniatures:
+            arguments.backbones = [
+                name for name in arguments.backbones if name.startswith("mini-")
+            ] or MINIATURES
+            miniature_evidence(arguments)
+        else:
+            main(arguments)

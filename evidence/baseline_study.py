@@ -56,9 +56,18 @@ import torch
 
 import backbones
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
-from evaluate import mean_ci
-from evidence.results import REPOSITORY, commit, heldout_mean, interval, record, run_training
-from policy import load_policy, log_prob, sample_increments, times_from_increments
+from evaluate import load_policy, mean_ci
+from evidence.results import (
+    REPOSITORY,
+    commit,
+    heldout_mean,
+    interval,
+    one_line_errors,
+    record,
+    run_training,
+    this_commit_only,
+)
+from policy import log_prob, sample_increments, times_from_increments
 from prompts import context_noise, load_prompt_file
 from rewards import load_reward
 
@@ -435,7 +444,7 @@ def plot_curves(args, results, name, path):
 
 def main(args):
     started = commit()
-    os.makedirs(args.out_dir, exist_ok=True)
+    this_commit_only(args.out_dir)
     jobs = [  # the paper's start first
         (name, start, steps, baseline, seed)
         for start in STARTS
@@ -490,7 +499,8 @@ def main(args):
 
 if __name__ == "__main__":
     ARGS = parser.parse_args()
-    if ARGS.measure:
-        measure(*ARGS.measure, ARGS)
-    else:
-        main(ARGS)
+    with one_line_errors():
+        if ARGS.measure:  # a process of main's: its folder passed the door
+            measure(*ARGS.measure, ARGS)
+        else:
+            main(ARGS)

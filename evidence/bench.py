@@ -38,10 +38,12 @@ configurations lay it out, at random weights built directly on the GPU in bfloat
 no files; the tokenizers are built offline), trained by train.py's main at its preset for a few
 iterations with B = 8 contexts, and HPSv2's architecture at random weights as the reward (a
 weightless one where hpsv2 is missing; the report says which). For each: the components'
-parameter counts, seconds per iteration, the peak GPU memory of the training loop and of the
-held-out report, the largest batch the frozen model saw (its --rollout-batch, doubled under CFG),
-and an iteration's time per image against the stock pipeline's own call for as many images at the
-same steps (to latents). Random weights cost what the real ones do; their images mean nothing.
+parameter counts, seconds per iteration, the peak GPU memory of the load (with train.py's setup),
+of the training loop and of the held-out report, the largest batch the frozen model saw (its
+--rollout-batch, doubled under CFG), and an iteration's time per image (the best of those between
+the first and the last) against the stock pipeline's own call for as many images at the same steps,
+decoded (the best of as many calls after a warm-up). Random weights cost what the real ones do;
+their images mean nothing.
 --tiny runs the same code on the CPU with the same layouts scaled down (and the policy at the
 embedded size): a check of the code that records nothing.
 
@@ -71,10 +73,10 @@ from unittest import mock
 import torch
 
 import backbones
-from evaluate import default_schedule, policy_schedule, run_method
+from evaluate import POLICIES, default_schedule, load_policy, policy_schedule, run_method
 from evidence.results import REPOSITORY, commit, record
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline, tiny_text
-from policy import NETWORKS, load_policy, make_policy
+from policy import NETWORKS, make_policy
 from prompts import context_noise, heldout_contexts, load_prompt_file
 from rewards import load_reward
 
@@ -178,7 +180,9 @@ def bench_policy():
     )
     for name, dims in POLICY_DIMS.items():
         with torch.device("meta"):
-            policy = make_policy("instance", dims, 20, network=backbones.BACKBONES[name]["policy"])
+            policy = make_policy(
+                POLICIES["instance"], dims, 20, network=backbones.BACKBONES[name]["policy"]
+            )
             params = sum(p.numel() for p in policy.parameters())
         print(
             f"  policy for {name:9s} at L=20: {params / 1e6:7.3f}M parameters "
@@ -193,10 +197,10 @@ def bench_policy():
         )
     for steps in (5, 10, 20):
         with torch.device("meta"):  # the policy runs once per image, without CFG
-            policy = make_policy("instance", dims, steps, network="real")
+            policy = make_policy(POLICIES["instance"], dims, steps, network="real")
             flops = count_flops(policy, torch.empty(1, 16, 128, 128), *prompt)
             # TPDM's runs after every step, on the state and the prediction, with t_l and l
-            stepwise = make_policy("stepwise", dims, steps, network="real")
+            stepwise = make_policy(POLICIES["stepwise"], dims, steps, network="real")
             state = torch.empty(1, 32, 128, 128)
             step_policy = count_flops(stepwise, state, *prompt, torch.empty(1), 0)
         print(
@@ -207,9 +211,9 @@ def bench_policy():
         )
 
 
-def stock_pipeline(backbone, cond, noise, steps):
+def stock_pipeline(backbone, cond, noise, steps, output_type="latent"):
     """The pipeline's own call on the same prompt embeddings, initial latents and steps as
-    `Backbone.sample` (output_type="latent": the loop alone, no decode)."""
+    `Backbone.sample` (output_type "latent": the loop alone, no decode; "pt": decoded)."""
     embeddings = {key: value for key, value in cond.items() if key.endswith("prompt_embeds")}
 
     def call():
@@ -220,7 +224,7 @@ def stock_pipeline(backbone, cond, noise, steps):
             height=backbone.resolution,
             width=backbone.resolution,
             latents=noise.to(backbone.dtype).clone(),
-            output_type="latent",
+            output_type=output_type,
         ).images
 
     return call
@@ -286,7 +290,7 @@ def bench_inference(name, args, device, count=16):
     times = backbone.default_times(steps).to(device).expand(count, -1)
     methods = {
         kind: policy_schedule(
-            make_policy(kind, backbone.policy_dims, steps, times[0].cpu(), preset).to(device),
+            make_policy(POLICIES[kind], backbone.policy_dims, steps, times[0], preset).to(device),
             backbone,
         )
         for kind in ("instance", "stepwise")
@@ -476,7 +480,7 @@ def bench_generate(name="mini-sd3", count=8, steps=3, repeats=5):
     backbone = backbones.load_backbone(name)
     pipe = backbone.pipe
     prompts = load_prompt_file(backbones.BACKBONES[name]["prompts"][1])[:count]
-    policy = make_policy("instance", backbone.policy_dims, steps, backbone=name)
+    policy = make_policy(POLICIES["instance"], backbone.policy_dims, steps, backbone=name)
     side = backbone.resolution
 
     def learned():
@@ -673,8 +677,8 @@ TINY_HPS = dict(
     text_cfg=dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=2),
 )
 # of the presets' 16 or 32 contexts and 1000 iterations: the first warms up, the last checkpoints,
-# the ones between are timed
-GPU_CONTEXTS, GPU_ITERATIONS = 8, 3
+# the ones between are timed, and the stock pipeline as often
+GPU_CONTEXTS, GPU_ITERATIONS = 8, 6
 
 
 def gpu_pipeline(name, device, dtype, tiny=False):
@@ -800,13 +804,14 @@ def gpu_reward(device, folder, tiny):
 
 def bench_gpu(name, device, dtype, reward, tiny):
     """train.py's main on backbone `name` built at random weights, at its preset (B = GPU_CONTEXTS
-    contexts): seconds per iteration, peak memory of the loop and of the held-out report, the
-    largest batch the frozen model saw, and an iteration's time per image against the stock
-    pipeline's for as many images (its rollout batch, L steps, to latents)."""
+    contexts): seconds per iteration, peak memory of the load, the loop and the held-out report,
+    the largest batch the frozen model saw, and an iteration's time per image against the stock
+    pipeline's for as many images (its rollout batch, L steps, decoded)."""
     import train
 
     spec, preset = backbones.BACKBONES[name], train.PRESETS[name]
     resolution = TINY_RESOLUTION if tiny else spec["resolution"]
+    reset_peak(device)  # the load's peak: the pipeline built, then train.py's setup
     pipe = gpu_pipeline(name, device, dtype, tiny)
     sizes = in_units(parameter_counts(name, pipe))  # before train.py drops the text encoders
     backbone = backbones.from_pipeline(pipe, name, resolution, spec["guidance"])
@@ -820,8 +825,7 @@ def bench_gpu(name, device, dtype, reward, tiny):
         largest[phase[0]] = max(largest.get(phase[0], 0), states.shape[0])
 
     def on_checkpoint(policy, iteration):  # at the loop's start (0) and end
-        if iteration == config.iterations:
-            peaks["loop"] = peak_memory(device)
+        peaks["load" if iteration == 0 else "loop"] = peak_memory(device)
         phase[0] = "loop" if iteration == 0 else "report"
         reset_peak(device)
 
@@ -842,9 +846,10 @@ def bench_gpu(name, device, dtype, reward, tiny):
     prompts = load_prompt_file(config.prompts)[:batch]
     cond = backbone.encode_prompts(prompts)
     noise = context_noise(backbone, range(batch))
-    (pipe_ms,), _ = timed([stock_pipeline(backbone, cond, noise, config.steps)], 1, device)
+    stock = stock_pipeline(backbone, cond, noise, config.steps, "pt")  # decoded, as rewards do
+    (pipe_ms,), _ = timed([stock], GPU_ITERATIONS - 2, device)
     reward.backbone = None  # the next family's pipeline is built without this one
-    loop_image = statistics.median(seconds[1:-1]) / (config.contexts * config.rollouts)
+    loop_image = min(seconds[1:-1]) / (config.contexts * config.rollouts)
     pipe_image = pipe_ms / 1e3 / batch
     memory = "allocated" if device.type == "cuda" else "process resident"
     print(
@@ -853,11 +858,11 @@ def bench_gpu(name, device, dtype, reward, tiny):
         f"({per_call} per model call{' under CFG' if backbone.cfg else ''})\n"
         f"  s / iteration: {', '.join(f'{s:.3f}' for s in seconds)} (the first warms up, the last "
         "checkpoints)\n"
-        f"  peak memory ({memory}): loop {peaks['loop']:.2f} GiB, held-out report "
-        f"{peaks['report']:.2f} GiB\n"
+        f"  peak memory ({memory}): load {peaks['load']:.2f} GiB (with train.py's setup), loop "
+        f"{peaks['loop']:.2f} GiB, held-out report {peaks['report']:.2f} GiB\n"
         f"  largest model batch: loop {largest['loop']}, held-out report {largest['report']}\n"
-        f"  time per image: loop {loop_image:.4f} s (the iterations between), stock "
-        f"{type(pipe).__name__} {pipe_image:.4f} s (batch {batch}, L={config.steps}, latents): "
+        f"  time per image: loop {loop_image:.4f} s (the best iteration between), stock "
+        f"{type(pipe).__name__} {pipe_image:.4f} s (batch {batch}, L={config.steps}, decoded): "
         f"loop / pipeline {loop_image / pipe_image:.2f}"
     )
 
@@ -937,7 +942,7 @@ if __name__ == "__main__":
         parser.error("--tiny goes with --gpu")
     if args.gpu and not args.tiny and device.type != "cuda":
         parser.error("--gpu needs a CUDA device (--gpu --tiny runs its code on the CPU)")
-    started, printed = commit(), Tee()
+    started, printed = commit(), Tee()  # commit() is "unknown" without git
     with contextlib.redirect_stdout(printed):
         run(args, device)
     if args.tiny:  # a check of the code, not a measurement

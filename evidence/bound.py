@@ -19,7 +19,7 @@ import time
 import torch
 
 import baselines
-from evidence.results import commit, record
+from evidence.results import commit, one_line_errors, record, this_commit_only
 from toy_js import oracle_weight, simulate
 
 parser = argparse.ArgumentParser("python -m evidence.bound", description=__doc__.split("\n")[1])
@@ -262,7 +262,7 @@ def plot_bound(cells, path):
 def main(out_dir, quick=False):
     """The tables, printed, with the figure; returns the printed lines."""
     torch.set_num_threads(1)  # small batches: one thread is fastest
-    os.makedirs(out_dir, exist_ok=True)
+    this_commit_only(out_dir)
     generator, rewards = torch.Generator().manual_seed(0), QUICK_REWARDS if quick else REWARDS
     grid = itertools.product(ROLLOUTS, CONTEXTS, RATIOS)  # K, B, delta^2/sigma^2
     cells = [bound_cell(ratio, B, K, rewards, generator) for K, B, ratio in grid]
@@ -276,8 +276,9 @@ def main(out_dir, quick=False):
 if __name__ == "__main__":
     args = parser.parse_args()
     started, code = time.time(), commit()
-    lines = main(args.out_dir, args.quick)
-    if not args.quick:
-        record("bound", "python -m evidence.bound", lines, at=code)
+    with one_line_errors():
+        lines = main(args.out_dir, args.quick)
+        if not args.quick:
+            record("bound", "python -m evidence.bound", lines, at=code)
     written = f"{args.out_dir}/bound.png" + ("" if args.quick else " and docs/RESULTS.md (bound)")
     print(f"\nwrote {written} in {time.time() - started:.1f} s")

@@ -4,14 +4,14 @@ A reward-trained ceiling for the instance policy class on the trained miniatures
 can any policy of the class gain? The class trained on the reward's own gradient, two controls, and
 how the per-context searched schedules' gain survives a change of context; per miniature, L = 3:
 
-- The ceiling: the instance network (policy.make_policy("instance"), the miniature's size) trained
+- The ceiling: the instance network (policy.SchedulePolicy, the miniature's size) trained
   on its mean schedule (the Dirichlet mean) by the exact gradient of the preference scorer through
   the sampler and the VAE decode (the pixels before the reward's 8-bit rounding,
   instance_study.differentiable_score), Adam, each step on BATCH fresh contexts (a training prompt
   and a noise seed no step draws again) for ITERATIONS steps; scored every EVERY steps on
   VALIDATION tuning contexts by the reward itself (rounding included), the best iterate kept. It
   starts at the cell's best single schedule (instance_study's fit), the best single one known.
-- The controls: its global twin (make_policy("global")) from the same start on the same contexts
+- The controls: its global twin (policy.GlobalPolicy) from the same start on the same contexts
   with the same budget, and the instance policy's average schedule (its mean schedule over the
   TRAINING tuning contexts, as one schedule). On HELDOUT held-out contexts, paired, per seed:
   instance - global and instance - average.
@@ -52,7 +52,7 @@ from multiprocessing import get_context
 import torch
 
 import backbones
-from evaluate import mean_ci
+from evaluate import POLICIES, mean_ci
 from evidence.ablation import SHIFTS, shifted
 from evidence.instance_study import (
     SEARCH_ITERATIONS,
@@ -66,7 +66,13 @@ from evidence.instance_study import (
     score,
     times_of,
 )
-from evidence.results import commit, record, this_commit_only, write_json_atomic
+from evidence.results import (
+    commit,
+    one_line_errors,
+    record,
+    this_commit_only,
+    write_json_atomic,
+)
 from miniatures.data import prompt_lists
 from policy import make_policy
 from prompts import HELDOUT_SEED, TUNING_SEED, context_noise, context_seed
@@ -138,7 +144,7 @@ def train_ceiling(
     `validation` at the start, every `every` steps and at the end, the best iterate kept.
     Returns (the policy, in eval mode; [(step, mean validation reward)])."""
     torch.manual_seed(seed)
-    policy = make_policy(kind, backbone.policy_dims, steps, start_times, network)
+    policy = make_policy(POLICIES[kind], backbone.policy_dims, steps, start_times, network)
     optimizer = torch.optim.Adam(policy.parameters(), lr=lr)
     history, best, kept = [], -float("inf"), None
     for step in range(iterations + 1):
@@ -381,4 +387,5 @@ def report(args, found, trained, started, clock):
 
 
 if __name__ == "__main__":
-    main(parser.parse_args())
+    with one_line_errors():
+        main(parser.parse_args())

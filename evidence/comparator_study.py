@@ -34,9 +34,16 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 import backbones
-from evaluate import policy_schedule, score_methods
-from evidence.results import commit, heldout_mean, interval, record, run_training
-from policy import load_policy
+from evaluate import load_policy, policy_schedule, score_methods
+from evidence.results import (
+    commit,
+    heldout_mean,
+    interval,
+    one_line_errors,
+    record,
+    run_training,
+    this_commit_only,
+)
 from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
 from rewards import load_reward
 
@@ -152,7 +159,7 @@ def training_reward(reports, part):
 def main(args):
 
     started = commit()
-    os.makedirs(args.out_dir, exist_ok=True)
+    this_commit_only(args.out_dir)
     with ThreadPoolExecutor(args.jobs) as pool:
         grids = {
             name: {
@@ -224,4 +231,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parser.parse_args())
+    with one_line_errors():
+        main(parser.parse_args())

@@ -55,11 +55,12 @@ from multiprocessing import get_context
 import torch
 
 import backbones
-from evaluate import mean_ci
+from evaluate import load_policy, mean_ci
 from evidence.ablation import SHIFTS, shifted
 from evidence.results import (
     REPOSITORY,
     commit,
+    one_line_errors,
     record,
     run_training,
     runs_line,
@@ -69,8 +70,9 @@ from evidence.results import (
 from miniatures.data import prompt_lists
 from miniatures.realism import realism_measure
 from policy import (
+    GlobalPolicy,
+    SchedulePolicy,
     increments_from_times,
-    load_policy,
     log_prob,
     make_policy,
     mean_increments,
@@ -367,7 +369,7 @@ def cell(args, name, steps):
     validation_targets = next(own_best(validation, single, SEARCH_ITERATIONS))
     preset, largest = backbones.BACKBONES[name]["policy"], SIZES[-1]
     for seed in args.seeds:  # what the predictor gets from the targets alone: their average
-        policy = make_policy("global", backbone.policy_dims, steps, single, preset)
+        policy = make_policy(GlobalPolicy, backbone.policy_dims, steps, single, preset)
         inputs = predictor_inputs(backbone, training[:largest], False)
         held = predictor_inputs(backbone, validation, False)
         fit_predictor(policy, inputs, targets[:largest], held, validation_targets, seed)
@@ -382,7 +384,7 @@ def cell(args, name, steps):
         test = predictor_inputs(backbone, heldout, richer)
         for size in SIZES[-1:] if richer else SIZES:
             for seed in args.seeds:
-                policy = make_policy("instance", dims, steps, single, preset)
+                policy = make_policy(SchedulePolicy, dims, steps, single, preset)
                 first = {key: value[:size] for key, value in inputs.items()}
                 fit_predictor(policy, first, targets[:size], held, validation_targets, seed)
                 with torch.no_grad():
@@ -548,4 +550,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parser.parse_args())
+    with one_line_errors():
+        main(parser.parse_args())

@@ -13,7 +13,7 @@ import torch
 
 import backbones
 from evaluate import default_schedule
-from evidence.results import commit, record
+from evidence.results import commit, one_line_errors, record
 from miniatures.build import FAMILIES, FOLDER, folder_size
 from miniatures.data import digit_splits, prompt_lists, split
 from miniatures.realism import realism_measure, sample_images
@@ -216,9 +216,10 @@ if __name__ == "__main__":
     parser.add_argument("--agreement", action="store_true", help="rewards against realism")
     parser.add_argument("--check", action="store_true", help="the shipped folders (the default)")
     args = parser.parse_args()
-    if args.guidance_sweep:
-        guidance_sweep()
-    if args.agreement:
-        reward_agreement()
-    if args.check or not (args.guidance_sweep or args.agreement):
-        check()
+    with one_line_errors():
+        if args.guidance_sweep:
+            guidance_sweep()
+        if args.agreement:
+            reward_agreement()
+        if args.check or not (args.guidance_sweep or args.agreement):
+            check()

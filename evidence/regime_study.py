@@ -44,13 +44,14 @@ import torch
 
 import backbones
 from baselines import shrinkage
-from evaluate import mean_ci, policy_schedule, score_methods
+from evaluate import load_policy, mean_ci, policy_schedule, score_methods
 from evidence import bound
 from evidence.baseline_study import gradient_statistics, sampled_gradients
 from evidence.results import (
     REPOSITORY,
     commit,
     interval,
+    one_line_errors,
     record,
     run_training,
     runs_line,
@@ -58,7 +59,7 @@ from evidence.results import (
     write_json_atomic,
     write_lines_atomic,
 )
-from policy import load_policy, make_policy, sample_increments, times_from_increments
+from policy import SchedulePolicy, make_policy, sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
 from rewards import digit_of, load_reward
 
@@ -182,7 +183,7 @@ def start_variances(args, name):
     reward = load_reward("preference", backbone)
     torch.manual_seed(0)
     policy = make_policy(
-        "instance", backbone.policy_dims, STEPS, init="uniform", concentration=STEPS + 1.0
+        SchedulePolicy, backbone.policy_dims, STEPS, init="uniform", concentration=STEPS + 1.0
     )
     prompts = load_prompt_file(prompt_files(args, name)[0])
     rewards, sigma2, delta2 = variances(
@@ -407,4 +408,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parser.parse_args())
+    with one_line_errors():
+        main(parser.parse_args())

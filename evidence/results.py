@@ -3,20 +3,23 @@ docs/RESULTS.md, the project's evidence: every table in it is written there by t
 measured it, under that command and the commit it ran at, so no table is copied by hand and a
 rerun replaces its own section only.
 
-    from evidence.results import commit, record
+    from evidence.results import commit, one_line_errors, record
 
-    started = commit()  # the code that runs, should files change before the command ends
-    table_lines = measure()
-    record("guidance", "python -m evidence.miniatures --guidance-sweep", table_lines, at=started)
+    with one_line_errors():  # a user's mistake ends in one line, not a traceback
+        started = commit()  # the code that runs, should files change before the command ends
+        table_lines = measure()
+        record("guidance", "python -m evidence.miniatures --guidance-sweep", table_lines, started)
 
 The evidence scripts train with `run_training(out_dir, arguments)`: train.py in a worker process
 (which imports torch and the models once for all its runs), read back when finished, continued
 when killed (with "--snapshots", the policy at the start and at each checkpoint is kept in
 <out_dir>-snapshots/); `heldout_mean(report)` reads a row of its eval.json and
-`interval(values, digits)` writes a mean over seeds with its 95% interval.
+`interval(values, digits)` writes a mean over seeds with its 95% interval. A study's folder passes
+`this_commit_only(out_dir)` first: a user's folder is refused, never removed.
 """
 
 import contextlib
+import glob
 import json
 import multiprocessing
 import os
@@ -39,18 +42,56 @@ HEADER = [
 ]
 
 
-def commit():
-    """The checked-out commit, marked when the code in the working tree differs from it."""
+UNKNOWN = "unknown"  # commit() without git
+# the key of this process's runs where commit() is unknown: no other process's run is trusted
+THIS_PROCESS_ONLY = f"{UNKNOWN}, process {os.getpid()} started {time.time():.6f}"
+
+
+def commit(repository=REPOSITORY):
+    """The code that runs: the last commit that changed a file outside docs/ that is not markdown
+    (12 hex digits), marked " with uncommitted changes" where the working tree's code differs from
+    it; 'unknown' without git (a copy without .git, or no git installed). The caches of runs are
+    keyed by it (cache_key), so that committing evidence (a section of docs/RESULTS.md, a figure,
+    README's summary) keeps the runs the next study reads. A section of docs/RESULTS.md names it as
+    the commit it ran at: it is the code that computed every number in the section, runs read from
+    the cache included, and checking it out reproduces them; HEAD may be a later commit of docs
+    alone that computed none of them."""
 
     def git(*args):
-        return subprocess.run(
-            ["git", *args], cwd=REPOSITORY, capture_output=True, text=True
-        ).stdout.strip()
+        try:
+            done = subprocess.run(["git", *args], cwd=repository, capture_output=True, text=True)
+        except OSError:  # no git installed
+            return ""
+        return done.stdout.strip()
 
-    head = git("rev-parse", "--short=12", "HEAD") or "unknown"
-    # the evidence the commands write themselves does not count as a change to the code
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs")
-    return head + (" with uncommitted changes" if dirty else "")
+    if not os.path.exists(os.path.join(repository, ".git")):  # a copy: not the git around it
+        return UNKNOWN
+    # the evidence the commands write (docs/) and the prose about it (markdown) are not the code
+    code_files = ("--", ".", ":!docs", ":!*.md")
+    code = git("log", "-1", "--format=%H", *code_files)[:12]
+    dirty = git("status", "--porcelain", "--untracked-files=no", *code_files)
+    return (code + (" with uncommitted changes" if dirty else "")) if code else UNKNOWN
+
+
+def cache_key():
+    """What the stamps of a study's folder and runs hold: commit(), or where that is unknown a key
+    of this process alone (what ran here is read again here; a cache keyed 'unknown' is never
+    trusted by another run of a command)."""
+    version = commit()
+    return THIS_PROCESS_ONLY if version == UNKNOWN else version
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """The handler at each evidence command's entry: what a user's input can raise (a file or
+    folder that cannot be read or written, a value refused, train.py's refusal, Ctrl-C) ends in
+    one `error:` line that names it, not a traceback. A bug's other exceptions keep theirs."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        raise SystemExit("error: interrupted") from None
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def sections(text):
@@ -96,7 +137,7 @@ def train_here(out_dir, arguments):
     "--without-realism" leaves a miniature's realism measure out of eval.json."""
     import train
 
-    def snapshot(policy, iteration):  # what policy.load_policy reads
+    def snapshot(policy, iteration):  # what evaluate.load_policy reads
         state = dict(policy=policy.state_dict(), policy_config=policy.config, config=vars(config))
         os.makedirs(out_dir + "-snapshots", exist_ok=True)
         torch.save(dict(state, iteration=iteration), f"{out_dir}-snapshots/policy-{iteration}.pt")
@@ -109,8 +150,9 @@ def train_here(out_dir, arguments):
             try:
                 config = train.parse_config(["--out-dir", out_dir, *arguments])
                 train.main(config, snapshot if keep else None, loaded(config), realism)
-            except SystemExit as stop:  # train.py's one-line refusal, as an error here
-                raise RuntimeError(f"train.py {' '.join(arguments)}: {stop}") from None
+            except SystemExit as stop:  # train.py's one-line refusal: of the values it was given
+                refusal = str(stop).removeprefix("error: ")
+                raise ValueError(f"train.py {' '.join(arguments)}: {refusal}") from None
 
 
 LOADED = {}  # this worker's backbones and rewards, built once for all its runs
@@ -134,7 +176,7 @@ def loaded(config):
 
 
 WORKERS = None  # run_training's processes, started once: each imports torch and the models once
-RUNS = dict(trained=0, read=0)  # this process's runs: trained here, or read from this commit's
+RUNS = dict(trained=0, read=0)  # this process's runs: trained here, or read from this code's
 
 
 def runs_line(started, clock, jobs):
@@ -142,15 +184,24 @@ def runs_line(started, clock, jobs):
     minutes, runs = (time.time() - clock) / 60, RUNS["trained"] + RUNS["read"]
     return (f"Ran at {started} in {minutes:.0f} min with {jobs} worker process(es) on "
             f"{os.cpu_count()} cores: {RUNS['trained']} of its {runs} trainings run here, "
-            f"{RUNS['read']} read from runs this commit finished before.")  # fmt: skip
+            f"{RUNS['read']} read from runs this code finished before.")  # fmt: skip
 
 
 def this_commit_only(out_dir):
-    """A study's folder keeps what one commit computed: that of other code (by the commit named
-    in <out_dir>/commit.txt) is removed before the study starts."""
-    stamp, version = os.path.join(out_dir, "commit.txt"), commit()
+    """The door of a study's folder: it starts absent or empty, or stamped by a study
+    (<out_dir>/commit.txt, or the <run>.commit of a run of run_training's below it). Any other
+    folder holds a user's files: it is refused in one line, never removed. In a stamped folder what
+    other code computed (by the key that stamp holds, cache_key) is removed before the study
+    starts."""
+    stamp, version = os.path.join(out_dir, "commit.txt"), cache_key()
     if os.path.isfile(stamp) and open(stamp).read() == version:
         return
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not os.path.isfile(stamp):
+        # a run's stamp lies at most two folders down: <out_dir>/<backbone>/<row>/<run>.commit
+        runs = (glob.glob(os.path.join(out_dir, *["*"] * depth, "*.commit")) for depth in range(3))
+        if not any(runs):
+            refusal = f"--out-dir {out_dir} holds files the study did not write; pass another"
+            raise SystemExit(f"error: {refusal}")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     with open(stamp, "w") as file:
@@ -159,12 +210,12 @@ def this_commit_only(out_dir):
 
 def run_training(out_dir, arguments):
     """`python train.py --out-dir out_dir *arguments` in a worker process of its own (one CPU
-    thread; its output in <out_dir>.log). <out_dir>.commit names the code that started it: at
-    this commit a killed run continues from its checkpoint and a finished one (eval.json) is read,
-    not rerun; a run of other code starts afresh. Callers run several at once from threads.
-    Returns its eval.json and the rows of its metrics.jsonl."""
+    thread; its output in <out_dir>.log). <out_dir>.commit names the code that started it
+    (cache_key): of the same code a killed run continues from its checkpoint and a finished one
+    (eval.json) is read, not rerun; a run of other code starts afresh. Callers run several at once
+    from threads. Returns its eval.json and the rows of its metrics.jsonl."""
     global WORKERS
-    stamp, version = out_dir + ".commit", commit()
+    stamp, version = out_dir + ".commit", cache_key()
     if not os.path.isfile(stamp) or open(stamp).read() != version:  # none, or of other code
         for folder in (out_dir, out_dir + "-snapshots"):
             shutil.rmtree(folder, ignore_errors=True)

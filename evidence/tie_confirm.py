@@ -41,6 +41,7 @@ from evidence.regime_study import gains
 from evidence.results import (
     commit,
     interval,
+    one_line_errors,
     record,
     runs_line,
     this_commit_only,
@@ -153,4 +154,5 @@ parser.add_argument(
 )
 
 if __name__ == "__main__":
-    main(parser.parse_args())
+    with one_line_errors():
+        main(parser.parse_args())

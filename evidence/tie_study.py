@@ -43,12 +43,13 @@ import torch
 from scipy import stats
 
 import backbones
-from evaluate import policy_schedule, score_methods
+from evaluate import load_policy, policy_schedule, score_methods
 from evidence import bound
 from evidence.regime_study import gains, variances
 from evidence.results import (
     commit,
     interval,
+    one_line_errors,
     record,
     run_training,
     runs_line,
@@ -56,7 +57,7 @@ from evidence.results import (
     write_json_atomic,
     write_lines_atomic,
 )
-from policy import load_policy, make_policy
+from policy import SchedulePolicy, make_policy
 from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
 from rewards import digit_of, load_reward
 
@@ -102,7 +103,7 @@ def pair_prompts(pair):
 def flat_policy(backbone):
     torch.manual_seed(0)
     return make_policy(
-        "instance", backbone.policy_dims, STEPS, init="uniform", concentration=STEPS + 1.0
+        SchedulePolicy, backbone.policy_dims, STEPS, init="uniform", concentration=STEPS + 1.0
     )
 
 
@@ -471,4 +472,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parser.parse_args())
+    with one_line_errors():
+        main(parser.parse_args())

@@ -119,7 +119,10 @@ def realism_table(backbone, methods, prompts, seeds, realism):
 
 def realism_report(backbone, methods, prompts, seeds):
     """train.py's realism rows on a miniature, printed: each method's, and the floor of unseen real
-    digits at the same N (eval.json's "realism" and "realism_floor")."""
+    digits at the same N (eval.json's "realism" and "realism_floor"); none for too few contexts."""
+    if len(seeds) <= NEIGHBOURS:  # a k-NN ball needs k other samples
+        print(f"realism left out: it needs more than {NEIGHBOURS} held-out contexts")
+        return {}
     measure = realism_measure()
     realism = realism_table(backbone, methods, prompts, seeds, measure)
     floor = measure.floor(len(seeds))

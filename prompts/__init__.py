@@ -44,16 +44,22 @@ def load_prompt_file(path):
         path = os.path.join(REPOSITORY, path)
     kind = os.path.splitext(path)[1].lower()  # .JSON is JSON
     # utf-8-sig: a byte-order mark, as some editors write, is not part of the first prompt
-    with open(path, encoding="utf-8-sig") as handle:
-        if kind == ".json":
-            records = json.load(handle)
-        elif kind == ".jsonl":
-            records = [json.loads(line) for line in handle if line.strip()]
-        else:
-            records = list(handle)
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            if kind == ".json":
+                records = json.load(handle)
+            elif kind == ".jsonl":
+                records = [json.loads(line) for line in handle if line.strip()]
+            else:
+                records = list(handle)
+    except ValueError as error:  # not JSON, or not UTF-8: said with the file's name
+        raise ValueError(f"{path}: {error}") from None
     if not isinstance(records, list):  # a JSON object's keys are no prompts
         raise ValueError(f"{path} holds a JSON {type(records).__name__}, not a list of prompts")
-    prompts = [record["prompt"] if isinstance(record, dict) else record for record in records]
+    prompts = [record.get("prompt") if isinstance(record, dict) else record for record in records]
+    for number, prompt in enumerate(prompts, 1):
+        if not isinstance(prompt, str):
+            raise ValueError(f'{path}: record {number} is not a prompt nor has a "prompt" text')
     prompts = [prompt.strip() for prompt in prompts if prompt.strip()]
     if not prompts:
         raise ValueError(f"{path} holds no prompts")

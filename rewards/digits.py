@@ -10,7 +10,6 @@ import torch
 import torch.nn as nn
 from huggingface_hub import PyTorchModelHubMixin
 
-from prompts import shown
 from rewards.images import quantize
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +20,7 @@ def digit_of(prompt):
     found = [character for character in prompt if character.isdigit()]
     if len(found) != 1:
         raise ValueError(
-            f"the digit reward needs a prompt with exactly one digit 0-9, got {shown(prompt)}"
+            f"the digit reward needs a prompt with exactly one digit 0-9, got {prompt!r}"
         )
     return int(found[0])
 

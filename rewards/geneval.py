@@ -44,7 +44,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from prompts import shown
 from rewards.clip import CLIP_DEFAULT
 from rewards.images import clip_preprocess, quantize
 
@@ -175,7 +174,7 @@ def parse(prompt):
                 return (
                     two_object(first, second) if joint == "and" else position(first, joint, second)
                 )
-    raise ValueError(f"not a GenEval prompt (templates in geneval.py): {shown(prompt)}")
+    raise ValueError(f"not a GenEval prompt (templates in geneval.py): {prompt!r}")
 
 
 # ----------------------------------------------------------------------------------------------

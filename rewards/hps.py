@@ -67,13 +67,15 @@ class HPSReward:
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
-        # pretrained=None: no LAION download, the HPS checkpoint below replaces every weight anyway
-        model = open_clip.create_model(
-            model_name, pretrained=None, precision="fp32", device="cpu", output_dict=True
-        )
-        state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+        # on its device, not the CPU; on CUDA in float16 (hpsv2's autocast); no LAION download
+        precision = "fp16" if self.device.type == "cuda" else "fp32"
+        with torch.device(self.device):
+            model = open_clip.create_model(
+                model_name, None, precision, self.device, output_dict=True
+            )
+        state = torch.load(checkpoint, map_location=self.device, weights_only=True)
         model.load_state_dict(state.get("state_dict", state))  # strict, as hpsv2 loads it
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = model.eval().requires_grad_(False)
         self.tokenizer = open_clip.get_tokenizer(model_name)
         image_size = model.visual.image_size
         self.image_size = image_size[0] if isinstance(image_size, (tuple, list)) else image_size

@@ -31,7 +31,6 @@ from collections import Counter
 
 import torch
 
-from prompts import shown
 from rewards.images import quantize
 
 
@@ -40,9 +39,7 @@ def target_text(prompt):
     quoted span with at least one letter or digit."""
     parts = prompt.split('"')
     if len(parts) != 3 or not words(parts[1]):
-        raise ValueError(
-            f'OCR prompts need exactly one non-empty "quoted" target text: {shown(prompt)}'
-        )
+        raise ValueError(f'OCR prompts need exactly one non-empty "quoted" target text: {prompt!r}')
     return parts[1]
 
 

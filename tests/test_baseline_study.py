@@ -1,5 +1,5 @@
 """baseline_study.py's measurements of Theorem 3.2 on cases with a known answer, and what it relies
-on from training: --concentration and the snapshots of evidence.results.train_here."""
+on from training: the snapshots of evidence.results.train_here."""
 
 import math
 import os
@@ -7,11 +7,11 @@ import os
 import torch
 import torch.nn.functional as F
 
-from backbones import load_backbone, mixture
+from backbones import mixture
 from baselines import BASELINES
+from evaluate import load_policy
 from evidence import baseline_study
 from evidence.results import train_here
-from policy import load_policy
 
 
 def random_effects_pool(sets, contexts, rollouts, between, within, generator):
@@ -29,16 +29,12 @@ def test_baseline_errors_match_the_random_effects_model():
     Stein must be below RLOO (Thm. 3.2, B >= 3) by far more than that."""
     contexts, rollouts, between, within = 4, 2, 0.5, 1.0
     generator = torch.Generator().manual_seed(0)
-    per_set = [
-        baseline_study.baseline_errors(
-            random_effects_pool(1, contexts, 12, between, within, generator),
-            contexts,
-            rollouts,
-            20,
-            generator,
-        )
-        for _ in range(400)
-    ]
+
+    def one_set():  # the errors on one set of fresh contexts, 12 rewards each
+        pool = random_effects_pool(1, contexts, 12, between, within, generator)
+        return baseline_study.baseline_errors(pool, contexts, rollouts, 20, generator)
+
+    per_set = [one_set() for _ in range(400)]
     samples = contexts * rollouts
     known = {
         "rloo": within / (rollouts - 1),
@@ -88,22 +84,22 @@ def test_gradient_statistics_of_known_gaussian_gradients():
     assert result["xctx"][1] < result["rloo"][1] - 0.2
 
 
-def global_dirichlet(logits):
-    """alpha (B, L+1) = softplus(logits) + 1 for every context: a policy with a known gradient."""
-    return lambda contexts: (F.softplus(logits) + 1).expand(contexts, -1)
+def global_batch(logits, reward, generator):
+    """batch_gradients of alpha (4, L+1) = softplus(logits) + 1 for every context, a policy with a
+    known gradient, at 2 rollouts per context."""
+
+    def alpha():
+        return (F.softplus(logits) + 1).expand(4, -1)
+
+    return baseline_study.batch_gradients(alpha, reward, [logits], 2, generator)
 
 
 def test_batch_gradients_are_zero_for_rloo_when_the_reward_ignores_the_schedule():
     """r[c, i] = mu_c: RLOO's advantages are exactly 0, the cross-context mean's are not."""
     logits = torch.zeros(4, requires_grad=True)
     means = torch.tensor([[-3.0], [0.0], [1.0], [5.0]])
-    gradients, rewards = baseline_study.batch_gradients(
-        lambda: global_dirichlet(logits)(4),
-        lambda tau: means.expand(4, tau.shape[1]),
-        [logits],
-        2,
-        torch.Generator().manual_seed(3),
-    )
+    generator = torch.Generator().manual_seed(3)
+    gradients, rewards = global_batch(logits, lambda tau: means.expand(4, tau.shape[1]), generator)
     assert torch.equal(gradients["rloo"], torch.zeros(4))
     assert gradients["xctx"].abs().sum() > 0
     assert rewards.shape == (4, 2)
@@ -121,13 +117,7 @@ def test_batch_gradients_average_to_the_true_gradient():
     generator = torch.Generator().manual_seed(4)
     batches = {name: [] for name in BASELINES}
     for _ in range(3000):
-        gradients, _ = baseline_study.batch_gradients(
-            lambda: global_dirichlet(logits)(4),
-            lambda tau: tau @ weights + means,
-            [logits],
-            2,
-            generator,
-        )
+        gradients, _ = global_batch(logits, lambda tau: tau @ weights + means, generator)
         for name, value in gradients.items():
             batches[name].append(value)
     for name in baseline_study.UNBIASED:
@@ -136,32 +126,19 @@ def test_batch_gradients_average_to_the_true_gradient():
         assert ((values.mean(0) - true).abs() < 4 * error).all(), name
 
 
-def test_concentration_and_snapshots(tmp_path, monkeypatch):
-    """--init uniform --concentration 5 starts every context at alpha = (1, ..., 1) (L = 4);
-    "--snapshots" (evidence.results.train_here) keeps the policy at the start and at each
-    checkpoint in <out_dir>-snapshots, policy-0 is that start, and load_policy reads each."""
+def test_snapshots_keep_the_policy_at_the_start_and_at_each_checkpoint(tmp_path, monkeypatch):
+    """train_here's "--snapshots" keeps the policy at iteration 0 and at each checkpoint in
+    <out_dir>-snapshots, as load_policy reads it; the last is the run's final policy."""
     monkeypatch.setattr(mixture.MixtureBackbone, "reference_steps", 16)  # as conftest's runs
     out = str(tmp_path / "out")
-    train_here(
-        out,
-        [
-            *["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval"],
-            *["1", "--init", "uniform", "--concentration", "5", "--snapshots"],
-        ],
-    )
+    arguments = ["--iterations", "2", "--contexts", "8", "--eval-contexts", "4", "--ckpt-interval"]
+    train_here(out, [*arguments, "1", "--snapshots"])
     folder = tmp_path / "out-snapshots"
     names = sorted(os.listdir(folder))
     assert names == ["policy-0.pt", "policy-1.pt", "policy-2.pt"]
     loaded = [load_policy(str(folder / name)) for name in names]
     assert [config["iteration"] for _, config in loaded] == [0, 1, 2]
-    policy = loaded[0][0]
-    digits = load_backbone("digits")
-    noise = digits.sample_noise(3, torch.Generator().manual_seed(0))
-    cond = digits.encode_prompts(digits.prompts[:3])
-    alpha = policy(**digits.policy_inputs(noise, cond))
-    assert torch.allclose(alpha, torch.ones_like(alpha), atol=0.05)
-    assert not torch.equal(policy.head[3].bias, loaded[2][0].head[3].bias)
-    # the last snapshot is the run's final policy
+    assert not torch.equal(loaded[0][0].head[3].bias, loaded[2][0].head[3].bias)
     final, _ = load_policy(os.path.join(out, "ckpt.pt"))
     assert all(torch.equal(v, final.state_dict()[k]) for k, v in loaded[2][0].state_dict().items())
 
@@ -171,12 +148,11 @@ def eval_report(mean):
 
 
 def test_a_cell_detects_only_where_doubling_the_batch_gains_beyond_its_interval():
-    rloo = [eval_report(m) for m in (1.0, 2.0, 3.0, 4.0, 5.0)]
+    means = (1.0, 2.0, 3.0, 4.0, 5.0)
+    rloo = [eval_report(m) for m in means]
     # paired differences 0.9-1.1: mean 1.0, half-width 2.776 * 0.0707 = 0.196, clear of 0
-    gains = [
-        eval_report(m + d) for m, d in zip((1.0, 2.0, 3.0, 4.0, 5.0), (0.9, 1.1, 1.0, 1.0, 1.0))
-    ]
+    gains = [eval_report(m + d) for m, d in zip(means, (0.9, 1.1, 1.0, 1.0, 1.0))]
     assert baseline_study.detects({"rloo": rloo, baseline_study.DOUBLED: gains}).startswith("yes")
     # differences -1, 1, -1, 1, 0.5: mean 0.1, the interval reaches below 0
-    noisy = [eval_report(m + d) for m, d in zip((1.0, 2.0, 3.0, 4.0, 5.0), (-1, 1, -1, 1, 0.5))]
+    noisy = [eval_report(m + d) for m, d in zip(means, (-1, 1, -1, 1, 0.5))]
     assert baseline_study.detects({"rloo": rloo, baseline_study.DOUBLED: noisy}).startswith("no")

@@ -5,6 +5,7 @@ import math
 import os
 import re
 
+import torch
 from conftest import ROOT, SCRIPTS
 
 import backbones
@@ -21,10 +22,11 @@ PUBLISHED = {
 }
 
 
-def test_gpu_benchmark_runs_tiny_on_the_cpu_and_records_nothing(tmp_path):
+def test_gpu_benchmark_runs_tiny_on_the_cpu_without_git_and_records_nothing(tmp_path):
     with open(RESULTS, "rb") as file:
         results_before = file.read()
-    result = SCRIPTS.run(["-m", "evidence.bench", "--gpu", "--tiny"], tmp_path)
+    no_git = "os.environ['PATH'] = ''"  # a machine without git: the commit is unknown
+    result = SCRIPTS.run(["-m", "evidence.bench", "--gpu", "--tiny"], tmp_path, no_git)
     assert result.returncode == 0, result.stderr
     with open(RESULTS, "rb") as file:
         assert file.read() == results_before  # --tiny records nothing
@@ -45,7 +47,25 @@ def test_gpu_benchmark_runs_tiny_on_the_cpu_and_records_nothing(tmp_path):
         assert f"({per_call} per model call" in report
         largest = re.search(r"largest model batch: loop (\d+), held-out report (\d+)", report)
         assert (int(largest[1]), int(largest[2])) == (per_call, per_call), report
-        memory = re.search(r"peak memory .*: loop ([\d.]+) GiB, held-out report ([\d.]+)", report)
-        assert float(memory[1]) > 0 and float(memory[2]) > 0, report
+        memory = re.search(
+            r"peak memory .*: load ([\d.]+) .*loop ([\d.]+) .*report ([\d.]+)", report
+        )
+        assert all(float(peak) > 0 for peak in memory.groups()), report
         ratio = float(re.search(r"loop / pipeline ([\d.]+)", report)[1])
         assert math.isfinite(ratio) and ratio > 0, report
+
+
+def test_the_hps_reward_is_built_on_its_device(tmp_path, monkeypatch):
+    """The benchmark's reward as train.py loads it (rewards/hps.py): HPSv2's model is built on its
+    device, here the meta device, and its checkpoint loaded there, not first on the CPU."""
+    from evidence import bench
+
+    seen, load = [], torch.nn.Module.load_state_dict
+
+    def spy(module, state):  # where the model is when its checkpoint is loaded into it
+        seen.append(next(module.parameters()).device)
+        return load(module, state)
+
+    monkeypatch.setattr(torch.nn.Module, "load_state_dict", spy)
+    bench.gpu_reward(torch.device("meta"), str(tmp_path), tiny=True)
+    assert seen == [torch.device("meta")]

@@ -11,19 +11,12 @@ import pytest
 from evidence import comparator_study as study
 
 
-def test_hidden_state_rows_run_on_the_diffusers_backbones_only():
-    assert study.HIDDEN_ROW in study.ROWS
-    assert study.rows("mini-sd3") == list(study.ROWS)
-    assert study.rows("digits-prompt") == [row for row in study.ROWS if row != study.HIDDEN_ROW]
-
-
 def test_every_training_has_its_own_folder():
     args = argparse.Namespace(out_dir="out")
+    grid = ["digits-prompt", "mini-sd3"], study.ROWS, [0, 1, study.TUNING_RUN], study.RATES
     folders = [
         study.folder(args, name, row, seed, rate if row == study.PPO_ROW else None)
-        for name, row, seed, rate in itertools.product(
-            ["digits-prompt", "mini-sd3"], study.ROWS, [0, 1, study.TUNING_RUN], study.RATES
-        )
+        for name, row, seed, rate in itertools.product(*grid)
     ]
     expected = 2 * 3 * (len(study.ROWS) - 1 + len(study.RATES))  # backbones x seeds x (rows, rates)
     assert len(set(folders)) == expected

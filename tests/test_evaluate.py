@@ -1,18 +1,21 @@
 """evaluate.py on train.py's checkpoints: statistics, pairing, batching, the command line and
-what it writes."""
+what it writes; load_policy; a user's mistakes with evaluate.py, sample.py and toy_js.py."""
 
 import json
 import math
+import shlex
+import shutil
 
 import pytest
 import torch
+from conftest import SCRIPTS
 
 import backbones
 import evaluate
 import rewards
 import rollout
 from backbones import trained_backbone
-from policy import load_policy
+from evaluate import load_policy
 from prompts import HPDV2_STYLES, context_noise, heldout_contexts, load_hpdv2
 
 STEPS = 4
@@ -204,17 +207,6 @@ def test_cli_writes_the_table_and_every_score_of_every_method(
     assert (out / "notes.txt").read_text() == "my notes\n"
 
 
-def test_default_contexts_are_those_of_train_table(tmp_path, digits_run, ckpt):
-    evaluate.main(["--ckpt", ckpt, "--out-dir", str(tmp_path / "eval")])
-    means = read_table_means(tmp_path / "eval" / "results.md")
-    table = {
-        row["method"]: row for row in json.loads((digits_run / "eval.json").read_text())["rows"]
-    }
-    assert "| default | 128 |" in (tmp_path / "eval" / "results.md").read_text()
-    assert means["default"] == pytest.approx(table["default"]["mean"], rel=1e-3)
-    assert means["learned"] == pytest.approx(table["learned (mean)"]["mean"], rel=1e-3)
-
-
 def test_cli_per_style_tables_from_an_hpdv2_folder(tmp_path, ckpt):
     folder = tmp_path / "benchmark"
     folder.mkdir()
@@ -268,31 +260,6 @@ def test_cli_on_tiny_flux_with_schnell_from_the_same_noise(tmp_path, monkeypatch
     assert "| schnell-4 | 3 |" in report and "| learned | 3 |" in report
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["--count", "0"], "--count must be at least 1"),
-        (["--limit", "-1"], "--limit must be at least 1"),
-        (["--batch-size", "0"], "--batch-size must be at least 1"),
-        (["--reward-checkpoint", "teacher"], "--reward-checkpoint takes NAME=PATH"),
-        (["--global-ckpt", "{ckpt}"], "--global-ckpt must be a run of --policy global at L = 4"),
-        (["--schnell"], "--schnell is for flux-dev and mini-flux, not digits"),
-        (["--seed", str(2**64)], "argument --seed: a seed is an integer from 0 to 2^63 - 1"),
-        (["--ckpt", "out/none/ckpt.pt"], "no checkpoint at out/none/ckpt.pt: train one with"),
-    ],
-)
-def test_bad_evaluate_input_is_refused_at_the_door(capsys, monkeypatch, ckpt, args, message):
-    """Refused with the usage and one error line, before a backbone loads."""
-    monkeypatch.setattr(
-        backbones, "load_backbone", lambda *a, **k: pytest.fail("loaded a backbone")
-    )
-    with pytest.raises(SystemExit) as stop:
-        evaluate.main(["--ckpt", ckpt, *(arg.replace("{ckpt}", ckpt) for arg in args)])
-    assert stop.value.code == 2
-    last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "error: " + message in last
-
-
 def test_second_columns_and_groups_of_a_fine_grained_reward(tmp_path, ckpt):
     prompts = tmp_path / "prompts.jsonl"
     rows = [dict(prompt=f"a handwritten {d}", tag="low" if d < 5 else "high") for d in range(10)]
@@ -306,21 +273,11 @@ def test_second_columns_and_groups_of_a_fine_grained_reward(tmp_path, ckpt):
         return report.split(f"## {header}\n")[1].split("##")[0]
 
     assert "| default | 10 | 0.5000 ±" in section("geneval correct")  # the even digits
-    assert "| default | 5 | 0.4000 ±" in section(
-        "geneval correct, high"
-    )  # digits 5-9: 6 and 8 even
+    # digits 5-9: 6 and 8 even
+    assert "| default | 5 | 0.4000 ±" in section("geneval correct, high")
     assert "| default | 5 | 0.6000 ±" in section("geneval correct, low")  # digits 0-4: 0, 2 and 4
     assert "mean over the 2 groups: default 0.5," in section("geneval correct, low")  # GenEval's
     assert "| learned | 10 | 0.5000 ±" in section("geneval")
-
-
-def test_cli_scores_a_stepwise_checkpoint(tmp_path, digits_stepwise_run):
-    out = tmp_path / "eval"
-    ckpt = str(digits_stepwise_run / "ckpt.pt")
-    evaluate.main(["--ckpt", ckpt, "--out-dir", str(out), "--count", "6", "--batch-size", "4"])
-    scores = json.loads((out / "scores.json").read_text())["scores"]["teacher"]
-    assert {name: len(values) for name, values in scores.items()} == {"default": 6, "learned": 6}
-    assert "| learned |" in (out / "results.md").read_text()
 
 
 def test_the_heldout_report_calls_the_model_in_rollout_batch_chunks(tmp_path, tiny_runs):
@@ -338,8 +295,90 @@ def test_the_heldout_report_calls_the_model_in_rollout_batch_chunks(tmp_path, ti
     assert backbone.cfg and max(seen) == 2 * 3 and 2 * 1 in seen  # chunks of 3, 3 and 1 contexts
 
 
-def test_a_jsonl_of_plain_prompts_evaluates(tmp_path, ckpt):
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(f"a handwritten {d}") + "\n" for d in range(3)))
-    evaluate.main(["--ckpt", ckpt, "--prompts", str(prompts), "--out-dir", str(tmp_path / "eval")])
-    assert "| learned | 3 |" in (tmp_path / "eval" / "results.md").read_text()
+def test_by_default_the_table_of_train_py_even_on_an_ascii_terminal(tmp_path, digits_run, ckpt):
+    """With no flag but --ckpt, evaluate.py scores train.py's held-out contexts: its table is
+    eval.json's. An ASCII terminal gets the tables' ± escaped, not a traceback."""
+    ascii_stdout = "import sys; sys.stdout = open(1, 'w', encoding='ascii', closefd=False)"
+    command = ["evaluate.py", "--ckpt", ckpt, "--out-dir", "eval"]
+    result = SCRIPTS.run(command, tmp_path, ascii_stdout)
+    assert result.returncode == 0 and "| default | 128 | " in result.stdout  # train.py's count
+    assert "\\xb1" in result.stdout  # the tables' ±, escaped
+    means = read_table_means(tmp_path / "eval" / "results.md")
+    rows = json.loads((digits_run / "eval.json").read_text())["rows"]
+    table = {row["method"]: row["mean"] for row in rows}
+    assert means["default"] == pytest.approx(table["default"], rel=1e-3)
+    assert means["learned"] == pytest.approx(table["learned (mean)"], rel=1e-3)
+
+
+def test_a_weight_missing_from_a_checkpoint_is_an_error(digits_run, tmp_path):
+    """load_policy is strict, for a ckpt.pt as for a policy folder (one load_state_dict; that both
+    load the same policy: tests/test_pipeline.py): a missing weight is an error naming the file,
+    not a silently fresh layer."""
+    state = torch.load(digits_run / "ckpt.pt", weights_only=True)
+    del state["policy"]["head.3.bias"]
+    torch.save(state, tmp_path / "ckpt.pt")
+    with pytest.raises(ValueError, match="ckpt.pt: RuntimeError: .*Missing key.*head.3.bias"):
+        load_policy(str(tmp_path / "ckpt.pt"))
+
+
+# -----------------------------------------------------------------------------
+# a user's mistakes: one line, and nothing of the user's lost
+
+BEFORE = "import backbones; backbones.load_backbone = None  # refused before a backbone loads"
+CTRL_C = "import backbones, os; backbones.load_backbone = lambda *a, **k: os.kill(os.getpid(), 2)"
+RUN = "out/digits-L4-instance-s0"  # evaluate.MAIN_RUN's folder: the scripts' default --ckpt
+MISTAKES = [
+    ("evaluate.py --ckpt garbage.pt", "cannot read a policy from garbage.pt", BEFORE),
+    ("evaluate.py --ckpt truncated.pt", "from truncated.pt: RuntimeError: PytorchStream", BEFORE),
+    ("evaluate.py --ckpt folder", "from folder: FileNotFoundError", BEFORE),
+    ("evaluate.py --ckpt out/digits-L4-instance-s1", "no checkpoint at out/digits-L4-", BEFORE),
+    ("evaluate.py --prompts empty.txt", "empty.txt holds no prompts", BEFORE),
+    ("evaluate.py --prompts missing.txt", "No such file or directory: 'missing.txt'", BEFORE),
+    ("evaluate.py --out-dir afile/eval", "--out-dir afile/eval:", BEFORE),
+    ("evaluate.py --count 0", "--count must be at least 1", BEFORE),
+    ("evaluate.py --reward-checkpoint teacher", "--reward-checkpoint takes NAME=PATH", BEFORE),
+    (f"evaluate.py --global-ckpt {RUN}/ckpt.pt", "--global-ckpt is no global policy's", BEFORE),
+    ("evaluate.py --global-ckpt noise.pt", "--global-ckpt is no global policy's run on", BEFORE),
+    ("evaluate.py --schnell", "--schnell is for flux-dev and mini-flux, not digits", BEFORE),
+    ("evaluate.py", "error: interrupted", CTRL_C),  # Ctrl-C
+    ("sample.py --prompt 'a handwritten 12'", "got 'a handwritten 12'", ""),
+    ("sample.py --out-dir afile", "--out-dir afile:", BEFORE),
+    ("sample.py --batch-size 0", "--batch-size must be at least 1", BEFORE),
+    ("sample.py --pipeline", "--pipeline needs a diffusers backbone", BEFORE),
+    ("sample.py --ckpt {sd35m}", "backbone sd35m needs --prompt TEXT or --prompts FILE", BEFORE),
+    (f"sample.py --ckpt {RUN}/policy --export s.json", "--export is for a global policy", BEFORE),
+    ("toy_js.py --out-dir afile", "File exists: 'afile'", ""),
+]
+
+
+def user_files(folder):
+    return {path: path.read_bytes() if path.is_file() else None for path in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("command, message, fault", MISTAKES, ids=[m[0] for m in MISTAKES])
+def test_a_users_mistake_ends_in_one_line_and_nothing_of_theirs_is_lost(
+    request, tmp_path, digits_run, digits_global_run, command, message, fault
+):
+    """One `error:` line naming the file or flag, exit status 1; every file of the user's folder as
+    it was and none added (s.json: --export is refused before it is opened). noise.pt: a global
+    run of another backbone. A missing run folder under a folder here is no Hub id (offline)."""
+    shutil.copytree(digits_run / "policy", tmp_path / RUN / "policy")
+    shutil.copy(digits_run / "ckpt.pt", tmp_path / RUN)
+    state = torch.load(digits_global_run / "ckpt.pt", weights_only=True)
+    state["config"]["backbone"] = "digits-noise"
+    torch.save(state, tmp_path / "noise.pt")
+    whole = (tmp_path / RUN / "ckpt.pt").read_bytes()
+    mine = {"truncated.pt": whole[: len(whole) // 2], "garbage.pt": bytes(range(256))}
+    mine |= {"empty.txt": b"\n", "afile": b"mine\n", "s.json": b'{"mine": 1}\n'}
+    for name, data in mine.items():
+        (tmp_path / name).write_bytes(data)
+    (tmp_path / "folder").mkdir()
+    if "{sd35m}" in command:  # a diffusers backbone: its prompts are for the user to give
+        run = request.getfixturevalue("tiny_runs")[0]["sd35m"]
+        command = command.replace("{sd35m}", str(run / "ckpt.pt"))
+    before = user_files(tmp_path)
+    result = SCRIPTS.run(shlex.split(command), tmp_path, fault)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and message in lines[0]
+    assert user_files(tmp_path) == before

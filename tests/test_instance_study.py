@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from evidence import instance_study
-from policy import make_policy, times_from_increments
+from policy import SchedulePolicy, make_policy, times_from_increments
 
 DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 
@@ -66,15 +66,11 @@ def test_the_supervised_predictor_learns_a_schedule_the_noise_determines():
     sign = latent.mean((1, 2, 3)) > 0
     early, late = torch.tensor([1.0, 0.7, 0.2]), torch.tensor([1.0, 0.5, 0.2])
     goal = torch.where(sign[:, None], early, late)
-    inputs = dict(
-        latent=latent,
-        text=torch.zeros(count, 4, 32),
-        text_mask=torch.ones(count, 4, dtype=torch.bool),
-        pooled=torch.zeros(count, 32),
-    )
+    text, mask = torch.zeros(count, 4, 32), torch.ones(count, 4, dtype=torch.bool)
+    inputs = dict(latent=latent, text=text, text_mask=mask, pooled=torch.zeros(count, 32))
     part = {key: value[:256] for key, value in inputs.items()}
     held = {key: value[256:] for key, value in inputs.items()}
-    policy = make_policy("instance", DIGITS, steps, torch.tensor([1.0, 0.6, 0.2]))
+    policy = make_policy(SchedulePolicy, DIGITS, steps, torch.tensor([1.0, 0.6, 0.2]))
     instance_study.fit_predictor(policy, part, goal[:256], held, goal[256:], seed=0)
     with torch.no_grad():
         alpha = policy(**held)

@@ -1,8 +1,8 @@
 """Imports run one way (docs/DESIGN.md, "Files"): the method's three files import nothing of the
-project but the comparator's policy class, which policy.py imports inside the function that builds
-and loads every kind of policy (and the comparator's policy builds on policy.py); no product file
-imports tests/ or evidence/, the training path imports no asset builder, and no files import each
-other in a loop. Imports are read with ast, inside functions too."""
+project (the comparator imports the method, never the other way round); no product file imports
+tests/ or evidence/, the training path imports no asset builder, the rewards no prompt set, train.py
+no miniature's module, and no files import each other in a loop. Imports are read with ast, inside
+functions too; no edge is exempt."""
 
 import ast
 import os
@@ -10,9 +10,6 @@ import os
 from test_references import ROOT, tracked  # the files git tracks
 
 METHOD = ("policy.py", "baselines.py", "rollout.py")
-# the one import against the grain, in policy.policy_class
-COMPARATOR = ("policy.py", "comparator/tpdm.py")
-CARD = METHOD + ("train.py", "sample.py", "evaluate.py", "toy_js.py")
 
 
 def module_file(name, files):
@@ -44,20 +41,17 @@ def imports(path, files):
 
 
 def graph():
-    """file -> the project files it imports, but for COMPARATOR."""
+    """file -> the project files it imports."""
     files = {path for path in tracked() if path.endswith(".py")}
     product = [path for path in files if not path.startswith("tests/")]
-    edges = {path: imports(path, files) for path in product}
-    edges[COMPARATOR[0]].discard(COMPARATOR[1])
-    return edges
+    return {path: imports(path, files) for path in product}
 
 
-def test_policy_imports_the_comparator_only_inside_a_function():
-    with open(os.path.join(ROOT, COMPARATOR[0])) as handle:
-        tree = ast.parse(handle.read())
-    top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
-    assert all("comparator" not in ast.unparse(node) for node in top)
-    assert COMPARATOR[1] in imports(COMPARATOR[0], set(tracked()))
+def test_the_rewards_import_no_prompt_set_and_train_no_miniature():
+    edges = graph()
+    for source, folder in (("rewards/", "prompts/"), ("train.py", "miniatures/")):
+        for path in (path for path in sorted(edges) if path.startswith(source)):
+            assert not [target for target in edges[path] if target.startswith(folder)], path
 
 
 def test_the_method_files_import_nothing_of_the_project():

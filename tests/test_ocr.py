@@ -12,6 +12,7 @@ from test_rewards import ImageBackbone, to_pil  # the image stand-in and the 8-b
 from rewards import ocr
 
 PROMPT = 'a neon sign that says "OPEN LATE"'
+CAFE_NFC, CAFE_NFD = "CAF\u00c9", "CAFE\u0301"  # É as one code point, and as E + combining accent
 
 
 # ----------------------------------------------------------------------------------------------
@@ -27,9 +28,7 @@ def test_target_text():
     "prompt", ["a neon sign", 'a sign "OPEN', '"OPEN" and "LATE"', 'a sign ""', 'a sign "!?"']
 )
 def test_target_text_rejects(prompt):
-    with pytest.raises(
-        ValueError, match=r'^OCR prompts need exactly one non-empty "quoted" target text: '
-    ) as error:
+    with pytest.raises(ValueError, match='"quoted" target text') as error:
         ocr.target_text(prompt)
     assert repr(prompt) in str(error.value) and "\n" not in str(error.value)
 
@@ -37,18 +36,6 @@ def test_target_text_rejects(prompt):
 def test_words_normalise():
     text = "  Don't STOP,\n e-mail_me! 24/7 Café "
     assert ocr.words(text) == ["dont", "stop", "emailme", "247", "café"]
-
-
-def test_the_same_word_matches_however_it_is_encoded():
-    import unicodedata
-
-    composed = unicodedata.normalize("NFC", "CAFÉ")
-    decomposed = unicodedata.normalize("NFD", "CAFÉ")
-    assert composed != decomposed
-    assert ocr.word_recall(decomposed, composed) == ocr.word_recall(composed, decomposed) == 1.0
-    # an accent is a letter
-    assert ocr.word_recall("CAFE", composed) == ocr.word_recall("CAFE", decomposed) == 0.0
-    assert ocr.edit_score(decomposed, composed) == 1.0
 
 
 @pytest.mark.parametrize(
@@ -64,6 +51,10 @@ def test_the_same_word_matches_however_it_is_encoded():
         ("boom", "BOOM BOOM", 0.5),  # multiset: a repeated word must be read as often
         ("boom boom boom", "BOOM BOOM", 1.0),
         ("boom bang", "BOOM BOOM BANG", 2 / 3),
+        (CAFE_NFD, CAFE_NFC, 1.0),  # the same word however it is encoded
+        (CAFE_NFC, CAFE_NFD, 1.0),
+        ("CAFE", CAFE_NFC, 0.0),  # an accent is a letter
+        ("CAFE", CAFE_NFD, 0.0),
     ],
 )
 def test_word_recall(read, target, recall):
@@ -81,6 +72,7 @@ def test_word_recall(read, target, recall):
         ("", "OPEN LATE", 0.0),
         ("x" * 20, "OPEN LATE", 0.0),  # 20 edits > 8 characters: clipped at 0
         ("open late now", "OPEN LATE", 5 / 8),  # three insertions
+        (CAFE_NFD, CAFE_NFC, 1.0),
     ],
 )
 def test_edit_score(read, target, score):

@@ -8,8 +8,9 @@ import torch
 
 import backbones
 from backbones import families, pipeline
+from evaluate import POLICIES, load_policy
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
-from policy import load_policy, make_policy, mean_increments, save_policy, times_from_increments
+from policy import make_policy, mean_increments, save_policy, times_from_increments
 
 
 def learned_policy(backbone, steps, seed=0, kind="instance"):
@@ -17,7 +18,7 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     layer, zero at initialisation, gets random weights)."""
     torch.manual_seed(seed)
     policy = make_policy(
-        kind,
+        POLICIES[kind],
         backbone.policy_dims,
         steps,
         init_times=backbone.default_times(steps),
@@ -95,8 +96,6 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     # the same operations in another order: float32 rounding (1.2e-7) grown by the trained network
     # over L steps; at most 1.02e-5 of the scale seen (mini-sd3, L = 4)
     assert (latents - expected).abs().max().item() / scale < 3e-5
-    restored = type(pipe.scheduler).__name__
-    assert restored in ("FlowMatchEulerDiscreteScheduler", "EulerDiscreteScheduler")
 
 
 def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
@@ -177,7 +176,7 @@ def test_a_policy_goes_to_the_hub_and_back_without_pickle(tmp_path, capsys, kind
                 assert torch.equal(loaded.state_dict()[name], tensor), name
         assert capsys.readouterr().out == ""
     bare = tmp_path / "bare"  # a policy built by hand: no training configuration, no backbone
-    make_policy("global", backbone.policy_dims, 4).save_pretrained(bare)
+    make_policy(POLICIES["global"], backbone.policy_dims, 4).save_pretrained(bare)
     loaded, _ = load_policy(str(bare))
     assert loaded.steps == 4 and loaded.backbone is None
 
@@ -263,6 +262,8 @@ def test_generate_outputs_are_the_pipelines_and_the_pipeline_is_left_as_found(fa
             r"trained on flux-dev \(flux\), not for a StableDiffusion3Pipeline",
         ),
         ("sd3", dict(backbone="digits"), r"digits \(mixture\), not for a StableDiffusion3Pipeline"),
+        ("sdxl", dict(config=dict(text_dim=4096)), r"built for \{.*'text_dim': 4096.*not this pip"),
+        ("flux-dev", dict(kind="stepwise"), "step-wise policy .* sample.py without --pipeline"),
         (
             "sdxl",
             dict(prediction_type="v_prediction"),
@@ -271,11 +272,14 @@ def test_generate_outputs_are_the_pipelines_and_the_pipeline_is_left_as_found(fa
     ],
 )
 def test_generate_refuses_what_it_cannot_honour_in_one_line(family, change, message):
-    """Arguments generate() cannot honour, a policy trained on another backbone, a scheduler
-    config the loop cannot run: each refused in one line."""
-    pipe, _, policy = pipe_and_policy(family)
+    """Arguments generate() cannot honour, a policy trained on another backbone or built for other
+    inputs, a scheduler config the loop cannot run: each refused in one line."""
+    pipe, backbone, policy = pipe_and_policy(family)
     arguments = dict(change)
+    if arguments.pop("kind", None):  # TPDM's: its times are chosen inside the loop
+        policy = learned_policy(backbone, 3, kind="stepwise")
     policy.backbone = arguments.pop("backbone", policy.backbone)
+    policy.config.update(arguments.pop("config", {}))  # e.g. SD3's T5 width, not SD-XL's CLIPs'
     config = {key: arguments.pop(key) for key in ["prediction_type"] if key in arguments}
     pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **config)
     with pytest.raises(ValueError, match=message) as error:
@@ -285,38 +289,28 @@ def test_generate_refuses_what_it_cannot_honour_in_one_line(family, change, mess
 
 def test_generate_samples_at_the_guidance_the_policy_was_trained_with():
     dims = dict(latent_channels=16, text_dim=32, pooled_dim=64)
-    policy = make_policy("instance", dims, 3, backbone="mini-sd3")
+    policy = make_policy(POLICIES["instance"], dims, 3, backbone="mini-sd3")
     assert pipeline.trained_guidance(policy) == 1.25  # the miniature's, not the SD3 pipeline's 7.0
     policy.training_config = dict(backbone="mini-sd3", guidance=2.0)
     assert pipeline.trained_guidance(policy) == 2.0
-    schnell = make_policy("instance", dims, 3, backbone="flux-schnell")
+    schnell = make_policy(POLICIES["instance"], dims, 3, backbone="flux-schnell")
     assert pipeline.trained_guidance(schnell) is None
 
 
-@pytest.mark.parametrize(
-    "option", ["stochastic_sampling", "use_karras_sigmas", "use_exponential_sigmas"]
-)
-def test_scheduler_options_that_change_the_update_are_turned_off(option):
-    """A pipeline whose scheduler config turns the option on: generate still equals the loop."""
+def test_a_stochastic_scheduler_config_still_runs_the_learned_times_exactly():
+    """learned_scheduler turns off what would change the update (EXACT): with a config that samples
+    stochastically, the pipeline's own call with the learned times equals the loop."""
     pipe, backbone, policy = pipe_and_policy()
-    if option != "stochastic_sampling":  # the sigma-spacing options need scipy-free settings only
-        pytest.importorskip("scipy")
-    pipe.scheduler = type(pipe.scheduler).from_config(pipe.scheduler.config, **{option: True})
-    latents = pipeline.generate(
-        pipe,
-        policy,
-        "a cat",
-        generator=torch.Generator().manual_seed(4),
-        height=TINY_RESOLUTION,
-        guidance_scale=4.5,
-        output_type="latent",
-    ).images
+    config = pipe.scheduler.config
+    pipe.scheduler = type(pipe.scheduler).from_config(config, stochastic_sampling=True)
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(4))
     cond = backbone.encode_prompts(["a cat"])
     times = mean_times(policy, backbone, noise, cond)
     expected = backbone.sample(noise, cond, times)
+    options = dict(prompt="a cat", height=TINY_RESOLUTION, guidance_scale=4.5, output_type="latent")
+    latents = call_with_times(pipe, backbone, times[0], latents=noise, **options)
     assert (latents - expected).abs().max().item() / expected.abs().max().item() < 1e-5
-    assert pipe.scheduler.config[option] is True  # the user's scheduler is untouched
+    assert pipe.scheduler.config.stochastic_sampling  # the user's scheduler is untouched
 
 
 def test_generate_with_precomputed_embeddings_equals_the_pipeline_with_them():

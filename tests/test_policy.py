@@ -1,17 +1,16 @@
-import shutil
-
 import pytest
 import torch
 
 from backbones import BACKBONES
+from evaluate import POLICIES
 from evidence.bench import POLICY_DIMS
 from policy import (
     ALPHA_MIN,
     TAU_FLOOR,
     GlobalPolicy,
+    SchedulePolicy,
     increments_from_times,
     initial_logits,
-    load_policy,
     log_prob,
     make_policy,
     mean_increments,
@@ -85,7 +84,7 @@ def test_times_and_increments_by_hand_and_inverting_each_other():
 @pytest.mark.parametrize("kind", ["instance", "global"])
 def test_samples_and_means_are_valid_schedules(kind):
     steps = 10
-    policy = make_policy(kind, DIGITS, steps)
+    policy = make_policy(POLICIES[kind], DIGITS, steps)
     alpha = policy(*digits_inputs(6))
     assert alpha.shape == (6, steps + 1) and alpha.dtype == torch.float32
     tau = sample_increments(alpha, 4, torch.Generator().manual_seed(0))
@@ -93,6 +92,8 @@ def test_samples_and_means_are_valid_schedules(kind):
     assert torch.allclose(tau.sum(-1), torch.ones(6, 4), atol=1e-6)
     assert_valid_schedule(times_from_increments(tau), steps)
     assert_valid_schedule(times_from_increments(mean_increments(alpha)), steps)
+    equal = torch.full((6, steps + 1), 1 / (steps + 1))  # no init_times: equal increments
+    assert torch.allclose(mean_increments(alpha), equal, atol=2e-3)  # but for the head's last layer
     # the draws are the generator's alone: the same seed draws the same schedules, another others
     assert torch.equal(tau, sample_increments(alpha, 4, torch.Generator().manual_seed(0)))
     assert not torch.allclose(tau, sample_increments(alpha, 4, torch.Generator().manual_seed(1)))
@@ -151,7 +152,7 @@ def test_extreme_concentrations_at_80_steps_are_finite(low, high):
 
 
 def test_gradients_reach_every_parameter_of_the_instance_policy():
-    policy = make_policy("instance", DIGITS, 10)
+    policy = make_policy(SchedulePolicy, DIGITS, 10)
     inputs = digits_inputs(8)
     reinforce_step(policy, inputs)
     # the head's last layer and its bias move from the first step on
@@ -165,8 +166,8 @@ def test_gradients_reach_every_parameter_of_the_instance_policy():
 def test_the_global_policy_is_the_instance_network_on_constant_inputs():
     """One schedule for every context, whatever the noise and prompt; the instance policy's
     network and start (its sizes, its initial concentrations), trained by the same gradients."""
-    policy = make_policy("global", DIGITS, 10, init_times=torch.linspace(1, 0, 11))
-    instance = make_policy("instance", DIGITS, 10, init_times=torch.linspace(1, 0, 11))
+    policy = make_policy(GlobalPolicy, DIGITS, 10, init_times=torch.linspace(1, 0, 11))
+    instance = make_policy(SchedulePolicy, DIGITS, 10, init_times=torch.linspace(1, 0, 11))
     inputs = digits_inputs(8)
     alpha = policy(*inputs)
     assert torch.equal(alpha, alpha[:1].expand_as(alpha))  # the same for every context
@@ -181,7 +182,7 @@ def test_policy_sizes_are_about_20m_for_the_real_models():
     # the paper: about 20M parameters, under 1% of the sampler
     for name, dims in POLICY_DIMS.items():
         with torch.device("meta"):
-            policy = make_policy("instance", dims, 20, network=BACKBONES[name]["policy"])
+            policy = make_policy(SchedulePolicy, dims, 20, network=BACKBONES[name]["policy"])
         params = sum(p.numel() for p in policy.parameters())
         low, high = (50_000, 200_000) if name == "digits" else (15e6, 25e6)
         assert low <= params <= high, (name, params)
@@ -191,39 +192,22 @@ def test_real_network_runs_on_a_small_latent():
     # the real network's shapes on a 512px latent (64x64) and a short prompt: any resolution works
     dims = dict(latent_channels=16, text_dim=4096, pooled_dim=2048)
     policy = make_policy(
-        "instance", dims, 5, network="real", widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32
+        SchedulePolicy,
+        dims,
+        5,
+        network="real",
+        widths=[8, 16, 16, 32],
+        dim=32,
+        heads=4,
+        head_hidden=32,
     )
     latent, text, pooled = torch.randn(2, 16, 64, 64), torch.randn(2, 7, 4096), torch.randn(2, 2048)
     alpha = policy(latent, text, torch.ones(2, 7, dtype=torch.bool), pooled)
     assert alpha.shape == (2, 6) and torch.all(torch.isfinite(alpha))
 
 
-def test_a_weight_missing_from_a_checkpoint_or_its_policy_folder_is_an_error(digits_run, tmp_path):
-    """load_policy loads train.py's ckpt.pt and policy/ to the same weights and configuration, and
-    strictly: a missing weight is an error, not a silently fresh layer."""
-    (from_ckpt, ckpt_config), (from_folder, folder_config) = (
-        load_policy(str(digits_run / name)) for name in ("ckpt.pt", "policy")
-    )
-    assert ckpt_config == folder_config and from_folder.backbone == "digits"
-    for name, tensor in from_ckpt.state_dict().items():
-        assert torch.equal(tensor, from_folder.state_dict()[name]), name
-    state = torch.load(digits_run / "ckpt.pt", weights_only=True)
-    del state["policy"]["head.3.bias"]
-    torch.save(state, tmp_path / "ckpt.pt")
-    with pytest.raises(RuntimeError, match="Missing key.*head.3.bias"):
-        load_policy(str(tmp_path / "ckpt.pt"))
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(digits_run / "policy", tmp_path / "policy")
-    tensors = load_file(tmp_path / "policy" / "model.safetensors")
-    del tensors["head.3.bias"]
-    save_file(tensors, tmp_path / "policy" / "model.safetensors")
-    with pytest.raises(RuntimeError, match="head.3.bias"):
-        load_policy(str(tmp_path / "policy"))
-
-
 def test_instance_policy_depends_on_the_input_and_ignores_padding():
-    policy = make_policy("instance", DIGITS, 10)
+    policy = make_policy(SchedulePolicy, DIGITS, 10)
     inputs = digits_inputs(8)
     reinforce_step(policy, inputs)
     reinforce_step(policy, inputs, seed=1)
@@ -250,7 +234,7 @@ def test_default_init_reproduces_the_default_schedule(kind, steps):
     default = sd3_default_times(steps)
     stop_margin, concentration = 5e-3, 100.0
     policy = make_policy(
-        kind,
+        POLICIES[kind],
         DIGITS,
         steps,
         init_times=default,
@@ -274,21 +258,13 @@ def test_default_init_reproduces_the_default_schedule(kind, steps):
 def test_default_init_starting_below_one_starts_from_one():
     # SD-XL's "leading" spacing at 2 steps runs timesteps [501, 1] -> times [501/999, 1/999, 0]
     default = torch.tensor([501 / 999, 1 / 999, 0.0])
-    policy = make_policy("global", DIGITS, 2, init_times=default, stop_margin=5e-3)
+    policy = make_policy(GlobalPolicy, DIGITS, 2, init_times=default, stop_margin=5e-3)
     with torch.no_grad():
         policy.head[-1].weight.zero_()  # the bias alone: the start exactly
     times = times_from_increments(mean_increments(policy(*digits_inputs(1))))[0]
     expected = (torch.tensor([1.0, 1 / 999, 0.0]) + 5e-3) / (1 + 5e-3)
     assert times[0] == 1.0
     assert torch.allclose(times[1:], expected[1:].float(), atol=1e-6)
-
-
-@pytest.mark.parametrize("kind", ["instance", "global"])
-def test_uniform_init_has_equal_increments(kind):
-    policy = make_policy(kind, DIGITS, 9)
-    atol = 2e-3  # the head's small random last layer
-    increments = mean_increments(policy(*digits_inputs(3)))
-    assert torch.allclose(increments, torch.full((3, 10), 0.1), atol=atol)
 
 
 def test_initial_logits_invert_softplus_for_small_and_large_concentrations():

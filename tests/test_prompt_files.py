@@ -1,4 +1,5 @@
-"""The prompt sets shipped in prompts/: format, counts, balance, and train/held-out disjointness."""
+"""The prompt sets shipped in prompts/: format, counts, balance, and train/held-out disjointness;
+load_prompt_file's one-line error on a file with a bad record."""
 
 import json
 import re
@@ -6,6 +7,8 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from prompts import load_prompt_file
 
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
 STYLES = ("anime", "concept-art", "paintings", "photo")
@@ -65,3 +68,23 @@ def test_ocr_target_is_the_single_quoted_span(name):
         assert re.search(r'"([^"]*)"', prompt).group(1) == text, row
         assert 1 <= len(text.split()) <= 4 and text == text.strip(), row
         assert re.fullmatch(r"[A-Za-z0-9'\- ]+", text), row
+
+
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("no_prompt.jsonl", b'{"text": "a cat"}\n'),
+        ("null.jsonl", b'{"prompt": null}\n'),
+        ("nested.json", b'[["a"]]'),
+        ("number.jsonl", b"3\n"),
+        ("broken.jsonl", b'{"prompt": "a cat"\n'),
+        ("object.json", b'{"a": 1}'),
+        ("empty.txt", b""),
+        ("not_utf8.txt", b"\xff\xfe\x00a"),
+    ],
+)
+def test_a_bad_record_is_one_line_naming_the_file(tmp_path, name, data):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / name))) as error:
+        load_prompt_file(str(tmp_path / name))
+    assert "\n" not in str(error.value)

@@ -25,15 +25,14 @@ ALLOWED = (
     " *_learned.png *_teacher.png oracles.json tuning.json toy_js.png prediction-*.json pairs.json"
     " trajectories.json"
     # files on the Hub: HPSv2's weights, HPDv2's prompts, the files of a diffusers model folder
-    " HPS_v2*.pt train.json benchmark/* model_index.json config.json model.safetensors"
-    " scheduler_config.json scheduler/scheduler_config.json vae/config.json transformer/config.json"
+    " HPS_v2*.pt train.json benchmark/* config.json model.safetensors scheduler_config.json"
+    " transformer/config.json"
     # TPDM's code (github.com/maple-research-lab/TPDM), which docs/COMPARATOR.md follows
     " scripts/launch_sd3_train.sh launch_sd3_train.sh src/train/rloo_trainer.py rloo_trainer.py"
-    " src/models/stable_diffusion_3/* modeling_sd3_pnt.py transformer_sd3.py"
-    # the code of GenEval, hpsv2, open_clip and EasyOCR that rewards/ reproduces
+    " src/models/stable_diffusion_3/* modeling_sd3_pnt.py"
+    # the code of GenEval, hpsv2 and open_clip that rewards/ reproduces
     " prompts/create_prompts.py create_prompts.py object_names.txt evaluation/*.py"
     " evaluation_metadata.jsonl evaluate_images.py hpsv2/src/open_clip/*.py open_clip/constants.py"
-    " easyocr/config.py model/"
 ).split()
 OUTSIDE = ("PAPER.md", "STYLE.md", "ENV-NOTES.md", "../shared")  # notes beyond the repository
 

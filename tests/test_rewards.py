@@ -5,6 +5,7 @@ in tests/test_rewards_hps.py."""
 import pathlib
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -38,17 +39,8 @@ def test_import_stays_light():
     # torchvision, hpsv2x and easyocr load only with their rewards: importing the scripts and
     # rewards must not pull them in, and a command line that fails on its input must answer before
     # diffusers or transformers load.
-    heavy = (
-        "torchvision",
-        "hpsv2",
-        "open_clip",
-        "easyocr",
-        "cv2",
-        "easyocr_en_models",
-        "transformers",
-        "diffusers",
-        "matplotlib",
-    )
+    heavy = "torchvision hpsv2 open_clip easyocr cv2 easyocr_en_models transformers".split()
+    heavy += ["diffusers", "matplotlib"]
     code = (
         "import sys, train, evaluate, sample; from rewards import ocr, geneval; "
         f"print(sorted(m for m in {heavy} if m in sys.modules))"
@@ -69,38 +61,25 @@ def digits():
     return backbones.load_backbone("digits")
 
 
-class CountingBackbone:
-    """Wraps a backbone and counts reference solves (calls and samples)."""
-
-    def __init__(self, backbone):
-        self.backbone, self.calls, self.solved = backbone, 0, 0
-        self.device = backbone.device
-
-    def reference(self, noise, cond):
-        self.calls += 1
-        self.solved += noise.shape[0]
-        return self.backbone.reference(noise, cond)
-
-
 def test_teacher_scores_and_cache(digits):
     # three contexts, each repeated K = 2 times as the trainer lays out a batch
     prompts = [p for p in ["a handwritten 3", "a handwritten 7", "a handwritten 0"] for _ in "ab"]
     noise = digits.sample_noise(3, torch.Generator().manual_seed(0)).repeat_interleave(2, 0)
     cond = digits.encode_prompts(prompts)
     teacher = digits.reference(noise, cond)
-    counter = CountingBackbone(digits)
-    reward = rewards.load_reward("teacher", counter)
+    reward = rewards.load_reward("teacher", digits)
 
-    own = reward(teacher, prompts, noise, cond)
-    # K = 2 rollouts of 3 contexts: one solve of the 3 distinct contexts, the repeats are cached
-    assert (counter.calls, counter.solved) == (1, 3)
-    assert own.dtype == torch.float32 and own.shape == (6,) and own.device == digits.device
-    assert torch.equal(own, torch.zeros(6))  # the teacher's own output scores exactly 0
+    with mock.patch.object(digits, "reference", wraps=digits.reference) as solve:
+        own = reward(teacher, prompts, noise, cond)
+        # K = 2 rollouts of 3 contexts: one solve of the 3 distinct contexts, the repeats are cached
+        assert solve.call_count == 1 and len(solve.call_args.args[0]) == 3
+        assert own.dtype == torch.float32 and own.shape == (6,) and own.device == digits.device
+        assert torch.equal(own, torch.zeros(6))  # the teacher's own output scores exactly 0
 
-    times = digits.default_times(4).expand(6, -1)
-    latents = digits.sample(noise, cond, times)
-    scores = reward(latents, prompts, noise, cond)
-    assert (counter.calls, counter.solved) == (1, 3)  # all served from the cache
+        times = digits.default_times(4).expand(6, -1)
+        latents = digits.sample(noise, cond, times)
+        scores = reward(latents, prompts, noise, cond)
+        assert solve.call_count == 1  # all served from the cache
     assert torch.allclose(scores, -((latents - teacher) ** 2).mean((1, 2, 3)), rtol=1e-6, atol=0)
     assert (scores < 0).all()
     # same noise, same prompt, same teacher: the two rollouts of a context with equal latents agree
@@ -149,13 +128,9 @@ def test_teacher_cache_keys_on_noise_and_prompt_and_is_bounded_lru():
 
 def byte_level_vocab():
     """CLIP's byte-to-unicode alphabet, each char alone and as a word end, plus the two specials."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    codes = printable + [256 + n for n in range(256 - len(printable))]
-    chars = [chr(code) for code in codes]
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    chars = list(bytes_to_unicode().values())
     vocab = {char: index for index, char in enumerate(chars)}
     vocab.update({char + "</w>": index + 256 for index, char in enumerate(chars)})
     vocab.update({"<|startoftext|>": 512, "<|endoftext|>": 513})
@@ -166,25 +141,10 @@ def save_tiny_clip(path, image_size, patch_size):
     """A randomly initialised CLIPModel and its tokenizer, saved to `path` as a hub folder."""
     from transformers import CLIPConfig, CLIPModel, CLIPTokenizer
 
-    text = dict(
-        vocab_size=514,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        max_position_embeddings=77,
-        bos_token_id=512,
-        eos_token_id=513,
-        pad_token_id=513,
-    )
-    vision = dict(
-        image_size=image_size,
-        patch_size=patch_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-    )
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    text = dict(sizes, vocab_size=514, max_position_embeddings=77, bos_token_id=512)
+    text.update(eos_token_id=513, pad_token_id=513)  # the specials of byte_level_vocab
+    vision = dict(sizes, image_size=image_size, patch_size=patch_size)
     CLIPModel(
         CLIPConfig(text_config=text, vision_config=vision, projection_dim=16)
     ).save_pretrained(path)
@@ -216,29 +176,28 @@ def test_clip_preprocess_matches_clip_image_processor(height, width):
     assert torch.allclose(ours, reference, rtol=0, atol=1e-6)
 
 
-def test_clip_reward_matches_transformers(tiny_clip):
+def clip_reference(folder, size, texts, images):
+    """(model, output) of transformers' CLIPModel saved in `folder` on `texts` and the PIL `images`,
+    through its tokenizer and CLIPImageProcessorPil at `size` pixels."""
     from transformers import AutoTokenizer, CLIPImageProcessorPil, CLIPModel
 
+    model = CLIPModel.from_pretrained(folder).eval()
+    tokens = AutoTokenizer.from_pretrained(folder)(texts, padding=True, return_tensors="pt")
+    processor = CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
+    pixels = processor(images=images, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        return model, model(**tokens, pixel_values=pixels)
+
+
+def test_clip_reward_matches_transformers(tiny_clip):
     reward = rewards.load_reward("clip", ImageBackbone(), checkpoint=tiny_clip, batch_size=3)
     assert reward.image_size == 64
     images = torch.rand(5, 3, 40, 56, generator=torch.Generator().manual_seed(2))
     prompts = ["a red cube", "a dog", "a red cube", "two cats", "a handwritten 3"]
     scores = reward(images, prompts, None, None)
     assert scores.dtype == torch.float32 and scores.shape == (5,)
-
-    model = CLIPModel.from_pretrained(tiny_clip).eval()
-    tokens = AutoTokenizer.from_pretrained(tiny_clip)(prompts, padding=True, return_tensors="pt")
-    processor = CLIPImageProcessorPil(
-        size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64}
-    )
-    pixels = processor(images=[to_pil(image) for image in images], return_tensors="pt")[
-        "pixel_values"
-    ]
-    with torch.no_grad():
-        out = model(
-            input_ids=tokens["input_ids"],
-            attention_mask=tokens["attention_mask"],
-            pixel_values=pixels,
-        )
+    model, out = clip_reference(tiny_clip, 64, prompts, [to_pil(image) for image in images])
     expected = 100 * out.logits_per_image.diagonal() / model.logit_scale.exp()
     assert torch.allclose(scores, expected, rtol=1e-4, atol=1e-4)

@@ -90,13 +90,7 @@ def test_reward_matches_hpsv2_score(tiny_hps, hps_reference):
     )
     assert reward.image_size == 224
     images = torch.rand(5, 3, 40, 56, generator=torch.Generator().manual_seed(1))
-    prompts = [
-        "a red cube on a table",
-        "a dog",
-        "a red cube on a table",
-        "two cats, oil painting",
-        "a handwritten 3",
-    ]
+    prompts = ["a red cube", "a dog", "a red cube", "two cats, oil painting", "a handwritten 3"]
     scores = reward(images, prompts, None, None)
     assert scores.dtype == torch.float32 and scores.shape == (5,)
     expected = torch.tensor(

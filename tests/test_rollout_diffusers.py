@@ -1,12 +1,14 @@
 """The real backbones' code on tiny random diffusers pipelines: with the default times the loop
 reproduces each pipeline's own latents; any other schedule runs exactly as given."""
 
+import contextlib
 import math
 
 import pytest
 import torch
 from diffusers import EulerDiscreteScheduler, FluxPipeline, StableDiffusionXLPipeline
 
+import train
 from backbones import from_pipeline, load_backbone
 from miniatures.layouts import TINY_GUIDANCE, tiny_pipeline
 from miniatures.layouts import TINY_RESOLUTION as RESOLUTION
@@ -19,12 +21,6 @@ def tiny(request):
     """(pipeline, backbone) of one family, sharing the same modules."""
     pipe = tiny_pipeline(request.param)
     return pipe, from_pipeline(pipe, resolution=RESOLUTION, guidance=TINY_GUIDANCE[request.param])
-
-
-def count_calls(module):
-    calls = []
-    handle = module.register_forward_hook(lambda *_: calls.append(1))
-    return calls, handle
 
 
 def relative_error(ours, theirs):
@@ -40,7 +36,8 @@ def test_default_times_reproduce_the_pipeline(tiny, steps):
     pipe, backbone = tiny
     noise = backbone.sample_noise(len(PROMPTS), torch.Generator().manual_seed(steps))
     cond = backbone.encode_prompts(PROMPTS)
-    calls, handle = count_calls(backbone.model)
+    calls = []
+    handle = backbone.model.register_forward_hook(lambda *_: calls.append(1))
     ours = backbone.sample(noise, cond, backbone.default_times(steps).expand(len(PROMPTS), -1))
     assert len(calls) == steps  # CFG rides in the same forward
     theirs = pipe(
@@ -58,19 +55,6 @@ def test_default_times_reproduce_the_pipeline(tiny, steps):
     assert relative_error(ours, theirs) < 1e-5
 
 
-def test_guidance_is_used_as_each_model_expects(tiny):
-    pipe, backbone = tiny
-    noise = backbone.sample_noise(2, torch.Generator().manual_seed(0))
-    cond = backbone.encode_prompts(PROMPTS)
-    times = backbone.default_times(2).expand(2, -1)
-    if backbone.guidance is None:  # schnell: no guidance input at all
-        assert not pipe.transformer.config.guidance_embeds and "negative_prompt_embeds" not in cond
-        return
-    guided = backbone.sample(noise, cond, times)
-    other = from_pipeline(pipe, resolution=RESOLUTION, guidance=backbone.guidance + 2.0)
-    assert relative_error(other.sample(noise, other.encode_prompts(PROMPTS), times), guided) > 1e-3
-
-
 def test_a_learned_schedule_runs_exactly_as_given(tiny):
     _, backbone = tiny
     noise = backbone.sample_noise(2, torch.Generator().manual_seed(1))
@@ -78,13 +62,12 @@ def test_a_learned_schedule_runs_exactly_as_given(tiny):
     default = backbone.sample(noise, cond, backbone.default_times(3).expand(2, -1))
     times = torch.tensor([1.0, 0.7, 0.3, 0.02]).expand(2, -1)
     seen = []
-    model = backbone.model
 
     def record_timestep(module, args, kwargs):
         # the UNet takes it positionally
         seen.append(kwargs["timestep"] if "timestep" in kwargs else args[1])
 
-    handle = model.register_forward_pre_hook(record_timestep, with_kwargs=True)
+    handle = backbone.model.register_forward_pre_hook(record_timestep, with_kwargs=True)
     custom = backbone.sample(noise, cond, times)
     handle.remove()
     assert len(seen) == 3
@@ -107,21 +90,6 @@ def test_per_sample_schedules_equal_one_by_one(tiny):
             noise[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()}, times[i : i + 1]
         )
         assert relative_error(single, batched[i : i + 1]) < 1e-5
-
-
-def test_policy_inputs_follow_the_contexts(tiny):
-    _, backbone = tiny
-    cond = backbone.encode_prompts(PROMPTS)
-    repeated = {k: v.repeat_interleave(3, 0) for k, v in cond.items()}
-    inputs = backbone.policy_inputs(backbone.sample_noise(6), repeated)
-    dims = backbone.policy_dims
-    assert inputs["latent"].shape == (6, dims["latent_channels"], 16, 16)
-    assert inputs["text"].shape[2] == dims["text_dim"]
-    assert inputs["pooled"].shape == (6, dims["pooled_dim"])
-    # the mask marks the real tokens: the long prompt has more of them
-    assert inputs["text_mask"][3].sum() > inputs["text_mask"][0].sum() > 0
-    assert torch.equal(inputs["text"][0], inputs["text"][2])
-    assert not torch.equal(inputs["text"][0], inputs["text"][3])
 
 
 def test_decode_matches_the_pipeline(tiny):
@@ -190,18 +158,57 @@ def test_default_times_match_the_library_facts():
     assert sdxl.sigma(torch.tensor([0.0])).item() == 0.0
 
 
-def test_reference_is_the_default_schedule_at_50_steps(tiny):
-    _, backbone = tiny
-    noise = backbone.sample_noise(2, torch.Generator().manual_seed(5))
-    cond = backbone.encode_prompts(PROMPTS)
-    schedules = []
-    backbone.sample = lambda noise, cond, times: schedules.append(times) or noise
-    try:
-        backbone.reference(noise, cond)
-    finally:
-        del backbone.sample
-    assert len(schedules) == 1
-    assert torch.equal(schedules[0], backbone.default_times(50).expand(2, -1))
+@pytest.mark.parametrize("family", list(TINY_GUIDANCE))
+def test_kept_encodings_are_the_rows_encode_prompt_gives_in_the_policys_dims(family):
+    """keep_encoded: a prompt set encoded once (the negative row once), the text encoders dropped;
+    encode_prompts then gives each prompt's rows as encode_prompt does, read in policy_dims."""
+    pipe, guidance = tiny_pipeline(family), TINY_GUIDANCE[family]
+    backbone = from_pipeline(pipe, resolution=RESOLUTION, guidance=guidance)
+    expected = backbone.encode_prompts(PROMPTS[::-1])
+    assert backbone.keep_encoded(["a dog", *PROMPTS]) and pipe.text_encoder is None
+    kept = backbone.encode_prompts(PROMPTS[::-1])
+    for key, value in expected.items():
+        torch.testing.assert_close(kept[key], value, rtol=1e-6, atol=1e-6)
+    inputs, dims = backbone.policy_inputs(backbone.sample_noise(2), kept), backbone.policy_dims
+    assert inputs["latent"].shape == (2, dims["latent_channels"], 16, 16)
+    assert inputs["text"].shape[2] == dims["text_dim"]
+    assert inputs["pooled"].shape == (2, dims["pooled_dim"])
+    assert inputs["text_mask"][0].sum() > inputs["text_mask"][1].sum() > 0  # the long prompt's
+
+
+def test_the_backbone_computes_on_the_pipelines_execution_device(monkeypatch):
+    """Under enable_model_cpu_offload the model's weights wait on the CPU and the pipeline computes
+    on the GPU, its _execution_device: the backbone's tensors go there, SD-XL's noise table once."""
+    monkeypatch.setattr(StableDiffusionXLPipeline, "_execution_device", torch.device("meta"))
+    backbone = from_pipeline(tiny_pipeline("sdxl"), resolution=RESOLUTION)
+    assert backbone.model.device.type == "cpu" and backbone.device.type == "meta"
+    assert backbone.noise_table.device.type == "meta"
+
+
+@pytest.mark.parametrize(
+    "name, refused",
+    [
+        ("_native_math", None),
+        ("bogus", "--attention bogus: "),
+        ("_native_cudnn", "--attention _native_cudnn: "),  # not on a CPU
+    ],
+)
+def test_attention_goes_to_fluxs_processors_alone_else_one_line(name, refused):
+    """--attention (Flux's: SD3's and SD-XL's processors call torch's SDPA, the door refuses them)
+    is set on this model's processors alone, diffusers' default stays; else one line."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    backbone = from_pipeline(tiny_pipeline("flux-dev"), resolution=RESOLUTION)
+    default = registry._active_backend
+    if refused:
+        with pytest.raises(ValueError, match=refused) as error:
+            backbone.set_attention(name)
+        assert "\n" not in str(error.value)
+        return
+    backbone.set_attention(name)
+    processors = backbone.model.attn_processors.values()
+    assert all(processor._attention_backend == name for processor in processors)
+    assert registry._active_backend == default
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,3 +226,19 @@ def test_a_prompt_past_the_window_is_refused_where_the_reward_reads_it_else_note
     backbone.check_prompts([long] * 3, "teacher")  # the same prompt: one note, one line
     printed = capsys.readouterr().out.strip()
     assert printed.startswith("note: 1 prompt(s) are longer") and "\n" not in printed
+
+
+@pytest.mark.parametrize(
+    "arguments, refused",
+    [
+        (("--backbone", "mini-sd3", "--dtype", "float16"), "float16"),  # the flows overflow in it
+        (("--backbone", "mini-flux", "--dtype", "float16"), "float16"),
+        (("--backbone", "mini-sdxl", "--dtype", "float16"), None),  # SD-XL's pipeline runs in it
+        (("--backbone", "mini-sdxl", "--attention", "native"), "Flux's attention only"),
+        (("--backbone", "mini-flux", "--attention", "bogus"), "--attention: one of flash, "),
+    ],
+)
+def test_the_door_refuses_float16_flows_and_attention_it_cannot_apply(tmp_path, arguments, refused):
+    config = train.parse_config(["--out-dir", str(tmp_path / "out"), *arguments])
+    with pytest.raises(SystemExit, match=refused) if refused else contextlib.nullcontext():
+        train.check(config, 1)

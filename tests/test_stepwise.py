@@ -12,6 +12,7 @@ from baselines import BASELINES
 from comparator import tpdm
 from comparator.tpdm import (
     Stepper,
+    StepwisePolicy,
     join_records,
     ppo_objective,
     ppo_update,
@@ -19,7 +20,7 @@ from comparator.tpdm import (
     trajectory_log_prob,
 )
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
-from policy import load_policy, make_policy, save_policy
+from policy import make_policy
 
 STEPS = 4
 PROMPTS = ["a cat", "a red house on a hill"]  # on the diffusers backbones
@@ -29,7 +30,7 @@ PROMPTS = ["a cat", "a red house on a hill"]  # on the diffusers backbones
 def digits():
     backbone = load_backbone("digits-noise")
     policy = make_policy(
-        "stepwise", backbone.policy_dims, STEPS, init_times=backbone.default_times(STEPS)
+        StepwisePolicy, backbone.policy_dims, STEPS, init_times=backbone.default_times(STEPS)
     )
     return backbone, policy
 
@@ -82,7 +83,7 @@ def test_the_loop_with_a_stepwise_policy_equals_the_loop_fed_its_times(family, m
         prompts, tolerance = PROMPTS, 1e-5
     steps = 3
     policy = make_policy(
-        "stepwise", backbone.policy_dims, steps, init_times=backbone.default_times(3)
+        StepwisePolicy, backbone.policy_dims, steps, init_times=backbone.default_times(3)
     )
     noise, cond = contexts(backbone, 2, seed=1, prompts=prompts)
     calls, ode = [], backbone.ode
@@ -109,11 +110,9 @@ def test_it_starts_at_the_dirichlet_policys_initial_mean_schedule(name, steps):
     noise, cond = contexts(backbone, 32, seed=2)
     for seed in range(3):
         torch.manual_seed(seed)
-        policy = make_policy("stepwise", backbone.policy_dims, steps, init_times=default)
-        stepper = Stepper(policy, backbone, cond)  # the Beta means
-        with torch.no_grad():
-            run_stepwise(backbone, noise, cond, steps, stepper)
-        assert (stepper.times() - start).abs().max() < 5e-3
+        policy = make_policy(StepwisePolicy, backbone.policy_dims, steps, init_times=default)
+        times, _ = tpdm.sample(policy, backbone, noise, cond)  # the Beta means
+        assert (times - start).abs().max() < 5e-3
 
 
 def test_ppo_clipped_objective_on_a_hand_computed_case():
@@ -148,53 +147,20 @@ def test_records_of_rollout_parts_join_as_one(digits):
         torch.testing.assert_close(joined[key], whole[key], rtol=1e-6, atol=1e-6)
 
 
-def test_a_stepwise_policy_saves_and_loads_as_a_hub_folder(digits, tmp_path):
-    backbone, policy = digits
-    save_policy(tmp_path / "policy", policy, dict(backbone="digits-noise", steps=STEPS))
-    loaded, _ = load_policy(str(tmp_path / "policy"))
-    assert loaded.config == policy.config and loaded.config["kind"] == "stepwise"
-    noise, cond = contexts(backbone, 3, seed=4)
-    inputs = dict(backbone.policy_inputs(torch.cat([noise, noise], 1), cond), step=1)
-    with torch.no_grad():
-        time = torch.full((3,), 0.5)
-        torch.testing.assert_close(loaded(**inputs, time=time), policy(**inputs, time=time))
-
-
-def test_a_stepwise_policy_is_refused_by_the_stock_pipeline_in_one_line():
-    from backbones import pipeline
-
-    pipe = tiny_pipeline("sd3")
-    backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION)
-    policy = make_policy("stepwise", backbone.policy_dims, 2)
-    for call in (
-        lambda: pipeline.generate(pipe, policy, prompt="a cat"),
-        lambda: pipeline.schedule_json(policy, backbone),
-    ):
-        with pytest.raises(ValueError, match="step-wise policy .* sample.py without --pipeline"):
-            call()
-
-
-# the layers each family's hidden states come from (comparator.tpdm.HIDDEN_LAYERS): TPDM's choice on
-# SD3 (its transformer_sd3.py), the same places in Flux, their counterparts in the SD-XL UNet
-HIDDEN_LAYERS = {
-    "sd3": ("pos_embed", "norm_out", "time_text_embed"),
-    "flux-dev": ("x_embedder", "norm_out", "time_text_embed"),
-    "sdxl": ("conv_in", "conv_norm_out", "time_embedding"),
-}
-
-
-@pytest.mark.parametrize("family", list(HIDDEN_LAYERS))
+@pytest.mark.parametrize("family", ["sd3", "flux-dev", "sdxl"])
 def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     """inputs="hidden": what the policy is called with at the first step is the denoiser's own
     first-layer tokens and last normalised features on the token grid, side by side, and its
-    timestep embedding, CFG-combined as the prediction; the hooks are gone after sampling."""
+    timestep embedding, CFG-combined as the prediction; the hooks change no output, and put on
+    before compiling (train.py's --compile) they run in the compiled model."""
     pipe = tiny_pipeline(family)
     backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
     steps = 3
     options = dict(init="tpdm", inputs="hidden", **tpdm.hidden_dims(backbone))
-    policy = make_policy("stepwise", backbone.policy_dims, steps, **options)
+    policy = make_policy(StepwisePolicy, backbone.policy_dims, steps, **options)
     noise, cond = contexts(backbone, 2, prompts=PROMPTS)
-    outputs = {name: [] for name in HIDDEN_LAYERS[family]}  # each model call's, in order
+    layers = tpdm.HIDDEN_LAYERS[family.removesuffix("-dev")]  # first, last, time embedding
+    outputs = {name: [] for name in layers}  # each model call's, in order
     handles = [
         backbone.model.get_submodule(name).register_forward_hook(
             lambda module, args, output, name=name: outputs[name].append(output.float())
@@ -206,7 +172,8 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
         policy.register_forward_pre_hook(lambda *call: seen.append(call[2]), with_kwargs=True)
     )
     try:
-        with torch.no_grad(), Stepper(policy, backbone, cond, torch.Generator()) as stepper:
+        stepper = Stepper(policy, backbone, cond, torch.Generator())
+        with torch.no_grad():
             latents = run_stepwise(backbone, noise, cond, steps, stepper)
     finally:
         for handle in handles:
@@ -232,11 +199,13 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     record = stepper.record()
     # the update reads the same inputs: the recomputed log-probability equals the rollout's
     torch.testing.assert_close(trajectory_log_prob(policy, record), record["logp"])
-    replay = backbone.sample(noise, cond, record["times"])  # no hooks left on the model
+    replay = backbone.sample(noise, cond, record["times"])  # with the hooks on
     torch.testing.assert_close(replay, latents, rtol=1e-5, atol=1e-5)
-    assert all(
-        not backbone.model.get_submodule(name)._forward_hooks for name in HIDDEN_LAYERS[family]
-    )
+    compiled = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
+    tpdm.hidden_states(compiled)  # its hooks, then compile: a compiled model runs no later ones
+    compiled.model.compile(backend="eager")  # dynamo's handling of hooks, without a C++ build
+    _, again = tpdm.sample(policy, compiled, noise, cond, torch.Generator())  # the same draws
+    torch.testing.assert_close(again, latents, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("inference, start", [("mode", 0.818), ("mean", 0.78)])
@@ -247,14 +216,15 @@ def test_tpdms_start_rate_is_its_betas_mode_or_mean_at_every_step(digits, infere
     weights, which move the logits by about 0.01 (at most 1.8e-3 measured over 5 seeds)."""
     backbone, _ = digits
     torch.manual_seed(0)
-    policy = make_policy("stepwise", backbone.policy_dims, STEPS, init="tpdm", inference=inference)
+    policy = make_policy(
+        StepwisePolicy, backbone.policy_dims, STEPS, init="tpdm", inference=inference
+    )
     noise, cond = contexts(backbone, 16, seed=5)
-    times, _ = tpdm.sample(policy, backbone, noise, cond)
-    with torch.no_grad(), Stepper(policy, backbone, cond) as stepper:
+    stepper = Stepper(policy, backbone, cond)
+    with torch.no_grad():
         run_stepwise(backbone, noise, cond, STEPS, stepper)
     record = stepper.record()
     rates = record["pair"][..., 0].double()  # (N, L)
-    torch.testing.assert_close(record["times"], times)  # tpdm.sample: the same
     distribution = torch.distributions.Beta(*record["parameters"].double().unbind(-1))
     expected = distribution.mode if inference == "mode" else distribution.mean
     torch.testing.assert_close(rates, expected, rtol=1e-6, atol=0)
@@ -294,15 +264,8 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
             sizes.append(len(index))
             return policy(features[index])[:, 0]
 
-    def step(loss):  # train.py's step: the gradient norm clipped, one AdamW step
-        optimizer.zero_grad()
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), config.grad_clip)
-        optimizer.step()
-        weights.append(policy.weight.detach()[0].clone())
-        return norm
-
-    ppo_update(config, 0, Rollouts(), policy, advantages, step)
+    optimizer.register_step_post_hook(lambda *_: weights.append(policy.weight.detach()[0] + 0))
+    ppo_update(config, 0, Rollouts(), policy, advantages, optimizer)
     assert sizes == [6, 6, 6, 6]  # 4 epochs, each one minibatch of the whole batch
     # at theta = 0 every ratio is 1 (unclipped): g = -mean_i A_i x_i
     g = -(advantages[:, None] * features).mean(0)

@@ -61,6 +61,7 @@ class Killed(Exception):
 
 
 SHORT = ["--iterations", "7", "--ckpt-interval", "3", "--eval-contexts", "4", "--contexts", "8"]
+FINISHED = ["eval.json", "metrics.jsonl", "policy/config.json", "policy/model.safetensors"]
 
 
 def outputs(out_dir):
@@ -126,9 +127,9 @@ def full_run(tmp_path_factory):
 def test_a_kill_while_the_checkpoint_is_written_keeps_the_last_one(tmp_path, monkeypatch, full_run):
     real_save, saves = torch.save, []
 
-    def dying_save(state, path, *args, **kwargs):  # the second checkpoint dies half written
+    def dying_save(state, path, *args, **kwargs):  # the third (iteration 6) dies half written
         saves.append(path)
-        if len(saves) == 2:
+        if len(saves) == 3:
             with open(path, "wb") as file:
                 file.write(b"half a checkpoint")
             raise Killed
@@ -138,7 +139,7 @@ def test_a_kill_while_the_checkpoint_is_written_keeps_the_last_one(tmp_path, mon
     killed = tmp_path / "killed"
     with pytest.raises(Killed):
         run(killed, *SHORT)
-    assert saves[1] == str(killed / "ckpt.pt.tmp")  # a temporary file, then os.replace
+    assert saves[2] == str(killed / "ckpt.pt.tmp")  # a temporary file, then os.replace
     assert torch.load(killed / "ckpt.pt", weights_only=True)["iteration"] == 3
     monkeypatch.undo()
     run(killed, *SHORT)
@@ -190,27 +191,76 @@ def test_a_changed_setting_is_refused_on_resume_naming_it(tmp_path, full_run, ch
     assert {name: (out / name).stat().st_mtime_ns for name in os.listdir(out)} == before
 
 
-def test_a_fresh_run_never_writes_into_a_users_folder(tmp_path):
+@pytest.mark.parametrize(
+    "mine",
+    [["notes.txt"], ["eval.json"], ["metrics.jsonl"], ["policy/config.json"], FINISHED],
+    ids=["notes", "eval", "metrics", "policy", "finished-run-without-ckpt"],
+)
+def test_a_fresh_run_starts_only_in_an_empty_folder(tmp_path, mine):
+    """A folder holding anything but ckpt.pt's own temporary, without a ckpt.pt to continue, is
+    refused in one line and left byte for byte as it was (a finished run whose ckpt.pt was deleted
+    included)."""
     out = tmp_path / "mine"
-    out.mkdir()
-    (out / "notes.txt").write_text("my notes")
-    (out / "metrics.jsonl").write_text("my metrics\n")
-    with pytest.raises(SystemExit, match="holds files train.py did not write") as error:
+    for name in mine:
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(f"my {name}")
+    with pytest.raises(SystemExit, match="holds files but no ckpt.pt to continue") as error:
         run(out, *SHORT)
     assert "\n" not in str(error.value)
-    assert sorted(os.listdir(out)) == ["metrics.jsonl", "notes.txt"]
-    assert (out / "metrics.jsonl").read_text() == "my metrics\n"
+    assert {str(p.relative_to(out)): p.read_text() for p in out.rglob("*") if p.is_file()} == {
+        name: f"my {name}" for name in mine
+    }
 
 
-def test_a_run_killed_before_its_first_checkpoint_starts_again(tmp_path, monkeypatch, full_run):
-    monkeypatch.setattr(rewards, "load_reward", dying_reward(at_call=2))
+def test_a_run_killed_before_its_first_update_continues_from_iteration_0(
+    tmp_path, monkeypatch, full_run
+):
+    monkeypatch.setattr(rewards, "load_reward", dying_reward(at_call=1))
     killed = tmp_path / "killed"
     with pytest.raises(Killed):
         run(killed, *SHORT)
-    assert os.listdir(killed) == ["metrics.jsonl"]
+    assert torch.load(killed / "ckpt.pt", weights_only=True)["iteration"] == 0
     monkeypatch.undo()
     run(killed, *SHORT)
     assert_same(killed, full_run)
+
+
+def test_a_resume_compares_prompt_files_by_content(tmp_path, monkeypatch):
+    """The same prompts under another spelling continue; an edited file is refused."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"a handwritten {digit}\n" for digit in range(10)))
+    first = tmp_path / "first"
+    run(first, *SHORT, "--iterations", "1", "--prompts", str(prompts))
+    monkeypatch.chdir(tmp_path)
+    run(first, *SHORT, "--iterations", "2", "--prompts", "./prompts.txt")  # continued
+    prompts.write_text("a handwritten 3\n")
+    config = train.parse_config([*SHORT, "--prompts", str(prompts), "--out-dir", str(first)])
+    with pytest.raises(SystemExit, match="a run with other prompt file contents"):
+        train.check(config, world_size=1)
+
+
+def test_ctrl_c_ends_in_one_line_and_the_same_command_continues(tmp_path, full_run):
+    fault = """
+import rewards
+real, calls = rewards.load_reward, []
+def load(*args, **kwargs):
+    reward = real(*args, **kwargs)
+    def interrupted(latents, prompts, *rest):
+        calls.append(len(prompts) == 16)
+        if sum(calls) == 5:
+            raise KeyboardInterrupt
+        return reward(latents, prompts, *rest)
+    return interrupted
+rewards.load_reward = load
+"""
+    args = [*SHORT, "--out-dir", "out"]
+    stopped = SCRIPTS.run(["train.py", *args], tmp_path, fault)
+    assert stopped.returncode == 1 and stopped.stderr.splitlines()[-1] == (
+        "error: interrupted; the same command continues from the last checkpoint"
+    )
+    assert "Traceback" not in stopped.stderr
+    assert run_script("train.py", args, tmp_path).returncode == 0
+    assert_same(tmp_path / "out", full_run)
 
 
 # -----------------------------------------------------------------------------
@@ -233,7 +283,10 @@ SCORED, UNSCORED = ["--reward"], ["--prompts", "prompts/digit_train.txt"]  # no 
         (["--seed", "-1"], "--seed must be at least 0"),
         (["--seed", str(2**27)], "--seed must be below 2\\^27"),
         (["--lr", "0"], "--lr, --concentration, --grad-clip, --adam-eps: > 0"),
-        (["--concentration", "nan"], "--lr, --concentration, --grad-clip, --adam-eps: > 0"),
+        (["--concentration", "nan"], "--concentration must be a finite number"),
+        (["--lr", "inf"], "--lr must be a finite number"),
+        (["--guidance", "nan"], "--guidance must be a finite number"),
+        (["--threads", "-1"], "--threads must be at least 0"),
         (["--weight-decay", "-1"], "--weight-decay must be >= 0"),
         (["--adam-beta2", "1"], "--adam-beta2 must be in \\[0, 1\\)"),
         (["--guidance", "2"], "digits runs no --guidance"),
@@ -242,7 +295,6 @@ SCORED, UNSCORED = ["--reward"], ["--prompts", "prompts/digit_train.txt"]  # no 
         (["--reward", "preference"], "the preference reward reads the 16x16 handwritten digits"),
         (["--init", "tpdm"], "need --policy stepwise"),
         (["--policy", "stepwise", "--policy-inputs", "hidden"], "no --policy-inputs hidden"),
-        (["--backbone", "mini-sd3", "--eval-contexts", "3"], "--eval-contexts > 3"),
         (["--backbone", "sd35m"], "sd35m on a CPU takes hours per update"),
         (["--prompts", "no/such/file.txt"], "no/such/file.txt"),
         (["--contexts", "9"], "--contexts is not divisible by the 2 ranks"),
@@ -260,6 +312,58 @@ def test_bad_input_fails_in_one_line(tmp_path, args, message):
     assert not (tmp_path / "out").exists()
 
 
+DAMAGED = dict(
+    truncated=lambda path: path.write_bytes(path.read_bytes()[:200]),
+    empty=lambda path: path.write_bytes(b""),
+    other=lambda path: torch.save({"weights": torch.zeros(1)}, path),
+    folder=lambda path: (path.unlink(), path.mkdir()),
+    report_a_folder=lambda path: (
+        (path.parent / "eval.json").unlink() or (path.parent / "eval.json").mkdir()
+    ),
+)
+
+
+@pytest.mark.parametrize("damage", DAMAGED)
+def test_a_damaged_run_folder_ends_in_one_line_and_stays_as_it_was(tmp_path, full_run, damage):
+    out = shutil.copytree(full_run, tmp_path / "out")
+    DAMAGED[damage](out / "ckpt.pt")
+    before = {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    message = "eval.json is a folder" if damage == "report_a_folder" else "is not a checkpoint"
+    with pytest.raises(SystemExit, match=message) as error:
+        run(out, *SHORT)
+    assert "\n" not in str(error.value)
+    assert {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--out-dir", ""], "a folder"),
+        (["--out-dir", "README.md"], "a folder"),
+        (["--out-dir", "read-only/out"], "read-only is not writable"),
+        (["--out-dir", "out", "--prompts", "bad.jsonl"], "bad.jsonl: record 1"),
+    ],
+)
+def test_an_unusable_out_dir_or_prompt_file_ends_in_one_line(tmp_path, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "README.md").write_text("mine")
+    (tmp_path / "read-only").mkdir()
+    (tmp_path / "bad.jsonl").write_text('{"text": "a handwritten 3"}\n')
+    # a read-only folder as a user sees it (root may write anywhere)
+    monkeypatch.setattr(os, "access", lambda path, mode: "read-only" not in str(path))
+    with pytest.raises(SystemExit, match=message) as error:
+        train.check(train.parse_config(args), world_size=1)
+    assert "\n" not in str(error.value)
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "bad.jsonl", "read-only"]
+
+
+def test_a_terminal_without_unicode_gets_the_whole_run(tmp_path):
+    ascii_stdout = "import sys; sys.stdout = open(1, 'w', encoding='ascii', closefd=False)"
+    args = [*SHORT, "--out-dir", "out"]
+    assert SCRIPTS.run(["train.py", *args], tmp_path, ascii_stdout).returncode == 0
+    assert (tmp_path / "out" / "eval.json").exists()
+
+
 @pytest.mark.parametrize(
     "args",
     [["--device", "cuda"], ["--backbone", "sd35m", "--steps", "10", "--device", "cpu"]],
@@ -273,6 +377,7 @@ def test_a_command_that_cannot_run_here_ends_in_one_line(tmp_path, args):
     result = run_script("train.py", args, tmp_path)
     lines = result.stderr.strip().splitlines()  # above it, the library's own warnings if any
     assert result.returncode == 1 and lines[-1].startswith("error: "), lines
+    assert ("--model-path" in lines[-1]) == ("sd35m" in args)  # the way out of a gated model
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
 
 
@@ -325,17 +430,6 @@ def test_no_arguments_is_the_digits_main_job_and_the_real_backbones_take_the_pap
         "sd35l": (16, 2, "hpsv2"),
         "flux-dev": (16, 2, "hpsv2"),
     }
-
-
-def test_the_printed_configuration_lists_what_applies(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(train, "check", lambda *args: (_ for _ in ()).throw(Killed))
-    for args, shown in (([], False), (["--policy", "stepwise", "--optimizer", "ppo"], True)):
-        with pytest.raises(Killed):
-            run(tmp_path / "out", *args)
-        printed = capsys.readouterr().out
-        assert printed.startswith("configuration: ")
-        assert ("ppo_epochs=4" in printed) == shown and ("policy_inputs=" in printed) == shown
-        assert "lr=" in printed and "baseline=" in printed
 
 
 @pytest.mark.parametrize(
