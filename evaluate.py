@@ -57,8 +57,7 @@ POLICIES = {"instance": SchedulePolicy, "global": GlobalPolicy, "stepwise": Step
 DAMAGED = EOFError, LookupError, OSError, RuntimeError, SafetensorError, UnpicklingError, ValueError
 
 
-# -----------------------------------------------------------------------------
-# a trained policy, rebuilt from its checkpoint; the doors of evaluate.py and sample.py
+# ---- a trained policy, rebuilt from its checkpoint; the doors of evaluate.py and sample.py
 def load_policy(source):
     """(policy on the CPU in eval mode, the configuration train.py trained it with) from a ckpt.pt,
     a policy/ folder or a Hub repository id; strict: every weight must match its network. A source
@@ -103,8 +102,7 @@ def out_folder(args, name):
 
 
 def load_rewards(names, backbone, device, local):
-    """name -> reward for those of `names` that load here (`local`: name -> its local weights), a
-    note for each that does not."""
+    """name -> reward of each of `names` that loads (`local`: name -> its weights), else a note."""
     rewards = {}
     for name in names:
         try:
@@ -125,10 +123,9 @@ def run_command(main):
         raise SystemExit(f"error: {' '.join(str(error).split()) or 'interrupted'}") from None
 
 
-# -----------------------------------------------------------------------------
-# methods: callables (noise, cond) -> times (N, L+1), or (times, latents) when they sample
+# ---- methods: callables (noise, cond) -> times (N, L+1), or (times, latents) when they sample
 def policy_schedule(policy, backbone, draws=None):
-    """A trained policy's schedule and latents: its mean, or one draw from the generator `draws`."""
+    """A trained policy's schedule: its mean, or one draw from `draws` (TPDM's with its latents)."""
     return torch.no_grad()(lambda noise, cond: policy.schedule(backbone, noise, cond, draws))
 
 
@@ -147,8 +144,7 @@ def default_schedule(backbone, steps):
     return fixed_schedule(backbone.default_times(steps))
 
 
-# -----------------------------------------------------------------------------
-# scores, paired
+# ---- scores, paired
 @torch.no_grad()
 def score_table(
     backbone, rewards, prompts, seeds, methods, reference=None, batch_size=64, progress=False
@@ -159,9 +155,9 @@ def score_table(
     samplers = {**methods, **({reference: None} if reference else {})}  # None: the teacher
     table, times = {}, {}
     for start in tqdm(range(0, len(prompts), batch_size), disable=None if progress else True):
-        batch_prompts = prompts[start : start + batch_size]
+        texts = prompts[start : start + batch_size]
         noise = context_noise(backbone, seeds[start : start + batch_size])
-        cond = backbone.encode_prompts(batch_prompts)
+        cond = backbone.encode_prompts(texts)
         for name, method in samplers.items():
             if method is None:
                 latents = backbone.reference(noise, cond)
@@ -169,9 +165,7 @@ def score_table(
                 used, latents = run_method(backbone, method, noise, cond)
                 times.setdefault(name, []).append(used.float().cpu())
             for reward_name, reward in rewards.items():  # for OCR and GenEval a second column
-                columns = reward_lib.metrics(
-                    reward, reward_name, latents, batch_prompts, noise, cond
-                )
+                columns = reward_lib.metrics(reward, reward_name, latents, texts, noise, cond)
                 for column, values in columns.items():
                     table.setdefault(name, {}).setdefault(column, []).append(values)
     table = {name: {key: torch.cat(v) for key, v in row.items()} for name, row in table.items()}
@@ -218,9 +212,8 @@ def summarize(scores):
         if default is not None and name != "default":
             assert values.shape == default.shape, "paired scores need the same contexts"
             row["diff_mean"], row["diff_ci95"] = mean_ci(values - default)
-        for key in ("ci95", "diff_ci95"):  # one context has no interval: null in JSON, not NaN
-            if row[key] is not None and math.isnan(row[key]):
-                row[key] = None
+        if values.numel() < 2:  # one context has no interval: null in JSON, not NaN
+            row["ci95"] = row["diff_ci95"] = None
         rows.append(row)
     return rows
 
@@ -245,10 +238,7 @@ def format_table(rows):
     return "\n".join(lines)
 
 
-# -----------------------------------------------------------------------------
-# train.py's held-out curve and final report
-
-
+# ---- train.py's held-out curve and final report
 def default_scores(backbone, reward, prompts, seeds, steps, batch_size=64):
     """The default schedule's scores on these contexts, computed once per backbone and reward (the
     studies in evidence/ train many policies on one)."""
@@ -306,8 +296,6 @@ def heldout_report(
     os.replace(path + ".tmp", path)
 
 
-# -----------------------------------------------------------------------------
-# evaluate.py
 parser = argparse.ArgumentParser(description="Paired evaluation of learned sampling schedules.")
 add = parser.add_argument
 add("--ckpt", default=MAIN_RUN, help=f"train.py's ckpt.pt or policy/ folder (default: {MAIN_RUN})")
@@ -386,42 +374,35 @@ def main(argv=None):
     batch_size = args.batch_size or config.get("rollout_batch") or 256  # as its loop, or all
     tables, times = {}, {}  # column -> row -> Tensor (N,); row -> (N, L+1)
     for model, rows, reference in runs:
-        table, row_times = score_table(
-            model, rewards, prompts, seeds, rows, reference, batch_size, progress=True
-        )
+        table, used = score_table(model, rewards, prompts, seeds, rows, reference, batch_size, True)
         for name, columns in table.items():
             for column, values in columns.items():
                 tables.setdefault(column, {})[name] = values
-        times.update(row_times)
+        times.update(used)
 
     # ---------------- write ----------------
     lines = [
         f"# Evaluation of {args.ckpt}\n\nbackbone {trained_on}, L = {steps} steps, {len(prompts)} "
         "contexts (prompt + noise seed), every method on the same noise. Mean ± half-width of the "
         "95% Student-t interval; diff = paired difference to the default schedule on the same "
-        "contexts. Higher is better.",
-        "",
+        "contexts. Higher is better.\n"
     ]
     groups = sorted(set(styles) - {None})
+    masks = {g: torch.tensor([g in (None, style) for style in styles]) for g in [None, *groups]}
     for column, scores in tables.items():
-        means = {row: [] for row in scores}  # per group, whose mean is GenEval's overall score
-        for group in [None, *groups]:
-            mask = torch.tensor([group is None or style == group for style in styles])
+        for group, mask in masks.items():
             lines += [f"## {column}" + (f", {group}" if group else ""), ""]
             lines += [format_table(summarize({k: v[mask] for k, v in scores.items()})), ""]
-            for row, values in scores.items():
-                means[row] += [values[mask].mean().item()] if group else []
-        if groups:
-            overall = ", ".join(f"{row} {sum(v) / len(v):.4g}" for row, v in means.items())
+        if groups:  # the mean of the groups' means: GenEval's overall score
+            means = {row: [v[masks[g]].mean().item() for g in groups] for row, v in scores.items()}
+            overall = ", ".join(f"{row} {sum(m) / len(m):.4g}" for row, m in means.items())
             lines += [f"mean over the {len(groups)} groups: {overall}", ""]
         print(f"\n{column}\n{format_table(summarize(scores))}")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.md"), "w") as file:
         file.write("\n".join(lines))
     contexts = [dict(prompt=p, seed=s, style=g) for p, s, g in zip(prompts, seeds, styles)]
-    scores = {
-        column: {row: v.tolist() for row, v in rows.items()} for column, rows in tables.items()
-    }
+    scores = {name: {row: v.tolist() for row, v in rows.items()} for name, rows in tables.items()}
     stored = dict(contexts=contexts, scores=scores, times={k: v.tolist() for k, v in times.items()})
     with open(os.path.join(out_dir, "scores.json"), "w") as file:
         json.dump(stored, file)

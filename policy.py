@@ -6,17 +6,12 @@ The action is tau ~ Dirichlet(alpha) on the simplex of dimension L+1; its schedu
 `times` (..., L+1): 1 = t_0 > t_1 > ... > t_L > 0, t_l = 1 - (tau_1 + ... + tau_l), so the last
 increment tau_{L+1} = t_L (at least TAU_FLOOR) is the learnable stop margin: sampling ends at t_L.
 
-- SchedulePolicy, instance-level: multi-scale conv blocks over x_T, modulated by the pooled prompt
-  embedding (FiLM), cross-attending to the prompt's token embeddings; an MLP maps the mean token
-  to alpha = softplus(.) + ALPHA_MIN.
-- GlobalPolicy: one schedule for every context (the ablation), the same network on constant inputs.
-- DirichletRollouts: what train.py's loop asks of either, K schedules drawn per context, then
-  sampled, and the log-probability of what was drawn.
-- make_policy builds one for a backbone, save_policy saves it in the Hub format (evaluate.py's
-  load_policy rebuilds one from train.py's ckpt.pt, its policy/ folder or a Hub repository id).
-Both start at the initial increments `initial_logits` gives for every input (init="default": a
-backbone's default schedule; "uniform": equal increments) with sum(alpha) = concentration. Why the
-network and its start are as they are: docs/DESIGN.md.
+SchedulePolicy, instance-level: multi-scale conv blocks over x_T, modulated by the pooled prompt
+embedding (FiLM), cross-attending to the prompt's token embeddings; an MLP maps the mean token to
+alpha = softplus(.) + ALPHA_MIN. GlobalPolicy: one schedule for every context (the ablation). Both
+start at `initial_logits`' increments for every input (a default schedule, or equal ones) with
+sum(alpha) = concentration (why: docs/DESIGN.md) and answer train.py's loop with DirichletRollouts;
+make_policy builds one for a backbone, save_policy saves it for evaluate.load_policy (Hub format).
 """
 
 import math
@@ -32,8 +27,7 @@ ALPHA_MIN = 1e-3
 # (a Gamma(0.01) draw is below 1e-30 about half of the time), and two float32 times closer than the
 # float32 spacing near 1 (1.2e-7) would be equal; 1e-6 keeps every schedule strictly decreasing.
 TAU_FLOOR = 1e-6
-# The README.md that save_pretrained writes beside config.json (the mixin's default one asks for
-# "[More Information Needed]")
+# The README.md that save_pretrained writes beside config.json, not the mixin's placeholder one
 MODEL_CARD = """
 ---
 {{ card_data }}
@@ -55,8 +49,6 @@ HUB = dict(
 )
 
 
-# -----------------------------------------------------------------------------
-# schedules <-> increments
 def times_from_increments(tau):
     """tau (..., L+1) on the simplex -> times (..., L+1): t_0 = 1, t_l = 1 - (tau_1 + ... + tau_l),
     computed as tau_{l+1} + ... + tau_{L+1} in float64 so that t_L equals the stop margin tau_{L+1}
@@ -71,8 +63,7 @@ def increments_from_times(times):
     return torch.cat([times[..., :-1] - times[..., 1:], times[..., -1:]], dim=-1)
 
 
-# -----------------------------------------------------------------------------
-# the Dirichlet action distribution
+# ---- the Dirichlet action distribution
 @torch.no_grad()
 def sample_increments(alpha, rollouts, generator=None):
     """alpha (N, L+1) -> tau (N, rollouts, L+1) float32: K = rollouts Dirichlet draws per row.
@@ -83,10 +74,8 @@ def sample_increments(alpha, rollouts, generator=None):
     schedules on any device. Gamma draws are taken in log space, log G(a) = log G(a+1) + log(U)/a
     (Marsaglia & Tsang), and normalised with a softmax: a plain Gamma(1e-3) draw underflows to 0
     even in float64, and a row of zeros would give NaN. Flooring at TAU_FLOOR and renormalising
-    changes only draws below 1e-6 (and rescales the rest by at most 1 + L * 1e-6), so the gradient
-    is biased only where such draws are common. tau_i is Beta(a, A - a) with a = alpha_i, A =
-    sum(alpha), so P(tau_i < 1e-6) ~ 1e-6 ** a / (a B(a, A - a)): 1.1e-2 at a = 0.5 and 1e-4 at
-    a = 1 for the default concentration A = 100, 0.42 at a = 0.1.
+    changes only draws below 1e-6, so the gradient is biased only where such draws are common:
+    P(tau_i < 1e-6) ~ 1e-6 ** a / (a B(a, A - a)), 1e-4 at a = alpha_i = 1 and A = sum(alpha) = 100.
     """
     rows = generator if isinstance(generator, (list, tuple)) else [generator]
     device = rows[0].device if rows[0] is not None else alpha.device
@@ -95,12 +84,10 @@ def sample_increments(alpha, rollouts, generator=None):
     parts = concentration.split(1) if len(rows) > 1 else [concentration]
     uniform, gamma = [], []
     for part, draws in zip(parts, rows):  # each row's draws from its own generator, in this order
-        uniform.append(
-            1.0 - torch.rand(part.shape, generator=draws, device=device, dtype=torch.float64)
-        )
+        uniform.append(torch.rand(part.shape, generator=draws, device=device, dtype=part.dtype))
         # torch._standard_gamma is what Gamma.sample uses, called directly: it takes a generator
         gamma.append(torch._standard_gamma(part + 1.0, generator=draws))
-    log_gamma = torch.cat(gamma).log() + torch.cat(uniform).log() / concentration
+    log_gamma = torch.cat(gamma).log() + (1.0 - torch.cat(uniform)).log() / concentration
     tau = torch.softmax(log_gamma, dim=-1).clamp_min(TAU_FLOOR)
     tau = tau / tau.sum(-1, keepdim=True)
     return tau.to(device=alpha.device, dtype=torch.float32)
@@ -129,19 +116,14 @@ def log_prob(alpha, tau):
     return (((concentration - 1.0) * log_tau).sum(-1) + normaliser).float()
 
 
-# -----------------------------------------------------------------------------
-# rollouts: what train.py's loop asks of every policy
 class DirichletRollouts:
-    """K schedules per context drawn from a single-pass policy (instance or global) before the
-    sampling loop runs, and their log-probability; what train.py's loop asks of every policy's
-    rollouts (SchedulePolicy.rollouts):
+    """K schedules per context drawn before the sampling loop runs, and their log-probability:
         rollouts.sample(part, noise, cond) -> latents of the samples `part` (L model calls)
         rollouts.log_prob(policy, index) -> (len,) log pi of those schedules, with gradients
         rollouts.logp (N,): log pi of each schedule as drawn; rollouts.concentration and
         rollouts.stop_margin: the means that train.py logs
-    Samples are context-major (N = contexts x K); generators: one seeded generator per context,
-    which draws its K schedules. The policy's one forward pass keeps its graph (its own activations,
-    not the backbone's: the sampling runs without gradients) for REINFORCE's log pi."""
+    Samples are context-major (N = contexts x K), each context's K drawn by its own generator. The
+    policy's forward pass keeps its graph (the backbone's sampling runs without) for log pi."""
 
     def __init__(self, policy, backbone, noise, cond, generators, rollouts):
         self.backbone, self.inputs = backbone, backbone.policy_inputs(noise, cond)
@@ -166,20 +148,18 @@ class DirichletRollouts:
         return log_prob(alpha, self.tau).flatten()[index]
 
 
-# -----------------------------------------------------------------------------
-# initialisation
 def initial_logits(steps, init, init_times, concentration, stop_margin):
     """The head's output bias (L+1,) float64 on CPU: softplus(bias) + ALPHA_MIN = alpha_init.
 
-    alpha_init = concentration * increments (module docstring). For "default" the last increment,
-    t_L, is raised to at least stop_margin and all renormalised: default schedules end at t_L = 0,
-    an increment the Dirichlet cannot have; with t_L = 0 every default time t maps to
-    (t + stop_margin) / (1 + stop_margin), within stop_margin of the default. Only the last one is
-    raised: the first increments of a shifted 80-step schedule are below 0.005 and must stay.
+    alpha_init = concentration * increments (module docstring). For "default" the last increment
+    t_L, 0 in a default schedule and impossible for a Dirichlet, is raised to at least stop_margin
+    and all renormalised: every time t maps to (t + stop_margin) / (1 + stop_margin), within
+    stop_margin of the default. Only the last: a shifted 80-step schedule's first are below 0.005.
     """
     if init == "uniform":
         increments = torch.full((steps + 1,), 1.0 / (steps + 1), dtype=torch.float64, device="cpu")
-    elif init == "default":
+    else:
+        assert init == "default", f'init must be "default" or "uniform", got {init!r}'
         if init_times is None:
             raise ValueError('init="default" needs init_times, the default schedule (L+1,)')
         times = torch.as_tensor(init_times, dtype=torch.float64, device="cpu").clone()
@@ -192,8 +172,6 @@ def initial_logits(steps, init, init_times, concentration, stop_margin):
         increments = increments_from_times(times)
         increments[-1] = increments[-1].clamp_min(stop_margin)
         increments = increments / increments.sum()
-    else:
-        raise ValueError(f'init must be "default" or "uniform", got {init!r}')
     target = concentration * increments - ALPHA_MIN  # softplus(bias) must equal this
     if target.min() <= 0:
         raise ValueError(
@@ -210,8 +188,7 @@ def json_times(init_times):
     return None if init_times is None else torch.as_tensor(init_times, dtype=torch.float64).tolist()
 
 
-# -----------------------------------------------------------------------------
-# the network
+# ---- the network
 class ResBlock(nn.Module):
     """Pre-norm residual block of two 3x3 convolutions at fixed resolution and width."""
 
@@ -281,17 +258,16 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         kind="instance",  # as config.json names it (the subclasses are the other kinds)
     ):
         super().__init__()
-        # what it was trained for: the backbone's name and train.py's configuration (None when
-        # unknown); the Hub format records them with the weights (save_policy)
+        # what it was trained for (None when unknown), which save_policy records with the weights
         self.backbone, self.training_config = backbone, training_config
-        self.config = dict(kind="instance", steps=steps, latent_channels=latent_channels)
-        self.config.update(text_dim=text_dim, pooled_dim=pooled_dim, widths=list(widths), dim=dim)
-        self.config.update(heads=heads, depth=depth, grid=grid, head_hidden=head_hidden)
-        self.config.update(init=init, init_times=json_times(init_times))
+        reads = dict(latent_channels=latent_channels, text_dim=text_dim, pooled_dim=pooled_dim)
+        self.config = dict(kind="instance", steps=steps)
+        self.config.update({name: reads[name] for name in self.backbone_inputs})  # a global: none
+        self.config.update(widths=list(widths), dim=dim, heads=heads, depth=depth, grid=grid)
+        self.config.update(head_hidden=head_hidden, init=init, init_times=json_times(init_times))
         self.config.update(concentration=concentration, stop_margin=stop_margin)
         self.steps, self.grid = steps, grid
-        if dim % heads:
-            raise ValueError(f"dim {dim} must be a multiple of heads {heads}")
+        assert dim % heads == 0, f"dim {dim} must be a multiple of heads {heads}"
 
         # noise: a stem at full resolution, then one stage per width, each halving the resolution
         self.stem = nn.Conv2d(latent_channels, widths[0], 3, padding=1)
@@ -325,40 +301,26 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
     def forward(self, latent, text, text_mask, pooled=None):
         return F.softplus(self.head(self.encode(latent, text, text_mask, pooled))) + ALPHA_MIN
 
-    @classmethod
-    def for_backbone(cls, steps, backbone_dims, **options):
-        """Built for what a backbone gives (Backbone.policy_dims): its latent and text widths."""
-        keys = ("latent_channels", "text_dim", "pooled_dim")
-        return cls(steps, **{key: backbone_dims.get(key) for key in keys}, **options)
-
-    # What train.py, evaluate.py and sample.py ask of every policy
+    # What make_policy, train.py, evaluate.py and sample.py ask of every policy
+    backbone_inputs = ("latent_channels", "text_dim", "pooled_dim")  # of Backbone.policy_dims
     described = ("learned (Dirichlet mean)", "learned (one Dirichlet draw)")  # mean, drawn
     pipeline_refusal = None  # a stock pipeline runs its times (backbones/pipeline.py)
-
-    def rollouts(self, policy, backbone, noise, cond, generators, rollouts):
-        """K = rollouts schedules per context and their log-probability (DirichletRollouts);
-        `policy` is this module or its DDP wrapper, whose forward the gradients go through."""
-        return DirichletRollouts(policy, backbone, noise, cond, generators, rollouts)
+    # rollouts(policy, backbone, noise, cond, generators, rollouts): K schedules per context and
+    # their log pi; `policy` is this module or its DDP wrapper, whose forward gradients go through
+    rollouts = DirichletRollouts
 
     def times(self, backbone, noise, cond, generator=None):
-        """(N, L+1) the schedules of these contexts: the Dirichlet mean, or one draw each from
-        `generator`."""
+        """(N, L+1) the contexts' schedules: the Dirichlet mean, or one draw each by `generator`."""
         alpha = self(**backbone.policy_inputs(noise, cond))  # (N, L+1)
         if generator is None:
             return times_from_increments(mean_increments(alpha))
         return times_from_increments(sample_increments(alpha, 1, generator)[:, 0])
 
-    def schedule(self, backbone, noise, cond, generator=None):
-        """(times (N, L+1), final latents) of these contexts sampled with their schedules."""
-        times = self.times(backbone, noise, cond, generator)
-        return times, backbone.sample(noise, cond, times)
+    schedule = times  # the sampler runs them (evaluate.run_method); TPDM's policy samples itself
 
     def encode(self, latent, text, text_mask, pooled=None):
         """The mean token (N, dim) that the head reads (a subclass may read other inputs)."""
-        if (pooled is None) != (self.pooled_proj is None):
-            given, built = pooled is not None, self.pooled_proj is not None
-            message = f"pooled embedding given: {given}, policy built with pooled_dim: {built}"
-            raise ValueError(message)
+        assert (pooled is None) == (self.pooled_proj is None), "pooled given iff built with it"
         # x_T as drawn, N(0, I) (Backbone.policy_inputs; SD-XL scales it later), not normalised per
         # sample: its norm and mean are information (on digits-noise the mean's sign is the signal)
         latent, text = latent.float(), text.float()
@@ -377,8 +339,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         context = self.text_proj(self.text_norm(text))  # (N, S, dim)
         null = self.null_token.expand(len(context), -1, -1)
         context = torch.cat([null, context], dim=1)  # (N, 1+S, dim)
-        always = torch.ones_like(text_mask[:, :1], dtype=torch.bool)
-        context_mask = torch.cat([always, text_mask.bool()], dim=1)
+        context_mask = F.pad(text_mask.bool(), (1, 0), value=True)  # the null token: always
         for block in self.blocks:
             tokens = block(tokens, context, context_mask)
 
@@ -387,41 +348,29 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
 
 class GlobalPolicy(SchedulePolicy):
     """One schedule for every context (the ablation): the instance-level network, at the same size
-    and start, read on constant inputs (a zero latent on the token grid, an empty prompt), so that
-    it learns with the same optimiser and learning rate as the instance policy and with nothing but
-    the context taken away. Its sizes are the network's only: it reads no backbone's inputs."""
+    and start, read on constant inputs (a zero latent on the token grid, an empty prompt): it learns
+    with the same optimiser and learning rate, nothing but the context taken away."""
+
+    backbone_inputs = ()  # it reads none: its sizes are the network's only
 
     def __init__(self, steps, **arguments):
-        for name in ("kind", "latent_channels", "text_dim", "pooled_dim"):  # a config.json's
-            arguments.pop(name, None)
-        super().__init__(steps, latent_channels=1, text_dim=1, pooled_dim=None, **arguments)
+        super().__init__(steps, latent_channels=1, text_dim=1, **arguments)
         self.config.update(kind="global")
-        for name in ("latent_channels", "text_dim", "pooled_dim"):
-            del self.config[name]
         # the constant input: a latent the conv stages take down to the token grid exactly
         self.side = self.grid * 2 ** len(self.config["widths"])
 
-    @classmethod
-    def for_backbone(cls, steps, backbone_dims, **options):
-        """Its sizes only: it reads no backbone's inputs."""
-        return cls(steps, **options)
-
     def forward(self, latent, text=None, text_mask=None, pooled=None):
         """The same concentrations (N, L+1) for the N contexts of `latent`, whatever they are."""
-        device = self.head[-1].bias.device
-        constant = torch.zeros(1, 1, self.side, self.side, device=device)
-        empty = torch.zeros(1, 1, 1, device=device), torch.zeros(1, 1, dtype=torch.bool)
-        alpha = super().forward(constant, empty[0], empty[1].to(device))  # (1, L+1)
+        zeros = torch.zeros(1, 1, 1, device=self.head[-1].bias.device)
+        constant = zeros.expand(1, 1, self.side, self.side)  # a latent on the token grid
+        alpha = super().forward(constant, zeros, zeros[0].bool())  # an empty prompt; (1, L+1)
         return alpha.expand(len(latent), -1)
 
 
-# -----------------------------------------------------------------------------
-# a policy built for a backbone, and saved
-
-# Network sizes, named in backbones.BACKBONES ("policy"). "real": about 20M parameters for the real
-# models (the paper: "about 20M parameters, under 1% of the sampler"); "embedded": for the 8x8
-# embedded backbones and the miniatures. `widths` are the conv stages, each halving the resolution,
-# pooled to a `grid` x `grid` token grid of width `dim`.
+# ---- a policy built for a backbone, and saved
+# Network sizes, named in backbones.BACKBONES ("policy"): "real", the paper's "about 20M parameters,
+# under 1% of the sampler"; "embedded", for the 8x8 embedded backbones and the miniatures. `widths`:
+# the conv stages, each halving the resolution, pooled to a `grid` x `grid` grid of width `dim`.
 NETWORKS = {
     "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
     "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),
@@ -433,10 +382,11 @@ def make_policy(policy_cls, backbone_dims, steps, init_times=None, network="embe
     = Backbone.policy_dims), sized by NETWORKS[network]; it starts at the default schedule
     `init_times` (L+1,) when given, else at equal increments."""
     start = dict(init="uniform")
-    if init_times is not None:
+    if init_times is not None:  # a list: the Hub mixin records no tensor in a bare config.json
         start = dict(init="default", init_times=json_times(init_times))
     arguments = start | NETWORKS[network] | options  # options win: the comparator's init
-    return policy_cls.for_backbone(steps, backbone_dims, **arguments)
+    dims = {key: backbone_dims.get(key) for key in policy_cls.backbone_inputs}
+    return policy_cls(steps, **dims, **arguments)
 
 
 def save_policy(folder, policy, config):

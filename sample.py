@@ -34,8 +34,7 @@ import backbones
 import evaluate
 from prompts import load_prompt_file, noise_seed
 
-# -----------------------------------------------------------------------------
-# configuration
+# ---- configuration
 parser = argparse.ArgumentParser(description="Sample with a learned schedule next to the default.")
 add = parser.add_argument
 # I/O
@@ -66,13 +65,7 @@ def to_pil(image):
     array = (image.float().clamp(0, 1).permute(1, 2, 0).cpu().numpy() * 255).round().astype("uint8")
     picture = Image.fromarray(array)
     scale = math.ceil(MIN_SIDE / min(picture.size))
-    if scale > 1:
-        picture = picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
-    return picture
-
-
-def slug(prompt):
-    return re.sub(r"[^a-zA-Z0-9]+", "-", prompt).strip("-")[:40].lower() or "prompt"
+    return picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
 
 
 @torch.no_grad()
@@ -81,20 +74,16 @@ def sample_contexts(backbone, policy, prompts, seeds, draws=None, batch_size=8, 
     learned one (its mean, or with `draws` a generator, one draw) and the teacher. Returns method
     -> (images (N, 3, H, W) on CPU, times (N, L+1) or None, latent mean squared distance to the
     teacher (N,), score by `reward` or, when None, minus that distance (N,))."""
-    methods = {
-        "default": evaluate.default_schedule(backbone, policy.steps),
-        "learned": evaluate.policy_schedule(policy, backbone, draws),
-    }
+    rows = dict(default=evaluate.default_schedule(backbone, policy.steps))
+    rows["learned"] = evaluate.policy_schedule(policy, backbone, draws)
     # evaluate.score_table's columns: what is kept of each method's latents, on the CPU
     keep = dict(image=lambda latents, *_: backbone.decode(latents), latents=lambda *seen: seen[0])
     keep |= {} if reward is None else {"score": reward}
-    table, times = evaluate.score_table(
-        backbone, keep, prompts, seeds, methods, "teacher", batch_size
-    )
+    table, used = evaluate.score_table(backbone, keep, prompts, seeds, rows, "teacher", batch_size)
     results = {}
     for name, row in table.items():  # default, learned, teacher
         error = (row["latents"] - table["teacher"]["latents"]).square().flatten(1).mean(1)
-        results[name] = (row["image"], times.get(name), error, row.get("score", -error))
+        results[name] = (row["image"], used.get(name), error, row.get("score", -error))
     return results
 
 
@@ -105,14 +94,13 @@ def pipeline_contexts(backbone, policy, prompts, seeds):
     from backbones.pipeline import generate  # diffusers' schedulers load only on this path
 
     results = {"default": [], "learned": []}
-    side, guidance = backbone.resolution, backbone.guidance or 0.0
-    options = dict(height=side, width=side, guidance_scale=guidance)
+    side, guidance, steps = backbone.resolution, backbone.guidance or 0.0, policy.steps
+    options = dict(height=side, width=side, guidance_scale=guidance, num_inference_steps=steps)
     for prompt, seed in zip(prompts, seeds):  # a generator per call: both start from one noise
         noise = torch.Generator().manual_seed(seed)
-        stock = backbone.pipe(prompt, num_inference_steps=policy.steps, generator=noise, **options)
+        results["default"] += backbone.pipe(prompt, generator=noise, **options).images
         noise = torch.Generator().manual_seed(seed)
         learned = generate(backbone.pipe, policy, prompt, generator=noise, **options)
-        results["default"] += stock.images
         results["learned"] += learned.images
     return results
 
@@ -131,15 +119,13 @@ def verdict(gains, measure):
 def save_figures(out_dir, contexts, results, label, measure):
     """grid.png: rows = contexts, columns = methods, each image titled with its score by `measure`
     (the run's reward); schedules.png: the learned schedule of every context against the default."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib import colormaps
+    from matplotlib.figure import Figure
 
     gains = (results["learned"][3] - results["default"][3]).tolist()
     contexts = contexts[:GRID_CONTEXTS]  # a readable grid; every context's images are written
-    size = (2.4 * len(results), 2.5 * len(contexts))
-    figure, axes = plt.subplots(len(contexts), len(results), figsize=size, squeeze=False)
+    figure = Figure(figsize=(2.4 * len(results), 2.5 * len(contexts)))
+    axes = figure.subplots(len(contexts), len(results), squeeze=False)
     for row, (prompt, seed) in enumerate(contexts):
         for ax, (name, (images, _, _, scores)) in zip(axes[row], results.items()):
             ax.imshow(images[row].permute(1, 2, 0).numpy(), interpolation="nearest")
@@ -153,28 +139,26 @@ def save_figures(out_dir, contexts, results, label, measure):
     figure.suptitle(title, fontsize=7, wrap=True)
     figure.tight_layout(rect=(0, 0, 1, 1 - 0.3 / (2.5 * len(contexts))))  # room for the title
     figure.savefig(os.path.join(out_dir, "grid.png"), dpi=150)
-    plt.close(figure)
-    figure, ax = plt.subplots(figsize=(6, 4))  # time per step index, a colour per context
+    ax = Figure(figsize=(6, 4)).subplots()  # time per step index, a colour per context
     learned, default = results["learned"][1][: len(contexts)], results["default"][1][0]
-    steps, colors = range(len(default)), matplotlib.colormaps["viridis"].resampled(len(contexts))
+    steps, colors = range(len(default)), colormaps["viridis"].resampled(len(contexts))
     for index, ((prompt, seed), times) in enumerate(zip(contexts, learned)):
         ax.plot(steps, times, "-", marker=".", color=colors(index), label=f"{prompt[:30]}, {seed}")
     ax.plot(steps, default, "k--o", markersize=4, label="default")
     ax.set(xlabel="step index l", ylabel="time t_l (1 = noise, 0 = data)", title=label)
     ax.title.set_fontsize(9)
     ax.legend(fontsize=6)
-    figure.tight_layout()
-    figure.savefig(os.path.join(out_dir, "schedules.png"), dpi=120)
-    plt.close(figure)
+    ax.figure.tight_layout()
+    ax.figure.savefig(os.path.join(out_dir, "schedules.png"), dpi=120)
 
 
 def write_images(out_dir, contexts, pictures):
     """One PNG per context and method (pictures: method -> PIL images)."""
     os.makedirs(out_dir, exist_ok=True)
     for index, (prompt, seed) in enumerate(contexts):
+        slug = re.sub(r"[^a-zA-Z0-9]+", "-", prompt).strip("-")[:40].lower() or "prompt"
         for name, images in pictures.items():
-            path = os.path.join(out_dir, f"{index:03d}_{slug(prompt)}_seed{seed}_{name}.png")
-            images[index].save(path)
+            images[index].save(os.path.join(out_dir, f"{index:03d}_{slug}_seed{seed}_{name}.png"))
 
 
 def main(argv=None):
@@ -230,12 +214,9 @@ def main(argv=None):
     pictures = {name: [to_pil(image) for image in images] for name, (images, *_) in results.items()}
     write_images(out_dir, contexts, pictures)
     save_figures(out_dir, contexts, results, label, measure)
-    per_context = [
-        dict(prompt=prompt, seed=seed, learned=times.tolist())
-        for (prompt, seed), times in zip(contexts, learned[1])
-    ]
+    rows = [dict(prompt=p, seed=s, learned=t.tolist()) for (p, s), t in zip(contexts, learned[1])]
     mode = "sample" if args.stochastic else "mean"
-    saved = dict(default=default[1][0].tolist(), learned_mode=mode, contexts=per_context)
+    saved = dict(default=default[1][0].tolist(), learned_mode=mode, contexts=rows)
     with open(os.path.join(out_dir, "schedules.json"), "w") as handle:
         json.dump(saved, handle, indent=1)
     print(f"scores: {measure}; default times {[round(t, 3) for t in default[1][0].tolist()]}")
@@ -243,9 +224,8 @@ def main(argv=None):
         times = [round(t, 3) for t in times.tolist()]
         print(f"{prompt!r} seed {seed}: {score:.4f} (default {default_score:.4f}), times {times}")
     print(verdict((learned[3] - default[3]).tolist(), measure))
-    print(
-        f"wrote {3 * len(contexts)} images, grid.png, schedules.png and schedules.json to {out_dir}"
-    )
+    written = f"{3 * len(contexts)} images, grid.png, schedules.png and schedules.json"
+    print(f"wrote {written} to {out_dir}")
 
 
 if __name__ == "__main__":

@@ -36,8 +36,7 @@ ROLLOUTS, CONTEXTS = (2, 4, 8), (4, 16, 32)  # part A: K and B
 SIGNIFICANT = 3.5  # |z| above this: two-sided p < 4.7e-4 per look
 OFFSET_SPREADS = (0.0, 1.0, 10.0)  # part B: std of the hidden per-context offsets, in rollout noise
 BANDIT = dict(actions=5, features=4, contexts=16, rollouts=2)
-# rewards: per cell of part A, at the first look and at most while JS - RLOO is unresolved;
-# batches: part B's
+# rewards per part A cell (first look, most while JS - RLOO is unresolved); batches: part B's
 FULL = dict(rewards=(2**19, 2**23), batches=4000)
 QUICK = dict(rewards=(2**14, 2**14), batches=256)
 ESTIMATORS = {name: baselines.BASELINES[name] for name in ("rloo", "xctx", "js", "js-unbiased")}
@@ -237,10 +236,8 @@ def main(out_dir, quick=False):
     generator = torch.Generator().manual_seed(0)
     grid = itertools.product(ROLLOUTS, CONTEXTS, RATIOS)  # K, B, delta^2/sigma^2
     cells = [estimation_cell(ratio, B, K, settings["rewards"], generator) for K, B, ratio in grid]
-    lines = ["Part A: MSE of b[c, i] as an estimate of mu_c (sigma^2 = 1)", "", "```"]
-    lines.append(
-        " K   B  d2/s2 |    rloo     xctx      js  js-unb  oracle | a_true a_mean | js-rloo z"
-    )
+    columns = " K   B  d2/s2 |    rloo     xctx      js  js-unb  oracle | a_true a_mean | js-rloo z"
+    lines = ["Part A: MSE of b[c, i] as an estimate of mu_c (sigma^2 = 1)", "", "```", columns]
     for c in cells:
         mse = " ".join(f"{value:>7.4f}" for value in c["mse"].values())  # rloo, ..., oracle
         tail = f"{c['true_weight']:>6.3f} {c['mean_weight']:>6.3f} | {c['js_minus_rloo_z']:>+9.1f}"

@@ -288,9 +288,9 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if distributed:  # torchrun: nccl on GPUs (bound to this rank's), gloo on CPUs; a rank may
-        backend, bound = ("nccl", device) if use_cuda else ("gloo", None)  # wait for another's
-        dist.init_process_group(backend, device_id=bound, timeout=timedelta(hours=1))  # load
+    if distributed:  # torchrun: nccl on GPUs (bound to this rank's), gloo on CPUs; the timeout
+        backend, bound = ("nccl", device) if use_cuda else ("gloo", None)  # waits out a slow load
+        dist.init_process_group(backend, device_id=bound, timeout=timedelta(hours=1))
     if config.threads:
         torch.set_num_threads(config.threads)
 

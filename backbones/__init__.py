@@ -108,11 +108,6 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
 
 def trained_backbone(config, device):
     """The frozen backbone a checkpoint was trained with, rebuilt from its configuration alone."""
-    return load_backbone(
-        config["backbone"],
-        path=config.get("model_path"),
-        device=device,
-        dtype=getattr(torch, config["dtype"]) if config.get("dtype") else None,
-        resolution=config.get("resolution"),
-        guidance=config.get("guidance"),
-    )
+    dtype = getattr(torch, config["dtype"]) if config.get("dtype") else None
+    sizes = dict(resolution=config.get("resolution"), guidance=config.get("guidance"))
+    return load_backbone(config["backbone"], config.get("model_path"), device, dtype, **sizes)

@@ -90,8 +90,8 @@ class PipelineBackbone(Backbone):
         }
 
     @torch.no_grad()
-    def keep_encoded(self, prompts, budget=KEPT_BYTES):
-        """Encode a prompt set once, kept on the CPU, where it fits in `budget` bytes (the shipped
+    def keep_encoded(self, prompts):
+        """Encode a prompt set once, kept on the CPU, where it fits in KEPT_BYTES (the shipped
         sets do; HPDv2's 10^5 prompts do not): encode_prompts then serves these prompts from it,
         the negative (empty) prompt is encoded once for all, and the text encoders are dropped
         (T5-XXL alone is 9.5 GB). Returns whether it did; if not, each batch is encoded as it
@@ -104,7 +104,7 @@ class PipelineBackbone(Backbone):
         for chunk in chunks:
             rows.append({key: value.cpu() for key, value in self.encode_text(chunk, False).items()})
             per_prompt = sum(value.nbytes for value in rows[-1].values()) / len(chunk)
-            if per_prompt * len(prompts) > budget:
+            if per_prompt * len(prompts) > KEPT_BYTES:
                 return False
         kept = {key: torch.cat([row[key] for row in rows]) for key in rows[0]}
         if self.cfg:  # the negative row that the pipeline encodes for every prompt, once

@@ -177,13 +177,8 @@ def generate(
 def schedule_json(policy, backbone):
     """A global policy's schedule (its Dirichlet mean) for other tools: times (L+1,), sigmas and
     the timesteps the model sees."""
-    if policy.pipeline_refusal:
-        raise ValueError(policy.pipeline_refusal)
-    if policy.config["kind"] != "global":
-        raise ValueError(
-            "an instance-level policy has a schedule per noise and prompt: use generate(); "
-            "only a global one exports"
-        )
+    if policy.config["kind"] != "global":  # an instance-level or a step-wise policy
+        raise ValueError("this policy has a schedule per context: only a global one exports")
     times = times_from_increments(mean_increments(policy(torch.zeros(1))))[0].double()
     sdxl = isinstance(backbone, families.SDXLBackbone)
     sigmas, scale = (backbone.sigma(times), 999) if sdxl else (times, 1000)

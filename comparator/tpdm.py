@@ -161,8 +161,11 @@ class StepwisePolicy(SchedulePolicy):
         return StepwiseRollouts(policy, backbone, noise, cond, generators, rollouts)
 
     def schedule(self, backbone, noise, cond, generator=None):
-        """(times (N, L+1), latents): each time picked while sampling (`sample`)."""
-        return sample(self, backbone, noise, cond, generator)
+        """(times (N, L+1), latents): each time picked while sampling, by the Beta means or modes
+        (generator None), else drawn as Stepper takes its draws."""
+        stepper = Stepper(self, backbone, cond, generator)
+        latents = run_stepwise(backbone, noise, cond, self.steps, stepper)
+        return stepper.times(), latents
 
     def forward(self, latent, text, text_mask, pooled, time, step, embedding=None):
         # latent (N, 2C, H, W) or the hidden states (N, 2D, h, w); time (N,) t_l; step: an int or
@@ -245,15 +248,6 @@ class Stepper:
         stacked.pop("next")
         logp = beta_log_prob(stacked["parameters"], stacked["pair"])
         return dict(stacked, **self.prompt, times=self.times(), logp=logp)
-
-
-@torch.no_grad()
-def sample(policy, backbone, noise, cond, draws=None):
-    """(times (N, L+1), latents) of these contexts sampled with a step-wise policy, its draws as
-    Stepper takes them."""
-    stepper = Stepper(policy, backbone, cond, draws)
-    latents = run_stepwise(backbone, noise, cond, policy.steps, stepper)
-    return stepper.times(), latents
 
 
 def join_records(records):

@@ -18,18 +18,8 @@ import os
 
 import numpy as np
 
-from rewards.geneval import (
-    CLASSES,
-    COLORS,
-    RELATIONS,
-    TAGS,
-    color_attr,
-    colors,
-    counting,
-    position,
-    single_object,
-    two_object,
-)
+from rewards import geneval as templates
+from rewards.geneval import CLASSES, COLORS, RELATIONS, TAGS
 
 FOLDER = os.path.dirname(os.path.abspath(__file__))  # prompts/, where the sets are written
 HELDOUT_PER_TAG = 50
@@ -42,22 +32,26 @@ TRAIN_PER_TAG = dict(
 def sample(tag, rng):
     """One record of `tag`, drawn with create_prompts.py's calls on a numpy Generator."""
     if tag == "single_object":
-        return single_object(CLASSES[rng.choice(len(CLASSES))])
+        return templates.single_object(CLASSES[rng.choice(len(CLASSES))])
     if tag == "two_object":
         first, second = rng.choice(len(CLASSES), size=2, replace=False)
-        return two_object(CLASSES[first], CLASSES[second])
+        return templates.two_object(CLASSES[first], CLASSES[second])
     if tag == "counting":
         name = CLASSES[rng.choice(len(CLASSES))]
-        return counting(name, int(rng.integers(2, 4, endpoint=True)))
+        return templates.counting(name, int(rng.integers(2, 4, endpoint=True)))
     if tag == "colors":  # 1 + (0..78) skips class 0, person
         name = CLASSES[rng.choice(len(CLASSES) - 1) + 1]
-        return colors(name, COLORS[rng.choice(len(COLORS))])
+        return templates.colors(name, COLORS[rng.choice(len(COLORS))])
     if tag == "position":
         name, target = rng.choice(len(CLASSES), size=2, replace=False)
-        return position(CLASSES[name], RELATIONS[rng.choice(len(RELATIONS))], CLASSES[target])
+        return templates.position(
+            CLASSES[name], RELATIONS[rng.choice(len(RELATIONS))], CLASSES[target]
+        )
     first, second = rng.choice(len(CLASSES) - 1, size=2, replace=False) + 1
     first_color, second_color = rng.choice(len(COLORS), size=2, replace=False)
-    return color_attr(CLASSES[first], COLORS[first_color], CLASSES[second], COLORS[second_color])
+    return templates.color_attr(
+        CLASSES[first], COLORS[first_color], CLASSES[second], COLORS[second_color]
+    )
 
 
 def benchmark(seed=43, per_tag=100):
@@ -65,7 +59,7 @@ def benchmark(seed=43, per_tag=100):
     then `per_tag` draws of each other tag, de-duplicated."""
     rng = np.random.default_rng(seed)
     records = [
-        single_object(CLASSES[index])
+        templates.single_object(CLASSES[index])
         for index in rng.choice(len(CLASSES), size=len(CLASSES), replace=False)
     ]
     records += [sample(tag, rng) for tag in TAGS[1:] for _ in range(per_tag)]
@@ -96,9 +90,7 @@ def splits(seed=0):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="GenEval prompt sets, deterministic from --seed")
-    parser.add_argument(
-        "--write", action="store_true", help="write prompts/geneval_{train,heldout}.jsonl"
-    )
+    parser.add_argument("--write", action="store_true", help="write prompts/geneval_*.jsonl")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     train, heldout = splits(args.seed)

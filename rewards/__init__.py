@@ -62,7 +62,6 @@ def check_digits(name, backbone, spec):
 
 def check_prompts(name, prompts):
     """ValueError naming the first prompt the reward `name` cannot score."""
-    # what each reward reads in a prompt; ValueError in one line if the prompt has none
     reads = {"digit": digit_of, "preference": digit_of, "ocr": target_text, "geneval": parse}
     if name in reads:
         for prompt in prompts:

@@ -28,7 +28,7 @@ class CLIPReward:
         self.image_size = self.model.config.vision_config.image_size
         self.max_length = self.model.config.text_config.max_position_embeddings
 
-    def _text(self, prompts):
+    def embed_text(self, prompts):
         tokens = self.tokenizer(
             prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         ).to(self.device)
@@ -37,17 +37,17 @@ class CLIPReward:
         ).pooler_output
         return F.normalize(self.model.text_projection(pooled), dim=-1)
 
-    def _image(self, images):
-        pixels = clip_preprocess(images.to(self.device), self.image_size)
+    def embed_image(self, pixels):
+        """(N, 3, S, S) pixels preprocessed by clip_preprocess -> (N, D) unit embeddings."""
         pooled = self.model.vision_model(pixel_values=pixels).pooler_output
         return F.normalize(self.model.visual_projection(pooled), dim=-1)
 
     @torch.no_grad()
     def __call__(self, latents, prompts, noise, cond):
-        images = self.backbone.decode(latents)
+        pixels = clip_preprocess(self.backbone.decode(latents).to(self.device), self.image_size)
         unique, which = unique_prompts(prompts)
         starts = range(0, len(unique), self.batch_size)
-        text = torch.cat([self._text(unique[start : start + self.batch_size]) for start in starts])
-        image = torch.cat([self._image(chunk) for chunk in images.split(self.batch_size)])
+        text = [self.embed_text(unique[start : start + self.batch_size]) for start in starts]
+        image = torch.cat([self.embed_image(chunk) for chunk in pixels.split(self.batch_size)])
         which = torch.tensor(which, device=self.device)
-        return 100.0 * (image.float() * text.float()[which]).sum(-1)
+        return 100.0 * (image.float() * torch.cat(text).float()[which]).sum(-1)

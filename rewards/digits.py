@@ -30,7 +30,6 @@ class DigitClassifier(nn.Module, PyTorchModelHubMixin):
 
     def __init__(self, side=16, width=24):
         super().__init__()
-        self.config = dict(side=side, width=width)
         self.side = side
         self.features = nn.Sequential(
             nn.Conv2d(3, width, 3, padding=1),
@@ -77,8 +76,7 @@ def load_scorer(folder=None):
 class DigitReward:
     """log p(prompted digit | image) under the classifier of miniatures/build.py, a black box on the
     decoded pixels as HPSv2 is on a real model's: 8-bit images at the classifier's side (the
-    miniatures decode at its 16 px), its own normalisation. 0 is certainty. The classifier was
-    trained on digits that no miniature saw (miniatures/build.py)."""
+    miniatures decode at its 16 px), its own normalisation. 0 is certainty."""
 
     def __init__(self, backbone, checkpoint=None, device=None):
         self.backbone = backbone
@@ -119,11 +117,4 @@ class PreferenceReward(DigitReward):
     def details(self, latents, prompts):
         images, digits = self.pixels(latents), self.digits(prompts)
         correct = (self.model(images).argmax(1) == digits).float()
-        return self.scores(images, digits), correct
-
-    def scores(self, images, digits):
-        return self.scorer(images).float().gather(1, digits[:, None]).squeeze(1)
-
-    @torch.no_grad()
-    def __call__(self, latents, prompts, noise, cond):  # training needs no accuracy
-        return self.scores(self.pixels(latents), self.digits(prompts))
+        return self.scorer(images).float().gather(1, digits[:, None]).squeeze(1), correct

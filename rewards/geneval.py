@@ -4,14 +4,12 @@ with counts, colours and relative positions; an instance segmenter and CLIP chec
 
     reward = GenEvalReward(backbone)  # reward(latents, prompts, noise, cond) -> (N,) in [0, 1]
     rows = reward.details(latents, prompts)  # per image: tag, GenEval's 0/1 "correct", requirements
-    summary(rows)  # GenEval's per-task accuracy and overall (mean over tasks)
 
 Prompts (prompts/create_prompts.py): six tags over GenEval's 80 classes (object_names.txt: COCO's,
 with mouse, remote, keyboard renamed computer mouse, tv remote, computer keyboard) and ten colours;
 evaluation_metadata.jsonl's record layout; its templates, "a"/"an" by first letter and plurals by
 "+s"/"+es" kept as written ("two skises"); no coloured person. `parse` turns a prompt back into its
-record: a reward sees only prompt strings. prompts/geneval.py draws the shipped prompt sets with
-these templates.
+record: a reward sees only prompt strings; prompts/geneval.py draws the shipped sets with them.
 
 Rules (evaluation/evaluate_images.py with its defaults): detections scoring above 0.3 (0.9 in a
 counting prompt), the 16 best per class, greedy NMS at IoU `max_overlap` 1.0, i.e. none (overlapping
@@ -20,7 +18,7 @@ not: every include clause's class found `count` times (its `count` best detectio
 objects); every colour: all those objects classified as it; every relation: each of them so placed
 to each object of the target clause (unmet if either clause failed); every exclude clause: fewer
 than `count` found. The reward is the fraction met (partial credit for RL); "correct", all met, is
-exactly GenEval's; overall is the mean over tags of the share of correct images
+exactly GenEval's; evaluate.py's overall is the mean over tags of the share of correct images
 (evaluation/summary_scores.py).
 
 Detector and colours, and how they differ from GenEval's: transformers' Mask2Former (default the
@@ -44,8 +42,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rewards.clip import CLIP_DEFAULT
-from rewards.images import clip_preprocess, quantize
+from rewards.clip import CLIP_DEFAULT, CLIPReward
+from rewards.images import clip_preprocess, normalize, quantize
 
 CLASSES = (  # GenEval's object_names.txt, in the detector's class order
     "person|bicycle|car|motorcycle|airplane|bus|train|truck|boat|traffic light|fire hydrant|"
@@ -257,15 +255,6 @@ def score(record, detections):
     return sum(met) / len(met), all(met)
 
 
-def summary(rows):
-    """GenEval's summary_scores: per tag the share of correct images; overall, the tags' mean."""
-    tasks = {}
-    for row in rows:
-        tasks.setdefault(row["tag"], []).append(row["correct"])
-    tasks = {tag: sum(correct) / len(correct) for tag, correct in tasks.items()}
-    return {"tasks": tasks, "overall": sum(tasks.values()) / len(tasks)}
-
-
 # ----------------------------------------------------------------------------------------------
 # detector and colour classifier
 
@@ -290,12 +279,7 @@ class GenEvalReward:
         detector_size=(800, 1333),
         batch_size=8,
     ):
-        from transformers import (
-            AutoTokenizer,
-            CLIPModel,
-            Mask2FormerForUniversalSegmentation,
-            Mask2FormerImageProcessorPil,
-        )
+        from transformers import Mask2FormerForUniversalSegmentation, Mask2FormerImageProcessorPil
 
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
@@ -312,13 +296,8 @@ class GenEvalReward:
             raise ValueError(
                 f"{checkpoint} has {labels} classes; GenEval needs a COCO instance model (80)"
             )
-        # for post-processing only: it reads no configuration
-        self.processor = Mask2FormerImageProcessorPil()
-        self.clip = (
-            CLIPModel.from_pretrained(clip_checkpoint).to(self.device).eval().requires_grad_(False)
-        )
-        self.tokenizer = AutoTokenizer.from_pretrained(clip_checkpoint)
-        self.clip_size = self.clip.config.vision_config.image_size
+        self.processor = Mask2FormerImageProcessorPil()  # post-processing only: no configuration
+        self.clip = CLIPReward(backbone, clip_checkpoint, self.device, batch_size)  # colours
         self.color_classifiers = {}  # class name -> (10, D), GenEval's COLOR_CLASSIFIERS
 
     def detect(self, images):
@@ -327,12 +306,10 @@ class GenEvalReward:
         shortest, longest = self.detector_size
         scale = min(shortest / min(height, width), longest / max(height, width))
         size = [math.ceil(int(side * scale + 0.5) / 32) * 32 for side in (height, width)]
-        # mmdetection's img_norm_cfg / 255
-        mean = torch.tensor([0.485, 0.456, 0.406], device=self.device).view(1, 3, 1, 1)
-        std = torch.tensor([0.229, 0.224, 0.225], device=self.device).view(1, 3, 1, 1)
-        # mmcv's cv2 resize
+        # mmcv's cv2 resize, then mmdetection's img_norm_cfg / 255
         pixels = F.interpolate(images.to(self.device), size, mode="bilinear", align_corners=False)
-        outputs = self.detector(pixel_values=(pixels - mean) / std)
+        pixels = normalize(pixels, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+        outputs = self.detector(pixel_values=pixels)
         # on the CPU: post-processing builds its (384, 384) maps there whatever the outputs' device
         outputs = SimpleNamespace(
             class_queries_logits=outputs.class_queries_logits.float().cpu(),
@@ -363,13 +340,7 @@ class GenEvalReward:
                 for color in COLORS
                 for template in COLOR_TEMPLATES
             ]
-            tokens = self.tokenizer(texts, padding=True, return_tensors="pt").to(self.device)
-            pooled = self.clip.text_model(
-                input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
-            ).pooler_output
-            embeddings = F.normalize(self.clip.text_projection(pooled), dim=-1).view(
-                len(COLORS), len(COLOR_TEMPLATES), -1
-            )
+            embeddings = self.clip.embed_text(texts).view(len(COLORS), len(COLOR_TEMPLATES), -1)
             self.color_classifiers[name] = F.normalize(embeddings.mean(1), dim=-1)
         return self.color_classifiers[name]
 
@@ -380,28 +351,22 @@ class GenEvalReward:
         for index, detection in wanted:
             x0, y0, x1, y1 = (int(value) for value in detection.box)
             masked = torch.where(detection.mask, images[index].to(self.device), BACKGROUND)
-            crops.append(clip_preprocess(masked[None, :, y0:y1, x0:x1], self.clip_size))
+            crops.append(clip_preprocess(masked[None, :, y0:y1, x0:x1], self.clip.image_size))
         for start in range(0, len(crops), self.batch_size):
-            pooled = self.clip.vision_model(
-                pixel_values=torch.cat(crops[start : start + self.batch_size])
-            ).pooler_output
-            features = F.normalize(self.clip.visual_projection(pooled), dim=-1)
+            features = self.clip.embed_image(torch.cat(crops[start : start + self.batch_size]))
             for (_, detection), feature in zip(wanted[start : start + self.batch_size], features):
-                detection.color = COLORS[
-                    int((self.color_classifier(detection.label) @ feature).argmax())
-                ]
+                scores = self.color_classifier(detection.label) @ feature  # (10,)
+                detection.color = COLORS[int(scores.argmax())]
 
     @torch.no_grad()
-    def score_images(self, images, prompts):
-        """(N, 3, H, W) in [0, 1] and N GenEval prompts -> per image {"prompt", "tag", "reward",
+    def details(self, latents, prompts):
+        """Per decoded image of N latents and N GenEval prompts: {"prompt", "tag", "reward",
         "correct", "requirements"}; a prompt that does not parse fails first."""
         records = [parse(prompt) for prompt in prompts]
-        images = quantize(images)
-        per_image = [
-            detections
-            for chunk in images.split(self.batch_size)
-            for detections in self.detect(chunk)
-        ]
+        images = quantize(self.backbone.decode(latents))
+        per_image = []  # per image its Detections
+        for chunk in images.split(self.batch_size):
+            per_image += self.detect(chunk)
         wanted = []  # as GenEval: the colours of a coloured clause's `count` best objects
         for index, (record, detections) in enumerate(zip(records, per_image)):
             found = found_objects(detections, record["tag"])
@@ -425,9 +390,6 @@ class GenEvalReward:
                 }
             )
         return rows
-
-    def details(self, latents, prompts):
-        return self.score_images(self.backbone.decode(latents), prompts)
 
     def __call__(self, latents, prompts, noise, cond):
         rewards = [row["reward"] for row in self.details(latents, prompts)]

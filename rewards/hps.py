@@ -17,20 +17,16 @@ HPS_FILES = {"v2.0": "HPS_v2_compressed.pt", "v2.1": "HPS_v2.1_compressed.pt"}
 def unique_prompts(prompts):
     """Distinct prompts in order and, per sample, the index of its prompt among them."""
     unique = list(dict.fromkeys(prompts))
-    position = {prompt: index for index, prompt in enumerate(unique)}
-    return unique, [position[prompt] for prompt in prompts]
+    return unique, [unique.index(prompt) for prompt in prompts]
 
 
 def hps_preprocess(images, size=224):
-    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size), HPS's inference transform on tensors.
-
-    hpsv2 builds its transform with light_augmentation=True (hpsv2/src/open_clip/factory.py,
-    create_model_and_transforms), i.e. image_transform(..., resize_longest_max=True) in
-    hpsv2/src/open_clip/transform.py: ToTensor on the 8-bit image, then ResizeMaxSize: scale the
-    longest side to `size` with torchvision's bicubic resize on the float tensor (antialiased),
-    zero-pad the short side (half before, rest after), OpenAI CLIP mean/std. As ResizeMaxSize
-    does, an image whose longest side is already `size` is left as it is.
-    """
+    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size), HPS's inference transform on tensors: hpsv2
+    builds it with light_augmentation=True (hpsv2/src/open_clip/factory.py), i.e. ResizeMaxSize
+    (hpsv2/src/open_clip/transform.py): ToTensor on the 8-bit image, the longest side scaled to
+    `size` by torchvision's antialiased bicubic resize on the float tensor (an image already that
+    long left as it is), the short side zero-padded (half before, rest after), then OpenAI CLIP's
+    mean and std."""
     images = quantize(images)
     height, width = images.shape[-2:]
     scale = size / float(max(height, width))

@@ -22,13 +22,10 @@ def normalize(images, mean=CLIP_MEAN, std=CLIP_STD):
 
 
 def clip_preprocess(images, size=224):
-    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size): CLIPImageProcessor's steps, with Pillow itself.
-
-    As transformers' CLIPImageProcessor (PIL backend, the preprocessing CLIP was trained with) does
-    to an 8-bit image: shortest side to `size` (long side int(size * long / short)) with Pillow's
-    bicubic resize, centre crop (offset (H - size) // 2), /255, OpenAI CLIP mean/std. The resize
-    runs per image on the CPU.
-    """
+    """(N, 3, H, W) in [0, 1] -> (N, 3, size, size), as transformers' CLIPImageProcessor (PIL
+    backend, the preprocessing CLIP was trained with) does to an 8-bit image: shortest side to
+    `size` (long side int(size * long / short)) with Pillow's bicubic resize, centre crop (offset
+    (H - size) // 2), /255, OpenAI CLIP mean/std. The resize runs per image on the CPU."""
     import numpy as np
     from PIL import Image
 

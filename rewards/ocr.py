@@ -52,8 +52,7 @@ def words(text):
 def word_recall(read, target):
     """Fraction of the target's words found among the read words, as multisets."""
     target_words = words(target)
-    # per word: min(count read, count in target)
-    found = Counter(words(read)) & Counter(target_words)
+    found = Counter(words(read)) & Counter(target_words)  # per word: the smaller count
     return sum(found.values()) / len(target_words)
 
 

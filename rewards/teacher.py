@@ -46,8 +46,7 @@ class TeacherReward:
             index = torch.tensor(list(unsolved.values()))
             sub_cond = {name: value[index.to(value.device)] for name, value in cond.items()}
             solved = self.backbone.reference(noise[index.to(noise.device)], sub_cond)
-            for key, target in zip(unsolved, solved.detach().cpu()):
-                self.cache[key] = target
+            self.cache.update(zip(unsolved, solved.detach().cpu()))
         targets = torch.stack([self.cache[key] for key in keys]).to(self.device, torch.float32)
         while len(self.cache) > self.cache_size:
             self.cache.popitem(last=False)

@@ -14,15 +14,9 @@ from evidence import baseline_study
 from evidence.results import train_here
 
 
-def random_effects_pool(sets, contexts, rollouts, between, within, generator):
-    """Rewards (S, C, M) of the paper's model r[c, i] = mu_c + eps, mu_c ~ N(0, between),
-    eps ~ N(0, within), fresh contexts in every set."""
-    means = math.sqrt(between) * torch.randn(sets, contexts, 1, generator=generator)
-    return means + math.sqrt(within) * torch.randn(sets, contexts, rollouts, generator=generator)
-
-
 def test_baseline_errors_match_the_random_effects_model():
-    """E (b - mu_c)^2 in closed form: RLOO sigma^2/(K-1); the cross-context mean
+    """The paper's model r[c, i] = mu_c + eps, mu_c ~ N(0, delta^2), eps ~ N(0, sigma^2), and
+    E (b - mu_c)^2 in closed form: RLOO sigma^2/(K-1); the cross-context mean
     K^2 B (B-1) delta^2/(BK-1)^2 + sigma^2/(BK-1) (its K B - K rewards of other contexts are off by
     their mu_c' - mu_c, its K-1 of its own are not). The measured values, per set of contexts, are
     independent across sets: each mean must lie within 4 standard errors of its known value. James-
@@ -31,7 +25,8 @@ def test_baseline_errors_match_the_random_effects_model():
     generator = torch.Generator().manual_seed(0)
 
     def one_set():  # the errors on one set of fresh contexts, 12 rewards each
-        pool = random_effects_pool(1, contexts, 12, between, within, generator)
+        means = math.sqrt(between) * torch.randn(1, contexts, 1, generator=generator)
+        pool = means + math.sqrt(within) * torch.randn(1, contexts, 12, generator=generator)
         return baseline_study.baseline_errors(pool, contexts, rollouts, 20, generator)
 
     per_set = [one_set() for _ in range(400)]

@@ -2,7 +2,7 @@
 (the same layouts scaled down, train.py's main on each, on the CPU), which records nothing."""
 
 import math
-import os
+import pathlib
 import re
 
 import torch
@@ -11,7 +11,7 @@ from conftest import ROOT, SCRIPTS
 import backbones
 import train
 
-RESULTS = os.path.join(ROOT, "docs", "RESULTS.md")
+RESULTS = pathlib.Path(ROOT, "docs", "RESULTS.md")
 # the published sizes in billions (SD3.5's MMDiT with its position table, as its checkpoint holds
 # it), each rounded to two or three digits: a configuration within 2% of it is the model's
 PUBLISHED = {
@@ -23,13 +23,11 @@ PUBLISHED = {
 
 
 def test_gpu_benchmark_runs_tiny_on_the_cpu_without_git_and_records_nothing(tmp_path):
-    with open(RESULTS, "rb") as file:
-        results_before = file.read()
+    results_before = RESULTS.read_bytes()
     no_git = "os.environ['PATH'] = ''"  # a machine without git: the commit is unknown
     result = SCRIPTS.run(["-m", "evidence.bench", "--gpu", "--tiny"], tmp_path, no_git)
     assert result.returncode == 0, result.stderr
-    with open(RESULTS, "rb") as file:
-        assert file.read() == results_before  # --tiny records nothing
+    assert RESULTS.read_bytes() == results_before  # --tiny records nothing
     out = result.stdout
     assert re.search(r"^torch \S+ on cpu", out, re.M) and "diffusers " in out and "reward: " in out
     for name, sizes in PUBLISHED.items():

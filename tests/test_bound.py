@@ -2,13 +2,14 @@
 
 import itertools
 import math
-import os
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import pytest
 import torch
+from conftest import ROOT
 
 from baselines import cross_context, rloo
 from evidence.bound import (
@@ -28,18 +29,15 @@ from evidence.bound import (
 )
 from toy_js import oracle_baseline, oracle_weight
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "docs", "RESULTS.md")
+RESULTS = Path(ROOT, "docs", "RESULTS.md")
 
 
 def test_quick_run_prints_every_table_and_draws_the_figure(tmp_path):
-    with open(RESULTS, "rb") as file:
-        results_before = file.read()
+    results_before = RESULTS.read_bytes()
     command = [sys.executable, "-m", "evidence.bound", "--quick", "--out-dir", str(tmp_path)]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    with open(RESULTS, "rb") as file:
-        assert file.read() == results_before  # --quick records nothing
+    assert RESULTS.read_bytes() == results_before  # --quick records nothing
     assert matplotlib.image.imread(tmp_path / "bound.png").shape[0] > 300
     # the factor table is the closed forms alone: the same in --quick
     assert "\n".join(factor_table()) in result.stdout and "Conclusions:" in result.stdout

@@ -1,6 +1,7 @@
 """evaluate.py on train.py's checkpoints: statistics, pairing, batching, the command line and
 what it writes; load_policy; a user's mistakes with evaluate.py, sample.py and toy_js.py."""
 
+import functools
 import json
 import math
 import shlex
@@ -93,27 +94,19 @@ def test_scores_are_paired_and_whatever_the_batch(backbone, teacher, ckpt):
     )
     seen = {name: [] for name in methods}  # the noise each method is called with, per batch
 
-    def recording(name):
-        def method(noise, cond):
-            seen[name].append(noise.clone())
-            return methods[name](noise, cond)
+    def recording(name, noise, cond):
+        seen[name].append(noise.clone())
+        return methods[name](noise, cond)
 
-        return method
-
-    scores = evaluate.score_methods(
-        backbone, teacher, prompts, seeds, {name: recording(name) for name in methods}, batch_size=4
-    )
-    noise = torch.cat(
-        [backbone.sample_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds]
-    )
+    recorded = {name: functools.partial(recording, name) for name in methods}
+    scores = evaluate.score_methods(backbone, teacher, prompts, seeds, recorded, batch_size=4)
+    noise = torch.cat([backbone.sample_noise(1, torch.Generator().manual_seed(s)) for s in seeds])
     assert [len(batch) for batch in seen["default"]] == [4, 4, 2]
     torch.testing.assert_close(torch.cat(seen["default"]), noise, rtol=0, atol=0)
     torch.testing.assert_close(torch.cat(seen["learned"]), noise, rtol=0, atol=0)
     assert not torch.equal(scores["learned"], scores["default"])
     # in one batch, with the teacher's own solution, which has no error, as a reference
-    whole = evaluate.score_methods(
-        backbone, teacher, prompts, seeds, methods, reference="limit", batch_size=64
-    )
+    whole = evaluate.score_methods(backbone, teacher, prompts, seeds, methods, "limit", 64)
     assert list(whole) == ["default", "learned", "limit"]
     for name in methods:
         torch.testing.assert_close(whole[name], scores[name])
@@ -182,14 +175,12 @@ def test_cli_writes_the_table_and_every_score_of_every_method(
         ["--ckpt", ckpt, "--global-ckpt", global_ckpt, "--out-dir", str(out), "--batch-size", "4"]
         + ["--count", "13", "--limit", "10"]
     )
-    learned_policy, _ = load_policy(ckpt)
-    global_policy, _ = load_policy(global_ckpt)
     prompts, seeds = heldout_contexts(backbone.prompts, 10)
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     direct = {
         "default": backbone.default_times(STEPS).expand(10, -1),
-        "learned": evaluate.policy_schedule(learned_policy, backbone)(noise, cond)[0],
-        "global": evaluate.policy_schedule(global_policy, backbone)(noise, cond)[0],
+        "learned": evaluate.policy_schedule(load_policy(ckpt)[0], backbone)(noise, cond),
+        "global": evaluate.policy_schedule(load_policy(global_ckpt)[0], backbone)(noise, cond),
     }
     means = read_table_means(out / "results.md")
     assert "| default | 10 |" in (out / "results.md").read_text()
@@ -211,9 +202,8 @@ def test_cli_per_style_tables_from_an_hpdv2_folder(tmp_path, ckpt):
     folder = tmp_path / "benchmark"
     folder.mkdir()
     for index, style in enumerate(HPDV2_STYLES):  # digit prompts stand in for the real ones
-        (folder / f"{style}.json").write_text(
-            json.dumps([f"a handwritten {index}", f"a handwritten {index + 4}"])
-        )
+        pair = [f"a handwritten {index}", f"a handwritten {index + 4}"]
+        (folder / f"{style}.json").write_text(json.dumps(pair))
     prompts, styles = load_hpdv2(str(folder))
     assert prompts[:4] == [f"a handwritten {i}" for i in range(4)]
     assert styles[:4] == list(HPDV2_STYLES)
@@ -247,13 +237,11 @@ def test_cli_on_tiny_flux_with_schnell_from_the_same_noise(tmp_path, monkeypatch
     # Flux-Schnell samples from Flux-Dev's noise with its own text encoding and 4 default steps
     config = torch.load(ckpt, weights_only=True)["config"]
     dev = trained_backbone(config, "cpu")
-    schnell = backbones.load_backbone(
-        "flux-schnell", path=str(folder / "flux-schnell"), resolution=config["resolution"]
-    )
+    path, resolution = str(folder / "flux-schnell"), config["resolution"]
+    schnell = backbones.load_backbone("flux-schnell", path=path, resolution=resolution)
     noise = context_noise(dev, [10**6, 10**6 + 1, 10**6 + 2])
-    latents = schnell.sample(
-        noise, schnell.encode_prompts(texts), schnell.default_times(4).expand(3, -1)
-    )
+    times = schnell.default_times(4).expand(3, -1)
+    latents = schnell.sample(noise, schnell.encode_prompts(texts), times)
     direct = rewards.load_reward("teacher", dev)(latents, texts, noise, dev.encode_prompts(texts))
     torch.testing.assert_close(torch.tensor(scores["schnell-4"]), direct)
     report = (out / "results.md").read_text()

@@ -1,8 +1,10 @@
 """GenEval reward: prompt templates and their parser over the shipped prompt sets, the rules on
-hand-built detections (thresholds, counts, duplicates, position margins, colours, exclusions)
-against values computed by hand and against a port of GenEval's own `evaluate`, and the detector +
-colour path end to end on a tiny randomly initialised Mask2Former and CLIPModel built here."""
+hand-built detections (thresholds, counts, duplicates, positions, colours, exclusions) against
+values computed by hand and against a port of GenEval's own `evaluate` and `relative_position`,
+and the detector + colour path end to end on a tiny randomly initialised Mask2Former and CLIPModel
+built here."""
 
+import itertools
 import json
 import pathlib
 import random
@@ -201,42 +203,6 @@ def test_at_most_max_objects_per_class_best_first():
     )
 
 
-BOX = (0, 0, 10, 10)
-
-
-@pytest.mark.parametrize(
-    "box, other, expected",
-    [
-        # equal 10x10 boxes side by side: margin 0.1 * 20 = 2 per axis; "left of" needs
-        # (d - 2) / d > 0.5, d > 4
-        (BOX, (4, 0, 14, 10), set()),
-        (BOX, (4.01, 0, 14.01, 10), {"left of"}),
-        ((4.01, 0, 14.01, 10), BOX, {"right of"}),
-        (BOX, (0, 4.01, 10, 14.01), {"above"}),
-        ((0, 4.01, 10, 14.01), BOX, {"below"}),
-        (BOX, BOX, set()),
-        # diagonal at 45 degrees: (6 - 2) / (6 * 2 ** 0.5) = 0.47 on each axis, neither relation
-        (BOX, (6, 6, 16, 16), set()),
-        # (20 - 2) / |(20, 8)| = 0.84, (8 - 2) / 21.5 = 0.28
-        (BOX, (20, 8, 30, 18), {"left of"}),
-        # bigger objects need more room: a 30 wide target moves the threshold to d > 8
-        (BOX, (-2, 0, 28, 10), set()),  # centres 8 apart, margin 4
-        (BOX, (-1.9, 0, 28.1, 10), {"left of"}),
-    ],
-)
-def test_relative_position_margin(box, other, expected):
-    assert geneval.relative_position(box, other) == expected
-
-
-def test_summary_is_a_mean_over_tasks():
-    rows = [{"tag": "single_object", "correct": c} for c in (True, True, False)] + [
-        {"tag": "counting", "correct": False}
-    ]
-    result = geneval.summary(rows)
-    assert result["tasks"] == {"single_object": pytest.approx(2 / 3), "counting": 0.0}
-    assert result["overall"] == pytest.approx(1 / 3)  # the mean over images would be 1 / 2
-
-
 # ----------------------------------------------------------------------------------------------
 # rules against GenEval's own evaluate, on random scenes
 
@@ -331,6 +297,10 @@ def test_correct_is_genevals_evaluate():
             fraction, correct = score(record, detections)
             assert correct == reference_correct(record, detections), (record["prompt"], detections)
             assert (fraction == 1.0) == correct and 0.0 <= fraction <= 1.0
+            boxes = [detection.box for detection in detections]  # every pair, each with itself
+            for box, other in itertools.product(boxes, repeat=2):
+                expected = reference_relative_position(box, other)
+                assert geneval.relative_position(box, other) == expected, (box, other)
             outcomes.append((record["tag"], correct))
     for tag in geneval.TAGS:  # both outcomes occur for every tag, so the comparison means something
         assert {correct for t, correct in outcomes if t == tag} == {True, False}

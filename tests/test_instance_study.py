@@ -7,10 +7,8 @@ import torch
 from evidence import instance_study
 from policy import SchedulePolicy, make_policy, times_from_increments
 
-DIGITS = dict(latent_channels=1, text_dim=32, pooled_dim=32)
 
-
-def targets(count, steps, generator):
+def targets(count, steps):
     """Strictly decreasing schedules from t_0 = 1, one per context."""
     increments = torch.distributions.Dirichlet(torch.full((steps + 1,), 5.0)).sample((count,))
     return times_from_increments(increments)
@@ -20,7 +18,7 @@ def test_the_searches_find_a_known_optimum():
     """objective = -|times - target_c|^2: each context's own search reaches its target, and the
     best single schedule for all reaches their mean (the minimiser of the mean squared distance)."""
     torch.manual_seed(0)
-    goal = targets(12, 3, None)
+    goal = targets(12, 3)
 
     def objective(index, times):
         return -(times - goal[index]).square().sum(-1)
@@ -30,30 +28,27 @@ def test_the_searches_find_a_known_optimum():
     assert (own - goal).abs().max() < 0.01
     single = next(instance_study.best_single(objective, 12, start, 300, batch=12, seed=0))
     assert (single - goal.mean(0)).abs().max() < 0.01
-    # a search keeps the best schedule it met: never worse than where it started
-    assert (objective(torch.arange(12), own) >= objective(torch.arange(12), start)).all()
 
 
 def test_a_continued_search_is_the_search_run_twice_as_long():
     """The convergence checks continue a fit and the searches: N iterations, then N more, give
     what 2N in one go give (the Adam state and the batch stream carried on)."""
     torch.manual_seed(0)
-    goal = targets(200, 3, None)  # two batches of contexts for each context's own search
+    goal = targets(200, 3)  # two batches of contexts for each context's own search
 
     def objective(index, times):
         return -(times - goal[index]).square().sum(-1).sqrt()
 
     start = torch.linspace(1.0, 0.0, 4)
-    fit = instance_study.best_single(objective, 200, start, 7, batch=16, seed=0)
-    first, continued = next(fit), next(fit)
-    once = next(instance_study.best_single(objective, 200, start, 14, batch=16, seed=0))
-    assert not torch.allclose(first, once, atol=1e-4)  # the second half moved it
-    torch.testing.assert_close(continued, once)
-    search = instance_study.best_each(objective, start.expand(200, -1), 7)
-    first, continued = next(search), next(search)
-    once = next(instance_study.best_each(objective, start.expand(200, -1), 14))
-    assert not torch.allclose(first, once, atol=1e-4)
-    torch.testing.assert_close(continued, once)
+    for search in (
+        lambda n: instance_study.best_single(objective, 200, start, n, batch=16, seed=0),
+        lambda n: instance_study.best_each(objective, start.expand(200, -1), n),
+    ):
+        halves = search(7)
+        first, continued = next(halves), next(halves)
+        once = next(search(14))
+        assert not torch.allclose(first, once, atol=1e-4)  # the second half moved it
+        torch.testing.assert_close(continued, once)
 
 
 def test_the_supervised_predictor_learns_a_schedule_the_noise_determines():
@@ -70,7 +65,8 @@ def test_the_supervised_predictor_learns_a_schedule_the_noise_determines():
     inputs = dict(latent=latent, text=text, text_mask=mask, pooled=torch.zeros(count, 32))
     part = {key: value[:256] for key, value in inputs.items()}
     held = {key: value[256:] for key, value in inputs.items()}
-    policy = make_policy(SchedulePolicy, DIGITS, steps, torch.tensor([1.0, 0.6, 0.2]))
+    dims = dict(latent_channels=1, text_dim=32, pooled_dim=32)
+    policy = make_policy(SchedulePolicy, dims, steps, torch.tensor([1.0, 0.6, 0.2]))
     instance_study.fit_predictor(policy, part, goal[:256], held, goal[256:], seed=0)
     with torch.no_grad():
         alpha = policy(**held)

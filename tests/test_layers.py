@@ -47,23 +47,21 @@ def graph():
     return {path: imports(path, files) for path in product}
 
 
-def test_the_rewards_import_no_prompt_set_and_train_no_miniature():
+def test_no_file_imports_a_folder_it_must_not():
+    """The rewards import no prompt set, train.py no miniature, no product file tests/ nor (but
+    evidence/ itself) evidence/; the method's files import nothing of the project."""
     edges = graph()
-    for source, folder in (("rewards/", "prompts/"), ("train.py", "miniatures/")):
-        for path in (path for path in sorted(edges) if path.startswith(source)):
-            assert not [target for target in edges[path] if target.startswith(folder)], path
-
-
-def test_the_method_files_import_nothing_of_the_project():
-    edges = graph()
+    rules = [
+        ("rewards/", "prompts/"),
+        ("train.py", "miniatures/"),
+        ("", "tests/"),
+        ("", "evidence/"),
+    ]
+    for source, folder in rules:
+        for path in (path for path in edges if path.startswith(source)):
+            if not path.startswith(folder):  # evidence/ imports evidence/
+                assert not [target for target in edges[path] if target.startswith(folder)], path
     assert {path: sorted(edges[path]) for path in METHOD} == {path: [] for path in METHOD}
-
-
-def test_no_product_file_imports_tests_or_evidence():
-    for path, targets in graph().items():
-        assert not any(target.startswith("tests/") for target in targets), path
-        if not path.startswith("evidence/"):
-            assert not any(target.startswith("evidence/") for target in targets), path
 
 
 def test_the_training_path_imports_no_asset_builder():

@@ -94,13 +94,9 @@ def reward():
 def render(text, fill=(0, 0, 0), background=(255, 255, 255), size=(384, 128)):
     """(3, H, W) in [0, 1]: `text` centred in Pillow's default font, 48 px."""
     image = Image.new("RGB", size, background)
-    ImageDraw.Draw(image).text(
-        (size[0] // 2, size[1] // 2),
-        text,
-        fill=fill,
-        anchor="mm",
-        font=ImageFont.load_default(size=48),
-    )
+    font = ImageFont.load_default(size=48)
+    middle = (size[0] // 2, size[1] // 2)
+    ImageDraw.Draw(image).text(middle, text, fill=fill, anchor="mm", font=font)
     return torch.from_numpy(np.array(image)).permute(2, 0, 1).float() / 255.0
 
 

@@ -48,7 +48,6 @@ def reinforce_step(policy, inputs, lr=0.1, seed=0):
     with torch.no_grad():
         for parameter in policy.parameters():
             parameter -= lr * parameter.grad
-    return loss
 
 
 def assert_valid_schedule(times, steps):
@@ -115,9 +114,8 @@ def test_log_prob_matches_torch_dirichlet(scale):
     generator = torch.Generator().manual_seed(0)
     alpha = (torch.rand(4, 11, generator=generator) + 0.5) * scale
     tau = sample_increments(alpha, 5, generator)
-    expected = torch.distributions.Dirichlet(alpha.double()[:, None, :]).log_prob(
-        tau.double()
-    )  # (4, 5)
+    dirichlet = torch.distributions.Dirichlet(alpha.double()[:, None, :])
+    expected = dirichlet.log_prob(tau.double())  # (4, 5)
     got = log_prob(alpha, tau)
     assert got.shape == (4, 5) and got.dtype == torch.float32
     assert torch.allclose(got.double(), expected, rtol=1e-5, atol=1e-4)
@@ -151,7 +149,7 @@ def test_extreme_concentrations_at_80_steps_are_finite(low, high):
 # the networks
 
 
-def test_gradients_reach_every_parameter_of_the_instance_policy():
+def test_gradients_reach_every_parameter_and_the_policy_reads_its_input_but_no_padding():
     policy = make_policy(SchedulePolicy, DIGITS, 10)
     inputs = digits_inputs(8)
     reinforce_step(policy, inputs)
@@ -161,6 +159,17 @@ def test_gradients_reach_every_parameter_of_the_instance_policy():
     for name, parameter in policy.named_parameters():
         assert parameter.grad is not None and parameter.grad.abs().sum() > 0, name
         assert torch.all(torch.isfinite(parameter.grad)), name
+    latent, text, text_mask, pooled = inputs
+    alpha = policy(latent, text, text_mask, pooled)
+    assert not torch.allclose(alpha[0], alpha[1])
+    padded = text.clone()
+    padded[~text_mask] = 1e3  # values behind the mask must not matter
+    assert torch.allclose(policy(latent, padded, text_mask, pooled), alpha, atol=1e-6)
+    # a prompt with every token masked still has the learned null token to attend to
+    assert torch.all(torch.isfinite(policy(latent, text, torch.zeros_like(text_mask), pooled)))
+    # bf16 inputs are cast at the top; all policy math is float32
+    bf16 = policy(*digits_inputs(8, dtype=torch.bfloat16))
+    assert bf16.dtype == torch.float32 and torch.all(torch.isfinite(bf16))
 
 
 def test_the_global_policy_is_the_instance_network_on_constant_inputs():
@@ -191,37 +200,11 @@ def test_policy_sizes_are_about_20m_for_the_real_models():
 def test_real_network_runs_on_a_small_latent():
     # the real network's shapes on a 512px latent (64x64) and a short prompt: any resolution works
     dims = dict(latent_channels=16, text_dim=4096, pooled_dim=2048)
-    policy = make_policy(
-        SchedulePolicy,
-        dims,
-        5,
-        network="real",
-        widths=[8, 16, 16, 32],
-        dim=32,
-        heads=4,
-        head_hidden=32,
-    )
+    small = dict(widths=[8, 16, 16, 32], dim=32, heads=4, head_hidden=32)
+    policy = make_policy(SchedulePolicy, dims, 5, network="real", **small)
     latent, text, pooled = torch.randn(2, 16, 64, 64), torch.randn(2, 7, 4096), torch.randn(2, 2048)
     alpha = policy(latent, text, torch.ones(2, 7, dtype=torch.bool), pooled)
     assert alpha.shape == (2, 6) and torch.all(torch.isfinite(alpha))
-
-
-def test_instance_policy_depends_on_the_input_and_ignores_padding():
-    policy = make_policy(SchedulePolicy, DIGITS, 10)
-    inputs = digits_inputs(8)
-    reinforce_step(policy, inputs)
-    reinforce_step(policy, inputs, seed=1)
-    latent, text, text_mask, pooled = inputs
-    alpha = policy(latent, text, text_mask, pooled)
-    assert not torch.allclose(alpha[0], alpha[1])
-    padded = text.clone()
-    padded[~text_mask] = 1e3  # values behind the mask must not matter
-    assert torch.allclose(policy(latent, padded, text_mask, pooled), alpha, atol=1e-6)
-    # a prompt with every token masked still has the learned null token to attend to
-    assert torch.all(torch.isfinite(policy(latent, text, torch.zeros_like(text_mask), pooled)))
-    # bf16 inputs are cast at the top; all policy math is float32
-    bf16 = policy(*digits_inputs(8, dtype=torch.bfloat16))
-    assert bf16.dtype == torch.float32 and torch.all(torch.isfinite(bf16))
 
 
 # -----------------------------------------------------------------------------
@@ -233,14 +216,8 @@ def test_instance_policy_depends_on_the_input_and_ignores_padding():
 def test_default_init_reproduces_the_default_schedule(kind, steps):
     default = sd3_default_times(steps)
     stop_margin, concentration = 5e-3, 100.0
-    policy = make_policy(
-        POLICIES[kind],
-        DIGITS,
-        steps,
-        init_times=default,
-        stop_margin=stop_margin,
-        concentration=concentration,
-    )
+    start = dict(stop_margin=stop_margin, concentration=concentration)
+    policy = make_policy(POLICIES[kind], DIGITS, steps, init_times=default, **start)
     alpha = policy(*digits_inputs(4))
     # the network's last layer starts at N(0, 1e-4) weights over 128 SiLU features (the global
     # policy is the same network): logit deviations of about 0.07, so alpha within 10% and the mean

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from prompts import load_prompt_file
+from prompts import HPDV2_STYLES, load_prompt_file
 
 PROMPTS = Path(__file__).resolve().parent.parent / "prompts"
-STYLES = ("anime", "concept-art", "paintings", "photo")
 # file: (minimum lines, minimum lines per style or None for the OCR sets)
 MINIMUM = {
     "train.jsonl": (440, 110),
@@ -54,10 +53,10 @@ def test_train_and_heldout_disjoint(train, heldout):
 def test_styles_balanced_and_interleaved(name):
     rows = load(name)
     counts = Counter(row["style"] for row in rows)
-    assert set(counts) == set(STYLES), counts
+    assert set(counts) == set(HPDV2_STYLES), counts
     assert min(counts.values()) >= MINIMUM[name][1], counts
     head = [row["style"] for row in rows[:40]]
-    assert head == list(STYLES) * 10, head
+    assert head == list(HPDV2_STYLES) * 10, head
 
 
 @pytest.mark.parametrize("name", ["ocr_train.jsonl", "ocr_heldout.jsonl"])

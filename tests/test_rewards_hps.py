@@ -43,12 +43,7 @@ def hps_reference(tiny_hps, tmp_path_factory):
     from hpsv2 import img_score
 
     model, _, preprocess_val = open_clip.create_model_and_transforms(
-        TINY,
-        None,
-        precision="amp",
-        device=img_score.device,
-        light_augmentation=True,
-        output_dict=True,
+        TINY, precision="amp", device=img_score.device, light_augmentation=True, output_dict=True
     )
     saved = dict(img_score.model_dict)
     img_score.model_dict.update(model=model, preprocess_val=preprocess_val)

@@ -73,9 +73,8 @@ def test_a_learned_schedule_runs_exactly_as_given(tiny):
     assert len(seen) == 3
     assert relative_error(custom, default) > 1e-3
     # the model sees the given times, unshifted: t * 1000 (SD3), t (Flux), t * 999 (SD-XL)
-    scale = {"SD3Backbone": 1000.0, "FluxBackbone": 1.0, "SDXLBackbone": 999.0}[
-        type(backbone).__name__
-    ]
+    scales = {"SD3Backbone": 1000.0, "FluxBackbone": 1.0, "SDXLBackbone": 999.0}
+    scale = scales[type(backbone).__name__]
     assert torch.allclose(seen[1].float().unique(), torch.tensor([0.7 * scale]))
 
 
@@ -122,9 +121,8 @@ def _pipeline_vae_input(pipe, latents):
     config = pipe.vae.config
     if isinstance(pipe, FluxPipeline):
         latents = pipe._unpack_latents(latents, RESOLUTION, RESOLUTION, pipe.vae_scale_factor)
-    if isinstance(pipe, StableDiffusionXLPipeline):
-        return latents / config.scaling_factor
-    return latents / config.scaling_factor + config.shift_factor
+    shift = 0.0 if isinstance(pipe, StableDiffusionXLPipeline) else config.shift_factor
+    return latents / config.scaling_factor + shift
 
 
 # ----------------------------------------------------------------------------------------------

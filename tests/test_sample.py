@@ -49,7 +49,9 @@ def test_defaults_after_train_write_images_grid_and_schedules(tmp_path, ckpt, mo
     assert [c["prompt"] for c in saved["contexts"]] == [f"a handwritten {d}" for d in range(10)]
 
 
-def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
+def test_images_are_the_two_schedules_from_one_noise_scored_by_the_runs_reward(tmp_path, ckpt):
+    """Each image's score is the run's reward (here a stand-in: the mean latent), or minus the
+    distance to the teacher when the teacher is the reward."""
     out = tmp_path / "samples"
     sample.main(
         ["--ckpt", ckpt, "--prompt", "a handwritten 3", "--prompt", "a handwritten 8"]
@@ -59,7 +61,7 @@ def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
     policy, _ = load_policy(ckpt)
     prompts, seeds = ["a handwritten 3"] * 2 + ["a handwritten 8"] * 2, [5, 6, 5, 6]
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-    learned_times = policy_schedule(policy, backbone)(noise, cond)[0]
+    learned_times = policy_schedule(policy, backbone)(noise, cond)
     saved = json.loads((out / "schedules.json").read_text())["contexts"]
     torch.testing.assert_close(torch.tensor([c["learned"] for c in saved]), learned_times)
     expected = {
@@ -71,10 +73,17 @@ def test_images_are_the_two_schedules_from_the_same_noise(tmp_path, ckpt):
     for name, latents in expected.items():
         images = backbone.decode(latents)
         for index, (prompt, seed) in enumerate(zip(prompts, seeds)):
-            path = out / f"{index:03d}_{sample.slug(prompt)}_seed{seed}_{name}.png"
+            path = out / f"{index:03d}_{prompt.replace(' ', '-')}_seed{seed}_{name}.png"
             written[name, index] = np.asarray(Image.open(path))
             assert np.array_equal(written[name, index], np.asarray(sample.to_pil(images[index])))
     assert not np.array_equal(written["default", 0], written["learned", 0])
+    brightness = sample.sample_contexts(
+        backbone, policy, prompts, seeds, reward=lambda latents, *_: latents.flatten(1).mean(1)
+    )
+    for name in ("default", "learned"):
+        torch.testing.assert_close(brightness[name][3], expected[name].flatten(1).mean(1))
+    plain = sample.sample_contexts(backbone, policy, prompts, seeds)
+    torch.testing.assert_close(plain["learned"][3], -plain["learned"][2])
 
 
 def test_stochastic_schedules_are_draws_reproducible_by_seed(tmp_path, ckpt):
@@ -113,10 +122,8 @@ def test_tiny_flux_through_the_loop_and_through_the_stock_pipeline(tmp_path, tin
 
 
 def test_export_a_global_schedule(tmp_path, digits_global_run):
-    sample.main(
-        ["--ckpt", str(digits_global_run / "policy"), "--export", str(tmp_path / "schedule.json")]
-    )
-    exported = json.loads((tmp_path / "schedule.json").read_text())
+    sample.main(["--ckpt", str(digits_global_run / "policy"), "--export", str(tmp_path / "s.json")])
+    exported = json.loads((tmp_path / "s.json").read_text())
     assert exported["backbone"] == "digits" and len(exported["times"]) == 5
     assert exported["times"][0] == 1.0 and exported["times"][-1] > 0  # the stop margin, not 0
 
@@ -140,23 +147,3 @@ def test_a_stepwise_checkpoint_samples_and_its_schedules_replay(tmp_path, digits
     noise = context_noise(backbone, [0, 1])
     cond = backbone.encode_prompts(["a handwritten 3"] * 2)
     torch.testing.assert_close(backbone.decode(backbone.sample(noise, cond, times)), images)
-
-
-def test_contexts_are_compared_by_the_runs_reward(ckpt):
-    """The score of each image is the run's reward (here a stand-in: the mean latent), or minus
-    the distance to the teacher when the teacher is the reward."""
-    policy, _ = load_policy(ckpt)
-    backbone = backbones.load_backbone("digits")
-    prompts, seeds = ["a handwritten 3", "a handwritten 8"], [0, 1]
-
-    def brightness(latents, prompts, noise, cond):
-        return latents.flatten(1).mean(1)
-
-    scored = sample.sample_contexts(backbone, policy, prompts, seeds, reward=brightness)
-    noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-    for name in ("default", "learned"):
-        _, times, _, scores = scored[name]
-        latents = backbone.sample(noise, cond, times)
-        torch.testing.assert_close(scores, latents.flatten(1).mean(1))
-    plain = sample.sample_contexts(backbone, policy, prompts, seeds)
-    torch.testing.assert_close(plain["learned"][3], -plain["learned"][2])

@@ -10,15 +10,6 @@ import torch
 from backbones import from_pipeline, load_backbone
 from baselines import BASELINES
 from comparator import tpdm
-from comparator.tpdm import (
-    Stepper,
-    StepwisePolicy,
-    join_records,
-    ppo_objective,
-    ppo_update,
-    run_stepwise,
-    trajectory_log_prob,
-)
 from miniatures.layouts import TINY_GUIDANCE, TINY_RESOLUTION, tiny_pipeline
 from policy import make_policy
 
@@ -30,7 +21,7 @@ PROMPTS = ["a cat", "a red house on a hill"]  # on the diffusers backbones
 def digits():
     backbone = load_backbone("digits-noise")
     policy = make_policy(
-        StepwisePolicy, backbone.policy_dims, STEPS, init_times=backbone.default_times(STEPS)
+        tpdm.StepwisePolicy, backbone.policy_dims, STEPS, init_times=backbone.default_times(STEPS)
     )
     return backbone, policy
 
@@ -44,9 +35,10 @@ def contexts(backbone, count, seed=0, prompts=None):
 
 def drawn(backbone, policy, noise, cond, seeds):
     """One stochastic rollout, one draw stream per sample: (latents, record)."""
-    stepper = Stepper(policy, backbone, cond, [torch.Generator().manual_seed(s) for s in seeds])
+    draws = [torch.Generator().manual_seed(seed) for seed in seeds]
+    stepper = tpdm.Stepper(policy, backbone, cond, draws)
     with torch.no_grad():
-        latents = run_stepwise(backbone, noise, cond, policy.steps, stepper)
+        latents = tpdm.run_stepwise(backbone, noise, cond, policy.steps, stepper)
     return latents, stepper.record()
 
 
@@ -59,11 +51,11 @@ def test_the_log_probability_is_the_sum_of_the_steps_beta_log_densities(digits):
     assert (alpha > 1).all() and (beta > 1).all()  # 1 + exp(.)
     expected = torch.distributions.Beta(alpha, beta).log_prob(rate).sum(1)  # (N,)
     torch.testing.assert_close(record["logp"].double(), expected, rtol=1e-5, atol=1e-4)
-    recomputed = trajectory_log_prob(policy, record)  # with gradients, from the stored states
+    recomputed = tpdm.trajectory_log_prob(policy, record)  # with gradients, from the stored states
     torch.testing.assert_close(recomputed.double(), expected, rtol=1e-5, atol=1e-4)
     assert recomputed.requires_grad
     index = torch.tensor([4, 1])
-    torch.testing.assert_close(trajectory_log_prob(policy, record, index), recomputed[index])
+    torch.testing.assert_close(tpdm.trajectory_log_prob(policy, record, index), recomputed[index])
     # the times are the products of the rates, strictly decreasing to a positive stop margin
     times = record["times"]
     torch.testing.assert_close(times[:, 1:], times[:, :-1] * record["pair"][..., 0])
@@ -83,7 +75,7 @@ def test_the_loop_with_a_stepwise_policy_equals_the_loop_fed_its_times(family, m
         prompts, tolerance = PROMPTS, 1e-5
     steps = 3
     policy = make_policy(
-        StepwisePolicy, backbone.policy_dims, steps, init_times=backbone.default_times(3)
+        tpdm.StepwisePolicy, backbone.policy_dims, steps, init_times=backbone.default_times(3)
     )
     noise, cond = contexts(backbone, 2, seed=1, prompts=prompts)
     calls, ode = [], backbone.ode
@@ -110,8 +102,8 @@ def test_it_starts_at_the_dirichlet_policys_initial_mean_schedule(name, steps):
     noise, cond = contexts(backbone, 32, seed=2)
     for seed in range(3):
         torch.manual_seed(seed)
-        policy = make_policy(StepwisePolicy, backbone.policy_dims, steps, init_times=default)
-        times, _ = tpdm.sample(policy, backbone, noise, cond)  # the Beta means
+        policy = make_policy(tpdm.StepwisePolicy, backbone.policy_dims, steps, init_times=default)
+        times, _ = policy.schedule(backbone, noise, cond)  # the Beta means
         assert (times - start).abs().max() < 5e-3
 
 
@@ -119,7 +111,7 @@ def test_ppo_clipped_objective_on_a_hand_computed_case():
     ratio = torch.tensor([1.5, 0.5, 1.1, 0.7])
     logp = ratio.log().requires_grad_(True)
     advantages = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, clipped = ppo_objective(logp, torch.zeros(4), advantages, clip=0.2)
+    loss, clipped = tpdm.ppo_objective(logp, torch.zeros(4), advantages, clip=0.2)
     # min(rho A, clip(rho) A): min(1.5, 1.2) = 1.2; min(0.5, 0.8) = 0.5; min(-1.1, -1.1) = -1.1;
     # min(-0.7, -0.8) = -0.8; the loss is minus their mean
     assert loss.item() == pytest.approx(-(1.2 + 0.5 - 1.1 - 0.8) / 4)
@@ -129,7 +121,7 @@ def test_ppo_clipped_objective_on_a_hand_computed_case():
     torch.testing.assert_close(logp.grad, torch.tensor([0.0, -0.5 / 4, 1.1 / 4, 0.0]))
     # at the old policy PPO's gradient is REINFORCE's
     logp = torch.zeros(4, requires_grad=True)
-    ppo_objective(logp, torch.zeros(4), advantages, clip=0.2)[0].backward()
+    tpdm.ppo_objective(logp, torch.zeros(4), advantages, clip=0.2)[0].backward()
     torch.testing.assert_close(logp.grad, -advantages / 4)
 
 
@@ -141,10 +133,7 @@ def test_records_of_rollout_parts_join_as_one(digits):
     for part in (torch.arange(3), torch.arange(3, 5)):
         sub = {key: value[part] for key, value in cond.items()}
         parts.append(drawn(backbone, policy, noise[part], sub, part.tolist())[1])
-    joined = join_records(parts)
-    assert joined.keys() == whole.keys()
-    for key in whole:
-        torch.testing.assert_close(joined[key], whole[key], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(tpdm.join_records(parts), whole, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", ["sd3", "flux-dev", "sdxl"])
@@ -157,27 +146,19 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     backbone = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
     steps = 3
     options = dict(init="tpdm", inputs="hidden", **tpdm.hidden_dims(backbone))
-    policy = make_policy(StepwisePolicy, backbone.policy_dims, steps, **options)
+    policy = make_policy(tpdm.StepwisePolicy, backbone.policy_dims, steps, **options)
     noise, cond = contexts(backbone, 2, prompts=PROMPTS)
     layers = tpdm.HIDDEN_LAYERS[family.removesuffix("-dev")]  # first, last, time embedding
     outputs = {name: [] for name in layers}  # each model call's, in order
-    handles = [
+    for name in outputs:  # the hooks stay on: this pipeline and policy are this test's own
         backbone.model.get_submodule(name).register_forward_hook(
             lambda module, args, output, name=name: outputs[name].append(output.float())
         )
-        for name in outputs
-    ]
     seen = []  # the policy's keyword arguments at each call: (module, args, kwargs)[2]
-    handles.append(
-        policy.register_forward_pre_hook(lambda *call: seen.append(call[2]), with_kwargs=True)
-    )
-    try:
-        stepper = Stepper(policy, backbone, cond, torch.Generator())
-        with torch.no_grad():
-            latents = run_stepwise(backbone, noise, cond, steps, stepper)
-    finally:
-        for handle in handles:
-            handle.remove()
+    policy.register_forward_pre_hook(lambda *call: seen.append(call[2]), with_kwargs=True)
+    stepper = tpdm.Stepper(policy, backbone, cond, torch.Generator())
+    with torch.no_grad():
+        latents = tpdm.run_stepwise(backbone, noise, cond, steps, stepper)
     assert len(seen) == steps and all(len(values) == steps for values in outputs.values())
     first, last, embedding = (values[0] for values in outputs.values())  # the first model call
     if family != "flux-dev":  # true CFG: [uncond; cond], combined as the prediction is
@@ -198,13 +179,13 @@ def test_the_denoisers_hidden_states_reach_the_policy_on_each_family(family):
     torch.testing.assert_close(seen[0]["embedding"].float(), embedding)
     record = stepper.record()
     # the update reads the same inputs: the recomputed log-probability equals the rollout's
-    torch.testing.assert_close(trajectory_log_prob(policy, record), record["logp"])
+    torch.testing.assert_close(tpdm.trajectory_log_prob(policy, record), record["logp"])
     replay = backbone.sample(noise, cond, record["times"])  # with the hooks on
     torch.testing.assert_close(replay, latents, rtol=1e-5, atol=1e-5)
     compiled = from_pipeline(pipe, resolution=TINY_RESOLUTION, guidance=TINY_GUIDANCE[family])
     tpdm.hidden_states(compiled)  # its hooks, then compile: a compiled model runs no later ones
     compiled.model.compile(backend="eager")  # dynamo's handling of hooks, without a C++ build
-    _, again = tpdm.sample(policy, compiled, noise, cond, torch.Generator())  # the same draws
+    _, again = policy.schedule(compiled, noise, cond, torch.Generator())  # the same draws
     torch.testing.assert_close(again, latents, rtol=1e-5, atol=1e-5)
 
 
@@ -217,12 +198,12 @@ def test_tpdms_start_rate_is_its_betas_mode_or_mean_at_every_step(digits, infere
     backbone, _ = digits
     torch.manual_seed(0)
     policy = make_policy(
-        StepwisePolicy, backbone.policy_dims, STEPS, init="tpdm", inference=inference
+        tpdm.StepwisePolicy, backbone.policy_dims, STEPS, init="tpdm", inference=inference
     )
     noise, cond = contexts(backbone, 16, seed=5)
-    stepper = Stepper(policy, backbone, cond)
+    stepper = tpdm.Stepper(policy, backbone, cond)
     with torch.no_grad():
-        run_stepwise(backbone, noise, cond, STEPS, stepper)
+        tpdm.run_stepwise(backbone, noise, cond, STEPS, stepper)
     record = stepper.record()
     rates = record["pair"][..., 0].double()  # (N, L)
     distribution = torch.distributions.Beta(*record["parameters"].double().unbind(-1))
@@ -265,7 +246,7 @@ def test_rloo_advantages_unnormalised_and_one_ppo_step_with_tpdms_optimiser_by_h
             return policy(features[index])[:, 0]
 
     optimizer.register_step_post_hook(lambda *_: weights.append(policy.weight.detach()[0] + 0))
-    ppo_update(config, 0, Rollouts(), policy, advantages, optimizer)
+    tpdm.ppo_update(config, 0, Rollouts(), policy, advantages, optimizer)
     assert sizes == [6, 6, 6, 6]  # 4 epochs, each one minibatch of the whole batch
     # at theta = 0 every ratio is 1 (unclipped): g = -mean_i A_i x_i
     g = -(advantages[:, None] * features).mean(0)

@@ -2,12 +2,13 @@
 numbers."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_regime_study import run
 
-from evidence import bound, tie_study
+from evidence import bound, tie_confirm, tie_study
 
 
 def test_the_seed_count_is_the_normal_power_formula_within_its_bounds():
@@ -72,10 +73,8 @@ def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
     assert "| 0 | 0.90 | 1.200 | 1.100 | 1.300 | 1.250 |" in text
     assert "over the better of the two +0.050 (reward linear in log2 of the batch)" in text
     assert "spreads (area) of JS - RLOO 0.200 and of JS - cross-context 0.300" in text
-    assert (
-        "with the larger spread asks 40 seeds (the most when no lead is predicted), run: 3 "
-        "(seeds 0-2; at most 100)" in text
-    )
+    assert "with the larger spread asks 40 seeds (the most when no lead is predicted)" in text
+    assert "run: 3 (seeds 0-2; at most 100)" in text
     # JS - cross-context per seed: 0.1 - 0.1, 0.1, 0.1 + 0.1 -> 0.100 ± t(0.975, 2) x 0.1 / sqrt 3
     half = 4.302653 * 0.1 / math.sqrt(3)
     assert f"area (headline): JS - xctx, the better of the two, 0.100 ± {half:.3f}" in text
@@ -88,10 +87,6 @@ def test_the_report_states_the_plan_and_pairs_js_with_the_better_row():
 def test_the_grid_widens_until_every_best_rate_is_inside(tmp_path, monkeypatch):
     """A score peaked at 0.027 for every row: the grid grows 3e-3 -> 9e-3 -> 0.027 -> 0.081 and
     stops once 0.027 is inside; a peak beyond WIDENINGS steps stays at the edge."""
-    trained = []
-
-    def fake_train(out_dir, row, seed, rate, snapshots=False):
-        trained.append(rate)
 
     def peaked_at(peak):
         def score(backbone, reward, prompts, seeds, methods):
@@ -100,24 +95,20 @@ def test_the_grid_widens_until_every_best_rate_is_inside(tmp_path, monkeypatch):
 
         return score
 
-    monkeypatch.setattr(tie_study, "train", fake_train)
+    monkeypatch.setattr(tie_study, "train", lambda *args, **kwargs: None)
     monkeypatch.setattr(tie_study, "run_folder", lambda out_dir, row, seed, rate: str(rate))
     monkeypatch.setattr(tie_study, "load_policy", lambda path: (float(path[:-8]), None))
     monkeypatch.setattr(tie_study, "policy_schedule", lambda policy, backbone: policy)
     monkeypatch.setattr(tie_study, "heldout_contexts", lambda *args: ([], []))
     monkeypatch.setattr(tie_study, "load_prompt_file", lambda path: [])
     monkeypatch.setattr(tie_study, "prompt_files", lambda out_dir: ["train.txt", "heldout.txt"])
-
-    class Pool:
-        map = staticmethod(map)
-
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    pool = SimpleNamespace(map=map)
     monkeypatch.setattr(tie_study, "score_methods", peaked_at(0.027))
-    chosen, _, rates = tie_study.tune(str(tmp_path / "a"), Pool(), None, None)
+    chosen, _, rates = tie_study.tune(str(tmp_path), pool, None, None)
     assert set(chosen.values()) == {0.027} and rates[-1] == 0.081 and rates[0] == 3e-4
+    (tmp_path / "b").mkdir()  # a folder of its own: nothing of the first tuning is read
     monkeypatch.setattr(tie_study, "score_methods", peaked_at(10.0))
-    chosen, _, rates = tie_study.tune(str(tmp_path / "b"), Pool(), None, None)
+    chosen, _, rates = tie_study.tune(str(tmp_path / "b"), pool, None, None)
     assert len(rates) == len(tie_study.RATES) + tie_study.WIDENINGS and rates[-1] == chosen["js"]
 
 
@@ -141,8 +132,6 @@ def test_arm_b_takes_the_largest_rate_that_stays_at_the_tie(tmp_path, monkeypatc
 def test_the_confirmatory_plan_is_the_one_its_docstring_states():
     """The confirmatory run's prediction and seed counts follow from the exploratory numbers alone,
     and are those the plan fixed before the run."""
-    from evidence import tie_confirm
-
     lead, seeds = tie_confirm.plan()
     assert round(lead["rloo"], 3) == 0.075 and round(lead["xctx"], 3) == 0.054
     assert (seeds["B"][0], seeds["B"][-1], len(seeds["B"])) == (2000, 2147, 148)
