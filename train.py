@@ -298,10 +298,8 @@ def main(config, on_checkpoint=None, loaded=None, realism=True):
     saved = dataclasses.asdict(config)
     try:  # a model that is missing, gated or damaged: the library's own message, in one line
         backbone, reward = loaded or (backbones.trained_backbone(saved, device), None)
-        if reward is None:
-            reward = reward_lib.load_reward(
-                config.reward, backbone, device, config.reward_checkpoint
-            )
+        local = config.reward_checkpoint  # the reward model's weights on this machine
+        reward = reward or reward_lib.load_reward(config.reward, backbone, device, local)
     except (OSError, ImportError, ValueError) as error:
         way_out = "; accept its licence on the Hub and `hf auth login`, or --model-path a copy"
         hub = backbones.BACKBONES[config.backbone]["hub_id"] and not config.model_path
