@@ -45,7 +45,6 @@ from prompts import (
     load_hpdv2,
     load_prompt_file,
     noise_seed,
-    prompt_groups,
 )
 
 # the checkpoint of `python train.py` (its default --out-dir): evaluate.py's and sample.py's default
@@ -338,7 +337,7 @@ def main(argv=None):
     if args.hpdv2:
         prompt_list, styles = load_hpdv2(None if args.hpdv2 == "hub" else args.hpdv2)
     elif prompt_file := args.prompts or config["eval_prompts"]:
-        prompt_list, styles = load_prompt_file(prompt_file), prompt_groups(prompt_file)
+        prompt_list, styles = load_prompt_file(prompt_file, groups=True)
     out_dir = out_folder(args, "eval")
     local = {config["reward"]: config.get("reward_checkpoint")}  # reward -> its local weights
     local.update(item.split("=", 1) for item in args.reward_checkpoint)

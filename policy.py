@@ -10,8 +10,7 @@ SchedulePolicy, instance-level: multi-scale conv blocks over x_T, modulated by t
 embedding (FiLM), cross-attending to the prompt's token embeddings; an MLP maps the mean token to
 alpha = softplus(.) + ALPHA_MIN. GlobalPolicy: one schedule for every context (the ablation). Both
 start at `initial_logits`' increments for every input (a default schedule, or equal ones) with
-sum(alpha) = concentration (why: docs/DESIGN.md) and answer train.py's loop with DirichletRollouts;
-make_policy builds one for a backbone, save_policy saves it for evaluate.load_policy (Hub format).
+sum(alpha) = concentration (why: docs/DESIGN.md) and answer train.py's loop with DirichletRollouts.
 """
 
 import math
@@ -285,10 +284,8 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
         self.text_proj = nn.Linear(text_dim, dim)
         # a learned token every query may attend to: a prompt with every token masked is still valid
         self.null_token = nn.Parameter(0.02 * torch.randn(1, 1, dim))
-        self.pooled_proj = None
-        if pooled_dim:
-            norm, film = nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, 2 * dim)  # scale, shift
-            self.pooled_proj = nn.Sequential(norm, film)
+        film = (nn.LayerNorm(pooled_dim), nn.Linear(pooled_dim, 2 * dim)) if pooled_dim else None
+        self.pooled_proj = nn.Sequential(*film) if film else None  # FiLM: a scale and a shift
         self.blocks = nn.ModuleList(CrossAttentionBlock(dim, heads) for _ in range(depth))
 
         hidden = (nn.LayerNorm(dim), nn.Linear(dim, head_hidden), nn.SiLU())
@@ -305,8 +302,7 @@ class SchedulePolicy(nn.Module, PyTorchModelHubMixin, **HUB):
     backbone_inputs = ("latent_channels", "text_dim", "pooled_dim")  # of Backbone.policy_dims
     described = ("learned (Dirichlet mean)", "learned (one Dirichlet draw)")  # mean, drawn
     pipeline_refusal = None  # a stock pipeline runs its times (backbones/pipeline.py)
-    # rollouts(policy, backbone, noise, cond, generators, rollouts): K schedules per context and
-    # their log pi; `policy` is this module or its DDP wrapper, whose forward gradients go through
+    # rollouts(policy, ...): `policy`, this module or its DDP wrapper, gives log pi its gradients
     rollouts = DirichletRollouts
 
     def times(self, backbone, noise, cond, generator=None):
@@ -369,8 +365,7 @@ class GlobalPolicy(SchedulePolicy):
 
 # ---- a policy built for a backbone, and saved
 # Network sizes, named in backbones.BACKBONES ("policy"): "real", the paper's "about 20M parameters,
-# under 1% of the sampler"; "embedded", for the 8x8 embedded backbones and the miniatures. `widths`:
-# the conv stages, each halving the resolution, pooled to a `grid` x `grid` grid of width `dim`.
+# under 1% of the sampler"; "embedded", for the 8x8 embedded backbones and the miniatures.
 NETWORKS = {
     "real": dict(widths=[64, 128, 256, 512], dim=512, heads=8, depth=3, grid=8, head_hidden=1024),
     "embedded": dict(widths=[16, 32], dim=64, heads=4, depth=1, grid=2, head_hidden=128),

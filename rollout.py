@@ -34,10 +34,11 @@ class Backbone:
       check_prompts(prompts): a one-line ValueError for a prompt it cannot take, before any work
       encode_prompts(prompts) -> cond: a dict of batch-first tensors (prompt_embeds (N, S, D),
           pooled_prompt_embeds (N, P), text_mask (N, S) True = a real token, and what the model
-          needs); keep_encoded(prompts): encode a set once, for encode_prompts to serve
+          needs); keep_encoded(prompts): encode a set once, for encode_prompts to serve, and
+          say whether it did (backbones/families.py does; the embedded ones look a digit up)
       sample_noise(n, generator) -> the initial noise x_T, drawn as the pipeline draws it
       policy_inputs(noise, cond) -> the keyword arguments of the policy's forward, float32
-      as_image(latents) -> latents in the (N, C, H, W) layout the policy reads
+      as_image(latents) -> latents in the (N, C, H, W) layout the policy reads (Flux unpacks)
       default_times(L) -> (L+1,) the schedule the pipeline runs with num_inference_steps=L
       ode(noise, cond, start) -> (derivative, state, level): the ODE run_schedule integrates
           from noise at the times `start` (N,)
@@ -52,20 +53,15 @@ class Backbone:
         """A one-line ValueError for a prompt this backbone cannot take (none here)."""
 
     def keep_encoded(self, prompts):
-        """Encode a prompt set once for encode_prompts to serve; returns whether it did (the
-        diffusers backbones, backbones/families.py; the embedded ones look a digit up already)."""
         return False
 
     def sample_noise(self, n, generator=None):
         return torch.randn((n,) + self.latent_shape, generator=generator).to(self.device)
 
     def as_image(self, latents):
-        """Latents in the image layout (N, C, H, W) the policy reads (Flux unpacks its tokens)."""
         return latents
 
     def policy_inputs(self, noise, cond):
-        """The noise as an image-shaped latent (N, C, H, W), the prompt's token embeddings with
-        their mask, and the pooled embedding."""
         return dict(
             latent=self.as_image(noise).float(),
             text=cond["prompt_embeds"].float(),
@@ -76,9 +72,8 @@ class Backbone:
     def sample(self, noise, cond, times):
         """The final latents of each context sampled with its schedule, times (N, L+1): L model
         calls. Differentiable in the times and the noise (the model's weights are frozen)."""
-        if times.dim() != 2 or times.shape[0] != noise.shape[0] or times.shape[1] < 2:
-            shape = tuple(times.shape)
-            raise ValueError(f"times must have shape (N={noise.shape[0]}, L+1 >= 2), got {shape}")
+        shaped = times.dim() == 2 and times.shape[0] == noise.shape[0] and times.shape[1] >= 2
+        assert shaped, f"times must have shape (N={noise.shape[0]}, L+1 >= 2), got {times.shape}"
         derivative, state, level = self.ode(noise, cond, times[:, 0])
         return run_schedule(derivative, state, times, level)
 
@@ -96,9 +91,8 @@ def run_schedule(derivative, state, times, level=None):
     level = level or (lambda t: t)
     times = times.to(state.device)
     view = (-1,) + (1,) * (state.dim() - 1)
-    for step in range(times.shape[1] - 1):
-        t = times[:, step]
+    for t, t_next in zip(times[:, :-1].T, times[:, 1:].T):  # (N,) each
         slope = derivative(state, t).float()
         s = level(t).to(torch.float32).view(view)
-        state = state + (level(times[:, step + 1]).to(torch.float32).view(view) - s) * slope
+        state = state + (level(t_next).to(torch.float32).view(view) - s) * slope
     return state

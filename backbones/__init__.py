@@ -23,12 +23,11 @@ FAMILIES = {"sd3": SD3Backbone, "flux": FluxBackbone, "sdxl": SDXLBackbone}
 
 def from_pipeline(pipe, name=None, resolution=None, guidance=None):
     """Wrap an already built diffusers pipeline (the tests' tiny random ones)."""
-    kind = type(pipe).__name__
-    family = next((key for key, value in FAMILIES.items() if value.pipeline == kind), None)
+    family = {value.pipeline: key for key, value in FAMILIES.items()}.get(type(pipe).__name__)
     if family is None:
         pipelines = ", ".join(value.pipeline for value in FAMILIES.values())
-        raise ValueError(f"cannot tell the family of {kind}: not a {pipelines}")
-    return FAMILIES[family](pipe, name=name or family, resolution=resolution, guidance=guidance)
+        raise ValueError(f"cannot tell the family of {type(pipe).__name__}: not a {pipelines}")
+    return FAMILIES[family](pipe, name or family, resolution, guidance)
 
 
 def _real(family, hub_id, guidance):
@@ -84,8 +83,8 @@ DISTILLED = {"flux-dev": "flux-schnell", "mini-flux": "mini-flux-schnell"}
 
 def load_backbone(name, path=None, device=None, dtype=None, resolution=None, guidance=None):
     """Build a backbone by name, frozen. A diffusers backbone loads with from_pretrained from
-    `path` (a local diffusers folder), else the miniature shipped in this checkout, else its hub
-    id, on `device` (None: cuda when available, else cpu); real models in bfloat16 on CUDA."""
+    `path` (a local diffusers folder), else its hub id, else (a miniature) its folder in this
+    checkout, on `device` (None: cuda when available, else cpu); real models in bfloat16 on CUDA."""
     spec = BACKBONES[name]
     if spec["family"] == "mixture":
         return MixtureBackbone(name, spec["populations"], device, spec.get("teacher"))
@@ -93,9 +92,7 @@ def load_backbone(name, path=None, device=None, dtype=None, resolution=None, gui
 
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    location = path or spec["hub_id"]
-    if path is None and "folder" in spec:  # a miniature: shipped in this checkout
-        location = os.path.join(REPOSITORY, spec["folder"])
+    location = path or spec["hub_id"] or os.path.join(REPOSITORY, spec["folder"])
     family, options = FAMILIES[spec["family"]], dict(dtype=dtype)
     if device.type == "cuda":  # straight to this rank's device (train.py set it), not via the CPU
         options.update(device_map="cuda")

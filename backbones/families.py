@@ -43,6 +43,7 @@ class PipelineBackbone(Backbone):
         self.device, self.dtype = pipe._execution_device, model.dtype
         self.guidance = _call_default(pipe, "guidance_scale") if guidance is None else guidance
         self.resolution = side = resolution or pipe.default_sample_size * pipe.vae_scale_factor
+        self.latent_size = side // pipe.vae_scale_factor  # the latents' side (Flux: unpacked)
         if side % multiple:
             raise ValueError(f"{name}: resolution must be a multiple of {multiple}, got {side}")
 
@@ -153,10 +154,9 @@ class PipelineBackbone(Backbone):
     def text_cond(self, prompts, masks, embeds, uncond, pooled, uncond_pooled, **extra):
         """cond from encode_prompt's outputs; text_mask (N, S) True = a real token (all of them for
         precomputed embeddings, prompts None)."""
-        if prompts is None:
-            mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
-        else:
-            mask = torch.cat([_token_mask(*mask) for mask in masks], dim=1)
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool)
+        if prompts is not None:
+            mask = torch.cat([_token_mask(*part) for part in masks], dim=1)
         cond = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled, **extra)
         cond["text_mask"] = mask.to(self.device)
         if uncond is not None:
@@ -226,7 +226,7 @@ class SD3Backbone(PipelineBackbone):
         self.cfg = self.guidance > 1  # the pipeline's do_classifier_free_guidance
         self.text_length = _text_length(pipe, pipe.tokenizer_3)
         config = self.model.config
-        self.latent_shape = (config.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        self.latent_shape = (config.in_channels, self.latent_size, self.latent_size)
         self.policy_dims = _transformer_dims(config, config.in_channels)
 
     @torch.no_grad()
@@ -275,9 +275,8 @@ class FluxBackbone(PipelineBackbone):
         if not config.guidance_embeds:  # schnell: no guidance input
             self.guidance = None
         self.text_length = _text_length(pipe, pipe.tokenizer_2)
-        self.latent_size = size = self.resolution // pipe.vae_scale_factor  # unpacked side
         self.latent_channels = config.in_channels // 4
-        self.latent_shape = (self.latent_channels, size, size)  # as the policy sees it
+        self.latent_shape = (self.latent_channels, self.latent_size, self.latent_size)  # unpacked
         self.policy_dims = _transformer_dims(config, self.latent_channels)
 
     @torch.no_grad()
@@ -294,8 +293,7 @@ class FluxBackbone(PipelineBackbone):
         return self.pipe._pack_latents(latents, latents.shape[0], self.latent_channels, size, size)
 
     def sample_noise(self, n, generator=None):
-        noise = torch.randn((n,) + self.latent_shape, generator=generator)
-        return self.pack(noise).to(self.device)  # (N, tokens, 4 C)
+        return self.pack(super().sample_noise(n, generator))  # (N, tokens, 4 C)
 
     def as_image(self, tokens):
         side = self.resolution
@@ -361,7 +359,7 @@ class SDXLBackbone(PipelineBackbone):
         alphas = type(pipe.scheduler).from_config(config).alphas_cumprod.to(self.device)  # once
         self.noise_table = ((1 - alphas) / alphas).double() ** 0.5  # (1000,) sigmas, on the device
         unet = self.model.config
-        self.latent_shape = (unet.in_channels,) + (self.resolution // pipe.vae_scale_factor,) * 2
+        self.latent_shape = (unet.in_channels, self.latent_size, self.latent_size)
         self.policy_dims = dict(
             latent_channels=unet.in_channels,
             text_dim=unet.cross_attention_dim,

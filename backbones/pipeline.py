@@ -63,12 +63,10 @@ def learned_scheduler(backbone, times):
     config = backbone.pipe.scheduler.config
     overrides = {key: value for key, value in EXACT.items() if key in config}
     times = torch.as_tensor(times, dtype=torch.float32).cpu()
-    if isinstance(backbone, families.SDXLBackbone):  # whose config SDXLBackbone has checked
-        scheduler = LearnedEulerScheduler.from_config(config, **overrides)
-        scheduler.learned = times, backbone.sigma(times).cpu()
-    else:
-        scheduler = LearnedFlowMatchScheduler.from_config(config, **overrides)
-        scheduler.learned = times
+    sdxl = isinstance(backbone, families.SDXLBackbone)  # whose config SDXLBackbone has checked
+    kind = LearnedEulerScheduler if sdxl else LearnedFlowMatchScheduler
+    scheduler = kind.from_config(config, **overrides)
+    scheduler.learned = (times, backbone.sigma(times).cpu()) if sdxl else times
     return scheduler
 
 
@@ -83,13 +81,11 @@ def pipeline_noise(backbone, count, generator=None):
 # the pipeline's text arguments, encoded by its encode_prompt for the model and the policy alike
 TEXT = ("prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3")
 TEXT += ("clip_skip", "max_sequence_length")
-EMBEDS = ("prompt_embeds", "pooled_prompt_embeds")
-EMBEDS += ("negative_prompt_embeds", "negative_pooled_prompt_embeds")
+EMBEDS = ("prompt_embeds", "pooled_prompt_embeds") + families.NEGATIVES
 
 
 @contextlib.contextmanager
 def _left_as_found(pipe):
-    """Restores what wrapping a pipeline changes: modules' modes, grad flags, the progress bar."""
     modules = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
     state = [(m, m.training, [p.requires_grad for p in m.parameters()]) for m in modules]
     progress = dict(getattr(pipe, "_progress_bar_config", {}))

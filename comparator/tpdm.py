@@ -125,7 +125,6 @@ class StepwisePolicy(SchedulePolicy):
         inference="mean",
         **arguments,
     ):
-        arguments.pop("kind", None)  # a policy folder's config.json names it beside the arguments
         init = arguments.pop("init", "uniform")  # "tpdm": the rates below replace the start
         # the state and the estimate (2 C channels); time and step join the pooled embedding
         channels, pooled = 2 * latent_channels, (pooled_dim or 0) + 2 * FREQUENCIES + steps
@@ -210,8 +209,7 @@ class Stepper:
     def __init__(self, policy, backbone, cond, draws=None):
         self.policy, self.backbone, self.cond, self.draws = policy, backbone, cond, draws
         self.read = hidden_states(backbone) if policy.inputs == "hidden" else None  # last call's
-        keys = ("latent", "embedding") if self.read else ("latent",)
-        self.steps = {key: [] for key in (*keys, "time", "parameters", "pair", "next")}
+        self.steps = []  # per step: the policy's inputs, its Beta, the rate pair and t_{l+1}
         self.prompt = None
 
     def __call__(self, step, t, state, estimate):
@@ -232,20 +230,19 @@ class Stepper:
         else:
             pair = sample_increments(parameters, 1, self.draws)[:, 0]
         chosen = (t.float() * pair[:, 0]).to(t.dtype)  # t_{l+1} = r_l t_l
-        for key, value in zip(self.steps, (*inputs.values(), t, parameters, pair, chosen)):
-            self.steps[key].append(value)
+        self.steps.append(dict(inputs, time=t, parameters=parameters, pair=pair, next=chosen))
         return chosen
 
     def times(self):
         """(N, L+1): t_0 = 1 and the times chosen."""
-        return torch.stack([self.steps["time"][0], *self.steps["next"]], dim=1)
+        return torch.stack([self.steps[0]["time"], *(step["next"] for step in self.steps)], dim=1)
 
     def record(self):
         """What trajectory_log_prob needs, per sample: latent (N, L, 2C, H, W) or the hidden
         states (N, L, 2D, h, w) with the timestep embedding (N, L, E), time (N, L), pair (N, L, 2),
         the prompt inputs; and times (N, L+1), parameters (N, L, 2) and log pi when drawn (N,)."""
-        stacked = {key: torch.stack(value, dim=1) for key, value in self.steps.items()}
-        stacked.pop("next")
+        keys = [key for key in self.steps[0] if key != "next"]
+        stacked = {key: torch.stack([step[key] for step in self.steps], dim=1) for key in keys}
         logp = beta_log_prob(stacked["parameters"], stacked["pair"])
         return dict(stacked, **self.prompt, times=self.times(), logp=logp)
 
@@ -291,17 +288,9 @@ class StepwiseRollouts:
             self.records = [join_records(self.records)]
         return self.records[0]
 
-    @property
-    def logp(self):
-        return self.record()["logp"]
-
-    @property
-    def concentration(self):  # of each step's Beta
-        return self.record()["parameters"].sum(-1).mean()
-
-    @property
-    def stop_margin(self):
-        return self.record()["times"][:, -1].mean()
+    logp = property(lambda self: self.record()["logp"])
+    concentration = property(lambda self: self.record()["parameters"].sum(-1).mean())  # each Beta's
+    stop_margin = property(lambda self: self.record()["times"][:, -1].mean())
 
     def log_prob(self, policy, index=slice(None)):
         return trajectory_log_prob(policy, self.record(), index)
@@ -310,7 +299,6 @@ class StepwiseRollouts:
 # -----------------------------------------------------------------------------
 # PPO as TPDM's trainer takes it (src/train/rloo_trainer.py, on TRL 0.11's RLOO trainer): the update
 # of `train.py --optimizer ppo`, and TPDM's settings, which that flag makes the defaults.
-
 
 # TPDM's settings: unnormalised RLOO advantages (src/train/rloo_trainer.py); Adam(0.9, 0.99), eps
 # 1e-5, no weight decay, a constant rate (scripts/launch_sd3_train.sh)

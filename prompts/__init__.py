@@ -4,9 +4,9 @@ them afresh every iteration (context_seed); evaluation uses fixed held-out conte
 for every method, so that differences between methods are paired.
 
 Prompt files: a .txt with one prompt per line, a .json list of prompts or of records with a "prompt"
-(HPDv2's train.json), or a .jsonl of such records, whose "style" or "tag" is its group. A relative
-path is looked up in the current folder, then in this repository; "hpdv2" means HPDv2's training
-prompts, from the hub.
+(HPDv2's train.json), or a .jsonl of such records; a record's "style" or "tag" is its group. A
+relative path is looked up in the current folder, then in this repository; "hpdv2" means HPDv2's
+training prompts, from the hub.
 """
 
 import argparse
@@ -35,9 +35,10 @@ QUOTED.maxstring = 80
 shown = QUOTED.repr  # how a message quotes a prompt: its repr, a long one cut in the middle
 
 
-def load_prompt_file(path):
+def load_prompt_file(path, groups=False):
     """The prompts of a file (see the module docstring), or of HPDv2's training set for "hpdv2";
-    ValueError in one line if it holds no prompts."""
+    with `groups`, (prompts, each one's "style" or "tag", else None). ValueError in one line if it
+    holds no prompts."""
     if path == "hpdv2":
         path = hf_hub_download(HPDV2, "train.json", repo_type="dataset")
     elif not os.path.exists(path) and os.path.isfile(os.path.join(REPOSITORY, path)):
@@ -56,28 +57,15 @@ def load_prompt_file(path):
         raise ValueError(f"{path}: {error}") from None
     if not isinstance(records, list):  # a JSON object's keys are no prompts
         raise ValueError(f"{path} holds a JSON {type(records).__name__}, not a list of prompts")
-    prompts = [record.get("prompt") if isinstance(record, dict) else record for record in records]
-    for number, prompt in enumerate(prompts, 1):
-        if not isinstance(prompt, str):
-            raise ValueError(f'{path}: record {number} is not a prompt nor has a "prompt" text')
-    prompts = [prompt.strip() for prompt in prompts if prompt.strip()]
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
-
-
-def prompt_groups(path):
-    """Per prompt of a .jsonl file its "style" or "tag" (or None), in load_prompt_file's order;
-    None for other files."""
-    if not path.endswith(".jsonl"):
-        return None
-    path = path if os.path.exists(path) else os.path.join(REPOSITORY, path)
-    with open(path, encoding="utf-8-sig") as handle:
-        records = [json.loads(line) for line in handle if line.strip()]
     records = [record if isinstance(record, dict) else dict(prompt=record) for record in records]
-    return [
-        record.get("style", record.get("tag")) for record in records if record["prompt"].strip()
-    ]
+    for number, record in enumerate(records, 1):
+        if not isinstance(record.get("prompt"), str):
+            raise ValueError(f'{path}: record {number} is not a prompt nor has a "prompt" text')
+    records = [record for record in records if record["prompt"].strip()]
+    if not records:
+        raise ValueError(f"{path} holds no prompts")
+    prompts = [record["prompt"].strip() for record in records]
+    return (prompts, [r.get("style", r.get("tag")) for r in records]) if groups else prompts
 
 
 def load_hpdv2(folder=None):

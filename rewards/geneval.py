@@ -36,6 +36,7 @@ Images are scored as tensors quantised to 8 bits, as GenEval reads PNGs.
 
 import math
 from dataclasses import dataclass
+from itertools import compress
 from types import SimpleNamespace
 
 import numpy as np
@@ -133,15 +134,14 @@ def position(name, relation, target):
 
 
 def color_attr(first, first_color, second, second_color):
-    include = [
-        {"class": first, "count": 1, "color": first_color},
-        {"class": second, "count": 1, "color": second_color},
-    ]
     first_phrase = article(f"{first_color} {first}")
     second_phrase = article(f"{second_color} {second}")
     return {
         "tag": "color_attr",
-        "include": include,
+        "include": [
+            {"class": first, "count": 1, "color": first_color},
+            {"class": second, "count": 1, "color": second_color},
+        ],
         "prompt": f"{PREFIX}{first_phrase} and {second_phrase}",
     }
 
@@ -191,19 +191,13 @@ class Detection:
 def relative_position(box, target):
     """Relations of `box` to `target` (evaluate_images.py): the centres' offset, shrunk on each axis
     by POSITION_THRESHOLD times the two objects' sizes, over the offset's length, beyond +-0.5."""
-    offset = [(box[axis] + box[axis + 2] - target[axis] - target[axis + 2]) / 2 for axis in (0, 1)]
-    sizes = [
-        abs(box[axis + 2] - box[axis]) + abs(target[axis + 2] - target[axis]) for axis in (0, 1)
-    ]
-    revised = [
-        np.sign(d) * max(abs(d) - POSITION_THRESHOLD * size, 0) for d, size in zip(offset, sizes)
-    ]
+    offset = [(box[i] + box[i + 2] - target[i] - target[i + 2]) / 2 for i in (0, 1)]
+    sizes = [abs(box[i + 2] - box[i]) + abs(target[i + 2] - target[i]) for i in (0, 1)]
+    revised = [np.sign(d) * max(abs(d) - POSITION_THRESHOLD * s, 0) for d, s in zip(offset, sizes)]
     if all(abs(d) < 1e-3 for d in revised):
         return set()
     dx, dy = np.array(revised) / np.linalg.norm(offset)
-    return {
-        name for name, holds in zip(RELATIONS, (dx < -0.5, dx > 0.5, dy < -0.5, dy > 0.5)) if holds
-    }
+    return set(compress(RELATIONS, (dx < -0.5, dx > 0.5, dy < -0.5, dy > 0.5)))
 
 
 def found_objects(detections, tag):
@@ -211,11 +205,9 @@ def found_objects(detections, tag):
     most MAX_OBJECTS. GenEval's non-maximum suppression runs at max_overlap 1.0, which keeps every
     overlap, so it is left out."""
     threshold = COUNTING_THRESHOLD if tag == "counting" else THRESHOLD
-    found = {}
-    for name in dict.fromkeys(detection.label for detection in detections):
-        kept = [d for d in detections if d.label == name and d.score > threshold]
-        found[name] = sorted(kept, key=lambda d: -d.score)[:MAX_OBJECTS]
-    return found
+    ranked = sorted((d for d in detections if d.score > threshold), key=lambda d: -d.score)
+    names = dict.fromkeys(detection.label for detection in detections)
+    return {name: [d for d in ranked if d.label == name][:MAX_OBJECTS] for name in names}
 
 
 def requirements(record, detections):
@@ -232,15 +224,9 @@ def requirements(record, detections):
             checks.append((f"{clause['color']} {name}", matched))
         if "position" in clause:
             relation, target = clause["position"]
-            matched = (
-                matched
-                and groups[target] is not None
-                and all(
-                    relation in relative_position(obj.box, other.box)
-                    for obj in objects
-                    for other in groups[target]
-                )
-            )
+            pairs = [(obj.box, other.box) for obj in objects for other in groups[target] or []]
+            placed = all(relation in relative_position(*pair) for pair in pairs)
+            matched = matched and groups[target] is not None and placed
             checks.append((f"{name} {relation} {record['include'][target]['class']}", matched))
         groups.append(objects if matched else None)
     for clause in record.get("exclude", []):
@@ -335,11 +321,7 @@ class GenEvalReward:
         """clip_benchmark's zero_shot_classifier over GenEval's templates: per colour the mean of
         its normalised text embeddings, renormalised. (10, D)"""
         if name not in self.color_classifiers:
-            texts = [
-                template.format(color=color, name=name)
-                for color in COLORS
-                for template in COLOR_TEMPLATES
-            ]
+            texts = [t.format(color=color, name=name) for color in COLORS for t in COLOR_TEMPLATES]
             embeddings = self.clip.embed_text(texts).view(len(COLORS), len(COLOR_TEMPLATES), -1)
             self.color_classifiers[name] = F.normalize(embeddings.mean(1), dim=-1)
         return self.color_classifiers[name]
@@ -380,15 +362,8 @@ class GenEvalReward:
         rows = []
         for prompt, record, detections in zip(prompts, records, per_image):
             fraction, correct = score(record, detections)
-            rows.append(
-                {
-                    "prompt": prompt,
-                    "tag": record["tag"],
-                    "reward": fraction,
-                    "correct": correct,
-                    "requirements": requirements(record, detections),
-                }
-            )
+            row = dict(prompt=prompt, tag=record["tag"], reward=fraction, correct=correct)
+            rows.append(dict(row, requirements=requirements(record, detections)))
         return rows
 
     def __call__(self, latents, prompts, noise, cond):
