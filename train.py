@@ -262,8 +262,6 @@ def check(config, world_size):
         fail(f"{ckpt_path} is a run with other {', '.join(changed)}; pass another --out-dir")
     if found["iteration"] > config.iterations:
         fail(f"{ckpt_path} is at iteration {found['iteration']}, past --iterations")
-    if os.path.isdir(os.path.join(out, "eval.json")):
-        fail(f"{os.path.join(out, 'eval.json')} is a folder; train.py writes its report there")
     return prompts, heldout, digest, found
 
 

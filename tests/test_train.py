@@ -80,8 +80,9 @@ def assert_same(resumed, full):
         torch.testing.assert_close(weights[name], full_weights[name], rtol=0, atol=0)
 
 
-def dying_reward(at_call):
-    """rewards.load_reward whose training calls (8 contexts x 2 rollouts) raise at call at_call."""
+def dying_reward(at_call, fault=None):
+    """rewards.load_reward whose training call at_call (8 contexts x 2 rollouts) raises Killed, or
+    returns fault(its scores)."""
     real_load_reward = rewards.load_reward
 
     def load(*args, **kwargs):
@@ -89,9 +90,10 @@ def dying_reward(at_call):
 
         def dying(latents, prompts, *rest):
             calls.append(len(prompts) == 16)  # a training batch, not the held-out curve
-            if sum(calls) == at_call:
+            if sum(calls) == at_call and fault is None:
                 raise Killed
-            return reward(latents, prompts, *rest)
+            scores = reward(latents, prompts, *rest)
+            return fault(scores) if sum(calls) == at_call else scores
 
         return dying
 
@@ -145,6 +147,23 @@ def test_a_kill_while_the_checkpoint_is_written_keeps_the_last_one(tmp_path, mon
     run(killed, *SHORT)
     assert_same(killed, full_run)
     assert not (killed / "ckpt.pt.tmp").exists()
+
+
+def test_a_full_disk_while_the_policy_is_saved_leaves_the_saved_one(
+    tmp_path, monkeypatch, full_run
+):
+    out = shutil.copytree(full_run, tmp_path / "out")
+    before = {p.name: p.read_bytes() for p in (out / "policy").iterdir()}
+
+    def full_disk(folder, *args):  # a first file written, then no space left
+        os.makedirs(folder, exist_ok=True)
+        open(os.path.join(folder, "model.safetensors"), "wb").close()
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(train, "save_policy", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        run(out, *SHORT)  # a finished run: straight to the policy and the report
+    assert {p.name: p.read_bytes() for p in (out / "policy").iterdir()} == before
 
 
 def test_a_kill_during_the_final_report_then_the_same_command_writes_it(
@@ -305,9 +324,6 @@ DAMAGED = dict(
     empty=lambda path: path.write_bytes(b""),
     other=lambda path: torch.save({"weights": torch.zeros(1)}, path),
     folder=lambda path: (path.unlink(), path.mkdir()),
-    report_a_folder=lambda path: (
-        (path.parent / "eval.json").unlink() or (path.parent / "eval.json").mkdir()
-    ),
 )
 
 
@@ -316,8 +332,7 @@ def test_a_damaged_run_folder_ends_in_one_line_and_stays_as_it_was(tmp_path, ful
     out = shutil.copytree(full_run, tmp_path / "out")
     DAMAGED[damage](out / "ckpt.pt")
     before = {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    message = "eval.json is a folder" if damage == "report_a_folder" else "is not a checkpoint"
-    with pytest.raises(SystemExit, match=message) as error:
+    with pytest.raises(SystemExit, match="is not a checkpoint of train.py") as error:
         run(out, *SHORT)
     assert "\n" not in str(error.value)
     assert {str(p): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -370,19 +385,8 @@ def test_a_command_that_cannot_run_here_ends_in_one_line(tmp_path, args):
 
 
 def test_a_non_finite_reward_stops_in_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch):
-    real_load_reward = rewards.load_reward
-
-    def load_broken_reward(*args, **kwargs):
-        reward, calls = real_load_reward(*args, **kwargs), []
-
-        def broken(latents, prompts, *rest):
-            calls.append(len(prompts) == 16)  # training batches only
-            scores = reward(latents, prompts, *rest)
-            return torch.full_like(scores, float("nan")) if sum(calls) == 5 else scores
-
-        return broken
-
-    monkeypatch.setattr(rewards, "load_reward", load_broken_reward)
+    not_a_number = dying_reward(5, lambda scores: torch.full_like(scores, float("nan")))
+    monkeypatch.setattr(rewards, "load_reward", not_a_number)
     with pytest.raises(SystemExit, match="iteration 5: a reward is NaN or inf.*ckpt.pt") as error:
         run(tmp_path / "out", *SHORT)
     assert "\n" not in str(error.value)
@@ -410,14 +414,10 @@ def test_no_arguments_is_the_digits_main_job_and_the_real_backbones_take_the_pap
     )  # fmt: skip
     assert (config.contexts, config.rollouts, config.policy) == (32, 2, "instance")
     assert config.out_dir == "out/digits-L4-instance-s0"
-    sizes = {name: train.parse_config(["--backbone", name]) for name in ("sd35m", "sdxl", "sd35l")}
-    sizes["flux-dev"] = train.parse_config(["--backbone", "flux-dev"])
-    assert {name: (c.contexts, c.rollouts, c.reward) for name, c in sizes.items()} == {
-        "sd35m": (32, 2, "hpsv2"),
-        "sdxl": (32, 2, "hpsv2"),
-        "sd35l": (16, 2, "hpsv2"),
-        "flux-dev": (16, 2, "hpsv2"),
-    }
+    papers = {"sd35m": 32, "sdxl": 32, "sd35l": 16, "flux-dev": 16}  # its "batch size", as B
+    for name, contexts in papers.items():
+        real = train.parse_config(["--backbone", name])
+        assert (real.contexts, real.rollouts, real.reward) == (contexts, 2, "hpsv2")
 
 
 @pytest.mark.parametrize(
