@@ -20,6 +20,7 @@ score, per method, reward and context) into --out-dir (default: eval/ next to th
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -92,12 +93,18 @@ def out_folder(args, name):
     door's check that it is a folder, or one that can be made, where files can be written."""
     beside = os.path.dirname(os.path.abspath(args.ckpt)) if os.path.exists(args.ckpt) else "."
     out_dir = args.out_dir or os.path.join(beside, name)
+    check_writable(out_dir)
+    return out_dir
+
+
+def check_writable(out_dir):
+    """ValueError unless `out_dir` is a folder, or one that can be made, where files can be written
+    (the doors of train.py, evaluate.py and sample.py)."""
     existing = os.path.abspath(out_dir)
     while not os.path.exists(existing):  # the nearest folder that exists: where it is made
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing) or not os.access(existing, os.W_OK):
         raise ValueError(f"--out-dir {out_dir}: {existing} is not a folder that can be written")
-    return out_dir
 
 
 def load_rewards(names, backbone, device, local):
@@ -111,15 +118,20 @@ def load_rewards(names, backbone, device, local):
     return rewards
 
 
-def run_command(main):
-    """A command as a user runs it: a user's input's error (a missing or damaged file, a refused
-    value, Ctrl-C) ends in one `error:` line and exit status 1, not a traceback."""
-    sys.stdout.reconfigure(errors="backslashreplace")  # an ASCII terminal prints the tables' ±
+@contextlib.contextmanager
+def one_line_errors(interrupted="interrupted"):
+    """The handler at each command's entry (train.py, evaluate.py, sample.py, the studies): a
+    user's input's error (a missing or damaged file, a refused value) or Ctrl-C (`interrupted`)
+    ends in one `error:` line and exit status 1, not a traceback; under torchrun rank 0 says it.
+    A bug's other exceptions keep theirs."""
+    if hasattr(sys.stdout, "reconfigure"):  # a terminal's, not a captured stream
+        sys.stdout.reconfigure(errors="backslashreplace")  # an ASCII terminal prints the ±
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
     try:
-        main()
+        yield
     except (OSError, ValueError, KeyboardInterrupt) as error:
-        raise SystemExit(f"error: {' '.join(str(error).split()) or 'interrupted'}") from None
+        message = f"error: {' '.join(str(error).split()) or interrupted}"
+        raise SystemExit(message if int(os.environ.get("RANK", "0")) == 0 else 1) from None
 
 
 # ---- methods: callables (noise, cond) -> times (N, L+1), or (times, latents) when they sample
@@ -409,4 +421,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    run_command(main)
+    with one_line_errors():
+        main()

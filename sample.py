@@ -229,4 +229,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    evaluate.run_command(main)
+    with evaluate.one_line_errors():
+        main()

@@ -27,8 +27,6 @@ import math
 import os
 import pickle
 import shutil
-import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -42,7 +40,7 @@ import backbones
 import rewards as reward_lib
 from baselines import BASELINES, MIN_CONTEXTS, shrinkage
 from comparator import tpdm
-from evaluate import POLICIES, heldout_gain, heldout_report
+from evaluate import POLICIES, check_writable, heldout_gain, heldout_report, one_line_errors
 from policy import make_policy, save_policy
 from prompts import SHIPPED, context_seed, heldout_contexts, load_prompt_file
 
@@ -228,12 +226,13 @@ def check(config, world_size):
          f"--attention: one of {', '.join(backbones.families.attention_backends())}"),
         (config.policy != "stepwise" and stepwise_only, "--init tpdm, --inference mode and "
          "--policy-inputs hidden need --policy stepwise"),
-        (not out or os.path.exists(out) and not os.path.isdir(out), f"--out-dir {out!r}: a folder"),
+        (not out, "--out-dir '': a folder"),
     ]  # fmt: skip
     for refused, why in refusals:
         if refused:
             fail(why)
     try:
+        check_writable(out)
         reward_lib.check_digits(config.reward, config.backbone, spec)
         prompts = load_prompt_file(config.prompts) if config.prompts else None
         heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
@@ -245,11 +244,6 @@ def check(config, world_size):
     if not os.path.exists(ckpt_path):  # a fresh run: in an absent or empty folder only
         if os.path.isdir(out) and set(os.listdir(out)) - {"ckpt.pt.tmp"}:
             fail(f"--out-dir {out} holds files but no ckpt.pt to continue; pass another")
-        parent = os.path.abspath(out)  # the folder it will be made in must be writable
-        while not os.path.isdir(parent):
-            parent = os.path.dirname(parent)
-        if not os.access(parent, os.W_OK):
-            fail(f"--out-dir {out}: {parent} is not writable")
         return prompts, heldout, digest, None
     try:  # every started run has one (written before its first iteration)
         found = torch.load(ckpt_path, map_location="cpu", weights_only=True)
@@ -476,11 +470,5 @@ def get_lr(config, iteration):
 
 
 if __name__ == "__main__":  # a user's mistake or Ctrl-C ends in one line, no traceback
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # | head: end quietly
-    sys.stdout.reconfigure(errors="backslashreplace")  # a terminal that cannot print "±"
-    try:
+    with one_line_errors("interrupted; the same command continues from the last checkpoint"):
         main(parse_config())
-    except KeyboardInterrupt:
-        fail("interrupted; the same command continues from the last checkpoint")
-    except (OSError, ValueError) as error:  # a file or a setting of the user's
-        fail(" ".join(str(error).split()))

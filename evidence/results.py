@@ -30,7 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import torch
 
-from evaluate import mean_ci
+from evaluate import mean_ci, one_line_errors  # noqa: F401  (the studies' handler)
 
 REPOSITORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPOSITORY, "docs", "RESULTS.md")
@@ -79,19 +79,6 @@ def cache_key():
     trusted by another run of a command)."""
     version = commit()
     return THIS_PROCESS_ONLY if version == UNKNOWN else version
-
-
-@contextlib.contextmanager
-def one_line_errors():
-    """The handler at each evidence command's entry: what a user's input can raise (a file or
-    folder that cannot be read or written, a value refused, train.py's refusal, Ctrl-C) ends in
-    one `error:` line that names it, not a traceback. A bug's other exceptions keep theirs."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        raise SystemExit("error: interrupted") from None
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
 
 
 def sections(text):

@@ -343,7 +343,7 @@ def test_a_damaged_run_folder_ends_in_one_line_and_stays_as_it_was(tmp_path, ful
     [
         (["--out-dir", ""], "a folder"),
         (["--out-dir", "README.md"], "a folder"),
-        (["--out-dir", "read-only/out"], "read-only is not writable"),
+        (["--out-dir", "read-only/out"], "read-only is not a folder that can be written"),
         (["--out-dir", "out", "--prompts", "bad.jsonl"], "bad.jsonl: record 1"),
     ],
 )
