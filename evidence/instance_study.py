@@ -160,13 +160,13 @@ def score(backbone, reward, contexts, times):
 
 # -----------------------------------------------------------------------------
 # oracles
-def logits_of(times):
+def logits_of(times, margin=STOP_MARGIN):
     """The increments' logits of schedules (..., L+1), t_0 raised to 1 (learned schedules start
-    from pure noise, as policy.initial_logits does) and t_L to at least STOP_MARGIN."""
+    from pure noise, as policy.initial_logits does) and t_L to at least `margin`."""
     times = times.double().clone()
     times[..., 0] = 1.0
     increments = increments_from_times(times)
-    increments[..., -1] = increments[..., -1].clamp_min(STOP_MARGIN)
+    increments[..., -1] = increments[..., -1].clamp_min(margin)
     return (increments / increments.sum(-1, keepdim=True)).log().float()
 
 
@@ -174,11 +174,12 @@ def times_of(logits):
     return times_from_increments(torch.softmax(logits, -1))
 
 
-def best_single(objective, count, start, iterations, batch, seed):
+def best_single(objective, count, start, iterations, batch, seed, margin=STOP_MARGIN):
     """One schedule (L+1,) maximising the mean of objective(index, times) over `count` contexts:
-    Adam from the schedule `start` on random batches of `batch` contexts. Yields it after
-    `iterations` steps, then after each `iterations` more: the same fit continued."""
-    logits = logits_of(start).requires_grad_(True)
+    Adam from the schedule `start` (its t_L raised to `margin`) on random batches of `batch`
+    contexts. Yields it after `iterations` steps, then after each `iterations` more: the same fit
+    continued."""
+    logits = logits_of(start, margin).requires_grad_(True)
     optimizer = torch.optim.Adam([logits], lr=LR)
     generator = torch.Generator().manual_seed(seed)
     while True:
@@ -191,13 +192,14 @@ def best_single(objective, count, start, iterations, batch, seed):
         yield times_of(logits.detach())
 
 
-def best_each(objective, starts, iterations):
+def best_each(objective, starts, iterations, margin=STOP_MARGIN):
     """Each context's own schedule (N, L+1) maximising objective(index, times) (N,) for it: Adam
-    from `starts` (N, L+1), batch by batch, keeping the best schedule each context met. Yields it
-    after `iterations` steps, then after each `iterations` more: the same searches continued."""
+    from `starts` (N, L+1; t_L raised to `margin`), batch by batch, keeping the best schedule each
+    context met. Yields it after `iterations` steps, then after each `iterations` more: the same
+    searches continued."""
     found, searches = starts.clone(), []
     for index in batches(len(starts)):
-        logits = logits_of(starts[index]).requires_grad_(True)
+        logits = logits_of(starts[index], margin).requires_grad_(True)
         best = torch.full((len(index),), -float("inf"))
         searches.append((index, logits, torch.optim.Adam([logits], lr=LR), best))
     passes = iterations + 1  # a pass scores the current step, then takes the next

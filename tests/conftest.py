@@ -133,30 +133,21 @@ def small_policies(patch):
 @pytest.fixture(scope="session")
 def digits_run(tmp_path_factory):
     """A short digits training (L = 4, 60 iterations, 128 held-out contexts): its out dir."""
-    return train_in_process(
-        tmp_path_factory.mktemp("digits") / "out",
-        *("--iterations", "60", "--ckpt-interval", "30", "--eval-contexts", "128"),
-        "--log-interval",
-        "20",
-    )
+    flags = "--iterations 60 --ckpt-interval 30 --eval-contexts 128 --log-interval 20"
+    return train_in_process(tmp_path_factory.mktemp("digits") / "out", *flags.split())
 
 
 @pytest.fixture(scope="session")
 def digits_global_run(tmp_path_factory):
-    return train_in_process(
-        tmp_path_factory.mktemp("digits_global") / "out",
-        *("--policy", "global", "--iterations", "3", "--eval-contexts", "4"),
-    )
+    flags = "--policy global --iterations 3 --eval-contexts 4"
+    return train_in_process(tmp_path_factory.mktemp("digits_global") / "out", *flags.split())
 
 
 @pytest.fixture(scope="session")
 def digits_stepwise_run(tmp_path_factory):
     """TPDM's comparator: a step-wise policy trained with PPO, 3 iterations."""
-    return train_in_process(
-        tmp_path_factory.mktemp("digits_stepwise") / "out",
-        *("--policy", "stepwise", "--optimizer", "ppo", "--iterations", "3"),
-        *("--eval-contexts", "4", "--contexts", "8"),
-    )
+    flags = "--policy stepwise --optimizer ppo --iterations 3 --eval-contexts 4 --contexts 8"
+    return train_in_process(tmp_path_factory.mktemp("digits_stepwise") / "out", *flags.split())
 
 
 def train_tiny(folder, name, *args):

@@ -8,18 +8,10 @@ import os
 import subprocess
 import sys
 
+import diffusers
 import pytest
 import torch
 from conftest import ROOT, train_in_process
-from diffusers import (
-    AutoencoderKL,
-    FluxPipeline,
-    FluxTransformer2DModel,
-    SD3Transformer2DModel,
-    StableDiffusion3Pipeline,
-    StableDiffusionXLPipeline,
-    UNet2DConditionModel,
-)
 from test_rewards import ImageBackbone  # a backbone whose "latents" are already images
 
 import backbones
@@ -31,10 +23,10 @@ from rewards import load_reward
 from rewards.digits import DigitReward, PreferenceReward, digit_of, load_classifier
 
 STOCK = {  # the pipeline, the denoiser, the VAE's latent channels
-    "mini-sd3": (StableDiffusion3Pipeline, SD3Transformer2DModel, 16),
-    "mini-flux": (FluxPipeline, FluxTransformer2DModel, 16),
-    "mini-sdxl": (StableDiffusionXLPipeline, UNet2DConditionModel, 4),
-    "mini-flux-schnell": (FluxPipeline, FluxTransformer2DModel, 16),
+    "mini-sd3": (diffusers.StableDiffusion3Pipeline, diffusers.SD3Transformer2DModel, 16),
+    "mini-flux": (diffusers.FluxPipeline, diffusers.FluxTransformer2DModel, 16),
+    "mini-sdxl": (diffusers.StableDiffusionXLPipeline, diffusers.UNet2DConditionModel, 4),
+    "mini-flux-schnell": (diffusers.FluxPipeline, diffusers.FluxTransformer2DModel, 16),
 }
 # mini-flux-schnell's vae, text encoders and tokenizers are links to mini-flux's (FLUX.1-schnell
 # ships the same ones as FLUX.1-dev)
@@ -70,7 +62,7 @@ def test_the_shipped_folders_load_with_the_stock_classes_and_fit_in_11_mib():
     for name, (pipeline_class, denoiser_class, channels) in STOCK.items():
         pipe = pipeline_class.from_pretrained(os.path.join(folder, name))
         denoiser = pipe.transformer if hasattr(pipe, "transformer") else pipe.unet
-        assert type(denoiser) is denoiser_class and type(pipe.vae) is AutoencoderKL
+        assert type(denoiser) is denoiser_class and type(pipe.vae) is diffusers.AutoencoderKL
         assert pipe.vae.config.latent_channels == channels
 
 
@@ -97,7 +89,7 @@ def test_mini_flux_schnell_is_mini_flux_distilled_without_guidance_at_4_steps(tm
     tested above). At 4 steps through the stock pipeline, any guidance_scale gives the same images,
     and the classifier reads the prompted digit in at least 90% of 40 held-out contexts (`python -m
     evidence.miniatures --check` measures 200)."""
-    pipe = FluxPipeline.from_pretrained(os.path.join(ROOT, "miniatures", "mini-flux-schnell"))
+    pipe = diffusers.FluxPipeline.from_pretrained(f"{ROOT}/miniatures/mini-flux-schnell")
     assert not pipe.transformer.config.guidance_embeds
     assert pipe.transformer.dtype == torch.float32  # stored in float16, loaded as float32
     config = pipe.scheduler.config

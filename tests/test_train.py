@@ -535,30 +535,26 @@ def test_ranks_wait_for_a_slow_load_rather_than_time_out(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("backbone", ["sd35m", "sdxl", "flux-dev"])
-def test_trains_a_real_backbone_family_from_a_local_folder(tiny_runs, backbone):
+def test_each_family_trains_from_a_local_folder(tiny_runs, tiny_stepwise_runs, backbone):
     """The real-backbone path end to end: from_pretrained on a saved tiny random pipeline, rollouts
-    with CFG (or Flux's guidance embedding), the teacher reward, updates and the held-out table."""
-    out = tiny_runs[0][backbone]
-    rows = read_metrics(out)
-    assert [row["iteration"] for row in rows] == [1, 2]
-    assert all(row["grad_norm"] > 0 for row in rows)
-    checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
-    assert checkpoint["config"]["backbone"] == backbone
-    methods = {row["method"]: row for row in json.loads((out / "eval.json").read_text())["rows"]}
-    assert methods["limit (teacher)"]["mean"] == 0.0 and methods["default"]["mean"] < 0.0
-
-
-@pytest.mark.parametrize("backbone", ["sd35m", "sdxl", "flux-dev"])
-def test_the_stepwise_policy_trains_with_ppo_on_each_family(tiny_stepwise_runs, backbone):
-    """TPDM's comparator on the real-backbone path: the policy picks the times inside the loop (in
-    rollout parts of 3 samples), PPO updates, the held-out table with its schedules."""
-    out = tiny_stepwise_runs[backbone]
-    rows = read_metrics(out)
-    assert [row["iteration"] for row in rows] == [1, 2]
-    assert all(row["grad_norm"] > 0 and 0 <= row["clip_fraction"] <= 1 for row in rows)
-    assert torch.load(out / "ckpt.pt", weights_only=True)["policy_config"]["kind"] == "stepwise"
-    methods = {row["method"] for row in json.loads((out / "eval.json").read_text())["rows"]}
-    assert {"default", "learned (mean)"} <= methods
+    with CFG (or Flux's guidance embedding), the teacher reward, updates and the held-out table;
+    and so TPDM's comparator, its policy picking the times inside the loop (in rollout parts of 3
+    samples), with PPO."""
+    for out, kind in (
+        (tiny_runs[0][backbone], "instance"),
+        (tiny_stepwise_runs[backbone], "stepwise"),
+    ):
+        rows = read_metrics(out)
+        assert [row["iteration"] for row in rows] == [1, 2]
+        assert all(row["grad_norm"] > 0 for row in rows)
+        assert kind == "instance" or all(0 <= row["clip_fraction"] <= 1 for row in rows)
+        checkpoint = torch.load(out / "ckpt.pt", weights_only=True)
+        assert checkpoint["config"]["backbone"] == backbone
+        assert checkpoint["policy_config"].get("kind", "instance") == kind
+        table = json.loads((out / "eval.json").read_text())["rows"]
+        methods = {row["method"]: row["mean"] for row in table}
+        assert methods["limit (teacher)"] == 0.0 and methods["default"] < 0.0
+        assert "learned (mean)" in methods
 
 
 @pytest.mark.parametrize("backbone", ["sd35m", "sdxl", "flux-dev"])
