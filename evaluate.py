@@ -357,8 +357,7 @@ def main(argv=None):
     reward_names = args.rewards or [config["reward"], *beside]
 
     # ---------------- contexts, backbone, rewards ----------------
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.device("cuda" if use_cuda else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
     backbone = backbones.trained_backbone(config, device)
     own = not (args.hpdv2 or args.prompts)  # train.py's held-out prompts: its count by default

@@ -180,8 +180,7 @@ def main(argv=None):
     out_dir = None if args.export else evaluate.out_folder(args, "samples")  # --export: no images
 
     # ---------------- backbone, contexts ----------------
-    use_cuda = torch.cuda.is_available() and args.device != "cpu"
-    device = torch.device("cuda" if use_cuda else "cpu")
+    device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     torch.set_num_threads(config.get("threads") or torch.get_num_threads())  # the run's
     backbone = backbones.trained_backbone(config, device)
     if args.export:

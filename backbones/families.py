@@ -171,9 +171,8 @@ class PipelineBackbone(Backbone):
     def decode_raw(self, latents):
         """The VAE's output in [-1, 1] (N, 3, H, W), decoded as the pipeline does."""
         vae, parts = self.pipe.vae, latents.split(max(1, DECODE_PIXELS // self.resolution**2))
-        return torch.cat(
-            [vae.decode(self.vae_input(p).to(vae.dtype), return_dict=False)[0] for p in parts]
-        )
+        decoded = [vae.decode(self.vae_input(p).to(vae.dtype), return_dict=False)[0] for p in parts]
+        return torch.cat(decoded)
 
     def vae_input(self, latents):
         """What the VAE decodes: the flows' latents unscaled and unshifted (SD-XL has its own)."""

@@ -90,10 +90,8 @@ class MixtureBackbone(Backbone):
     def mixture(self, label):
         """The components of each sample's class, float64: centres (N, M, 64), their squared norms,
         variances s_m^2 and log-weights (N, M) (padding: -1e30)."""
-        return tuple(
-            part.to(label.device)[label]
-            for part in (self.centres, self.norms, self.variances, self.log_weights)
-        )
+        parts = (self.centres, self.norms, self.variances, self.log_weights)
+        return tuple(part.to(label.device)[label] for part in parts)
 
     def velocity(self, state, t, mixture):
         """Exact E[noise - x_0 | x_t = state] at per-sample times t (N,), in the dtype of `mixture`
@@ -103,11 +101,8 @@ class MixtureBackbone(Backbone):
         t = t.to(centres.dtype)[:, None]  # (N, 1)
         scale = 1.0 - t
         total = scale**2 * variances + t**2  # (N, M) v_m
-        distance = (
-            x.square().sum(1, keepdim=True)
-            - 2 * scale * torch.bmm(centres, x[:, :, None]).squeeze(2)
-            + scale**2 * norms
-        )
+        projection = torch.bmm(centres, x[:, :, None]).squeeze(2)  # (N, M) mu_m . x
+        distance = x.square().sum(1, keepdim=True) - 2 * scale * projection + scale**2 * norms
         logits = log_weights - distance / (2 * total) - 32 * total.log()  # (d/2) log v_m, d = 64
         weights = torch.softmax(logits, dim=1)  # (N, M) posterior
         coefficient = weights * (t - scale * variances) / total  # (N, M) w_m c_m

@@ -150,9 +150,8 @@ def generate(
         if built != dims:
             raise ValueError(f"this policy was built for {built}, not this pipeline's {dims}")
         prompts = [prompt] if isinstance(prompt, str) else prompt
-        cond = backbone.encode_prompts(
-            None if "prompt_embeds" in pipe_kwargs else list(prompts), **pipe_kwargs
-        )
+        given = None if "prompt_embeds" in pipe_kwargs else list(prompts)  # or the embeddings
+        cond = backbone.encode_prompts(given, **pipe_kwargs)
         count = len(cond["prompt_embeds"])
         index = torch.arange(count).repeat_interleave(num_images_per_prompt)  # each image's prompt
         cond = {key: value[index.to(value.device)] for key, value in cond.items()}
@@ -160,9 +159,8 @@ def generate(
         times = policy.times(backbone, noise, cond)  # (N, L+1), the Dirichlet mean
         images = backbone.sample(noise, cond, times)  # L model calls for the whole batch
         if output_type != "latent":  # decoded and post-processed as the pipeline does
-            images = pipe.image_processor.postprocess(
-                backbone.decode_raw(images), output_type=output_type
-            )
+            decoded = backbone.decode_raw(images)
+            images = pipe.image_processor.postprocess(decoded, output_type=output_type)
     if not return_dict:
         return (images,)
     # the pipeline's output class, which its module imports: e.g. FluxPipelineOutput

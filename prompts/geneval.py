@@ -44,24 +44,19 @@ def sample(tag, rng):
         return templates.colors(name, COLORS[rng.choice(len(COLORS))])
     if tag == "position":
         name, target = rng.choice(len(CLASSES), size=2, replace=False)
-        return templates.position(
-            CLASSES[name], RELATIONS[rng.choice(len(RELATIONS))], CLASSES[target]
-        )
-    first, second = rng.choice(len(CLASSES) - 1, size=2, replace=False) + 1
-    first_color, second_color = rng.choice(len(COLORS), size=2, replace=False)
-    return templates.color_attr(
-        CLASSES[first], COLORS[first_color], CLASSES[second], COLORS[second_color]
-    )
+        relation = RELATIONS[rng.choice(len(RELATIONS))]
+        return templates.position(CLASSES[name], relation, CLASSES[target])
+    names = [CLASSES[index] for index in rng.choice(len(CLASSES) - 1, size=2, replace=False) + 1]
+    colors = [COLORS[index] for index in rng.choice(len(COLORS), size=2, replace=False)]
+    return templates.color_attr(names[0], colors[0], names[1], colors[1])
 
 
 def benchmark(seed=43, per_tag=100):
     """GenEval's evaluation_metadata.jsonl as generate_suite makes it: every single object once,
     then `per_tag` draws of each other tag, de-duplicated."""
     rng = np.random.default_rng(seed)
-    records = [
-        templates.single_object(CLASSES[index])
-        for index in rng.choice(len(CLASSES), size=len(CLASSES), replace=False)
-    ]
+    order = rng.choice(len(CLASSES), size=len(CLASSES), replace=False)
+    records = [templates.single_object(CLASSES[index]) for index in order]
     records += [sample(tag, rng) for tag in TAGS[1:] for _ in range(per_tag)]
     return list({record["prompt"]: record for record in records}.values())
 
@@ -95,10 +90,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     train, heldout = splits(args.seed)
     for name, records in [("benchmark", benchmark()), ("train", train), ("heldout", heldout)]:
-        print(
-            f"{name:<9} {len(records):4d}  "
-            + "  ".join(f"{tag} {sum(r['tag'] == tag for r in records)}" for tag in TAGS)
-        )
+        counts = "  ".join(f"{tag} {sum(r['tag'] == tag for r in records)}" for tag in TAGS)
+        print(f"{name:<9} {len(records):4d}  {counts}")
         if args.write and name != "benchmark":
             path = os.path.join(FOLDER, f"geneval_{name}.jsonl")
             with open(path, "w") as file:

@@ -21,9 +21,8 @@ class CLIPReward:
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size
-        self.model = (
-            CLIPModel.from_pretrained(checkpoint).to(self.device).eval().requires_grad_(False)
-        )
+        model = CLIPModel.from_pretrained(checkpoint)
+        self.model = model.to(self.device).eval().requires_grad_(False)
         self.tokenizer = AutoTokenizer.from_pretrained(checkpoint)
         self.image_size = self.model.config.vision_config.image_size
         self.max_length = self.model.config.text_config.max_position_embeddings
@@ -32,9 +31,8 @@ class CLIPReward:
         tokens = self.tokenizer(
             prompts, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt"
         ).to(self.device)
-        pooled = self.model.text_model(
-            input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"]
-        ).pooler_output
+        ids, mask = tokens["input_ids"], tokens["attention_mask"]
+        pooled = self.model.text_model(input_ids=ids, attention_mask=mask).pooler_output
         return F.normalize(self.model.text_projection(pooled), dim=-1)
 
     def embed_image(self, pixels):

@@ -271,12 +271,8 @@ class GenEvalReward:
         self.device = torch.device(device or backbone.device)
         self.detector_size = detector_size  # (shortest, longest) side the detector sees at most
         self.batch_size = batch_size
-        self.detector = (
-            Mask2FormerForUniversalSegmentation.from_pretrained(checkpoint)
-            .to(self.device)
-            .eval()
-            .requires_grad_(False)
-        )
+        detector = Mask2FormerForUniversalSegmentation.from_pretrained(checkpoint)
+        self.detector = detector.to(self.device).eval().requires_grad_(False)
         labels = self.detector.config.num_labels
         if labels != len(CLASSES):  # GenEval reads detector class i as object_names.txt line i
             raise ValueError(
@@ -307,9 +303,8 @@ class GenEvalReward:
         detections = [[] for _ in results]
         for found, result in zip(detections, results):
             if result["segments_info"]:  # else "segmentation" is an empty map, not binary masks
-                masks = F.interpolate(
-                    result["segmentation"][None].to(self.device), (height, width), mode="nearest"
-                )[0].bool()
+                segmentation = result["segmentation"][None].to(self.device)
+                masks = F.interpolate(segmentation, (height, width), mode="nearest")[0].bool()
                 found += [
                     Detection(CLASSES[segment["label_id"]], segment["score"], mask_box(mask), mask)
                     for segment, mask in zip(result["segments_info"], masks)

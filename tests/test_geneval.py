@@ -371,8 +371,11 @@ PROMPTS = [
 ]
 
 
-def test_detections_are_masks_with_their_boxes(reward):
-    detections = reward.detect(preprocess.quantize(IMAGES))
+def test_detections_are_masks_with_boxes_and_colour_is_clip_on_the_grey_crop(reward, tiny_models):
+    """The colour: against transformers' CLIPModel and CLIPImageProcessorPil on GenEval's PIL
+    composite."""
+    images = preprocess.quantize(IMAGES)
+    detections = reward.detect(images)
     assert len(detections) == 4 and all(detections)
     for found in detections:
         for detection in found:
@@ -380,12 +383,7 @@ def test_detections_are_masks_with_their_boxes(reward):
             assert detection.mask.shape == (48, 64) and detection.mask.dtype == torch.bool
             rows, columns = detection.mask.nonzero().T.tolist()
             assert detection.box == (min(columns), min(rows), max(columns) + 1, max(rows) + 1)
-
-
-def test_colour_is_clip_zero_shot_on_the_grey_composite_crop(reward, tiny_models):
-    """Against transformers' CLIPModel and CLIPImageProcessorPil on GenEval's PIL composite."""
-    images = preprocess.quantize(IMAGES)
-    wanted = [(index, found[0]) for index, found in enumerate(reward.detect(images))]
+    wanted = [(index, found[0]) for index, found in enumerate(detections)]
     reward.classify_colors(images, wanted)
     crops = []
     for index, detection in wanted:

@@ -104,14 +104,8 @@ def render(text, fill=(0, 0, 0), background=(255, 255, 255), size=(384, 128)):
 def images():
     # red on dark blue: the grey image EasyOCR would make from a 3-channel array taken as BGR has no
     # contrast here (test_colour_read_as_from_a_file), the correct grey has
-    return torch.stack(
-        [
-            render("OPEN LATE"),
-            render("OPEN NOON"),
-            render(""),
-            render("OPEN LATE", (255, 0, 0), (0, 0, 97)),
-        ]
-    )
+    black_on_white = [render(text) for text in ("OPEN LATE", "OPEN NOON", "")]
+    return torch.stack([*black_on_white, render("OPEN LATE", (255, 0, 0), (0, 0, 97))])
 
 
 # EasyOCR's DataLoader asks for pin_memory on the CPU

@@ -17,13 +17,8 @@ def learned_policy(backbone, steps, seed=0, kind="instance"):
     """A policy whose schedules differ per context and end at a stop margin > 0 (the head's last
     layer, zero at initialisation, gets random weights)."""
     torch.manual_seed(seed)
-    policy = make_policy(
-        POLICIES[kind],
-        backbone.policy_dims,
-        steps,
-        init_times=backbone.default_times(steps),
-        stop_margin=0.02,
-    )
+    start = dict(init_times=backbone.default_times(steps), stop_margin=0.02)
+    policy = make_policy(POLICIES[kind], backbone.policy_dims, steps, **start)
     with torch.no_grad():
         if kind == "global":  # one schedule for every context, away from the default
             policy.head[-1].bias.add_(0.5 * torch.randn(steps + 1))
@@ -66,15 +61,9 @@ def test_generate_in_the_stock_pipeline_equals_the_sampling_loop(tiny, steps):
     pipe, backbone = tiny
     policy = learned_policy(backbone, steps)
     prompts = ["a cat", "a red house on a hill"]
-    latents = pipeline.generate(
-        pipe,
-        policy,
-        prompts,
-        generator=torch.Generator().manual_seed(5),
-        output_type="latent",
-        height=backbone.resolution,
-        guidance_scale=backbone.guidance or 0.0,
-    ).images
+    generator, guidance = torch.Generator().manual_seed(5), backbone.guidance or 0.0
+    options = dict(output_type="latent", height=backbone.resolution, guidance_scale=guidance)
+    latents = pipeline.generate(pipe, policy, prompts, generator=generator, **options).images
     noise = pipeline.pipeline_noise(backbone, 2, torch.Generator().manual_seed(5))
     cond = backbone.encode_prompts(prompts)
     times = mean_times(policy, backbone, noise, cond)
@@ -104,16 +93,10 @@ def test_the_pipeline_draws_the_same_noise_as_its_own_call(tiny):
         ),
         with_kwargs=True,
     )
+    size, guidance = backbone.resolution, backbone.guidance or 0.0
+    options = dict(height=size, width=size, output_type="latent", guidance_scale=guidance)
     try:
-        pipe(
-            "a cat",
-            num_inference_steps=1,
-            height=backbone.resolution,
-            width=backbone.resolution,
-            output_type="latent",
-            generator=torch.Generator().manual_seed(3),
-            guidance_scale=backbone.guidance or 0.0,
-        )
+        pipe("a cat", num_inference_steps=1, generator=torch.Generator().manual_seed(3), **options)
     finally:
         handle.remove()
     noise = pipeline.pipeline_noise(backbone, 1, torch.Generator().manual_seed(3))
@@ -128,11 +111,9 @@ def test_a_global_schedule_exports_as_json(tiny):
     policy = learned_policy(backbone, 3, kind="global")
     exported = json.loads(json.dumps(pipeline.schedule_json(policy, backbone)))
     times = times_from_increments(mean_increments(policy(torch.zeros(1))))[0]
-    assert exported["steps"] == 3 and torch.allclose(
-        torch.tensor(exported["times"], dtype=torch.float64), times.double(), atol=1e-7
-    )
-    # ends at the stop margin, no final 0
-    assert exported["times"][0] == 1.0 and exported["times"][-1] > 0
+    exported_times = torch.tensor(exported["times"], dtype=torch.float64)
+    assert exported["steps"] == 3 and torch.allclose(exported_times, times.double(), atol=1e-7)
+    assert exported["times"][0] == 1.0 and exported["times"][-1] > 0  # the stop margin, not 0
     sigmas = backbone.sigma(times) if isinstance(backbone, families.SDXLBackbone) else times
     assert torch.allclose(torch.tensor(exported["sigmas"]).float(), sigmas, rtol=1e-6)
     with pytest.raises(ValueError, match="only a global one exports"):

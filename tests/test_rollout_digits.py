@@ -24,9 +24,8 @@ def rms(a, b):
 def log_density(backbone, x, t, label):
     """log p_t(x) of x_t = (1 - t) x_0 + t noise for flattened samples x (..., 64), by brute force
     over the components of the class (each N(mu_m, s_m^2 I), all weighing the same)."""
-    centres, _, variances, log_weights = (
-        part[0] for part in backbone.mixture(torch.tensor([label]))
-    )
+    mixture = backbone.mixture(torch.tensor([label]))
+    centres, _, variances, log_weights = (part[0] for part in mixture)
     real = log_weights == 0
     mu, total = centres[real], (1 - t) ** 2 * variances[real] + t**2  # (M, 64), (M,)
     squared = ((x[..., None, :] - (1 - t) * mu) ** 2).sum(-1)
@@ -59,11 +58,8 @@ def test_velocity_matches_finite_difference_score(name):
         centres, _, variances, log_weights = (part[0] for part in mixture)
         real = (log_weights == 0).nonzero().flatten()
         index = real[component]
-        x = (1 - t) * (
-            centres[index]
-            + variances[index].sqrt() * torch.randn(64, generator=generator, dtype=torch.float64)
-        )
-        x = x + t * torch.randn(64, generator=generator, dtype=torch.float64)
+        draws = torch.randn(2, 64, generator=generator, dtype=torch.float64)
+        x = (1 - t) * (centres[index] + variances[index].sqrt() * draws[0]) + t * draws[1]
         velocity = backbone.velocity(x[None], torch.tensor([t]), mixture)[0]
         expected = finite_difference_velocity(backbone, x, t, label)
         # truncation ~ step^2 * third derivative ~ 1e-10 / variance^2, roundoff ~ 1e-16 / step
