@@ -129,6 +129,9 @@ PRESETS = {
     "mini-sd3": MINIATURE,
     "mini-flux": MINIATURE,
     "mini-sdxl": MINIATURE,
+    "mini-mix": dict(
+        MINIATURE, prompts="prompts/mix_train.txt", eval_prompts="prompts/mix_heldout.txt"
+    ),
     # a few-step distilled model is asked at the budget it was distilled for
     "mini-flux-schnell": dict(MINIATURE, steps=4),
 }
@@ -236,7 +239,7 @@ def check(config, world_size):
         reward_lib.check_digits(config.reward, config.backbone, spec)
         prompts = load_prompt_file(config.prompts) if config.prompts else None
         heldout = load_prompt_file(config.eval_prompts) if config.eval_prompts else None
-        reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []))
+        reward_lib.check_prompts(config.reward, (prompts or []) + (heldout or []), config.backbone)
     except (ValueError, OSError) as error:
         fail(error)
     digest = hashlib.sha256(json.dumps([prompts, heldout]).encode()).hexdigest()

@@ -41,6 +41,7 @@ def _real(family, hub_id, guidance):
 EMBEDDED = dict(family="mixture", hub_id=None, resolution=8, guidance=None, policy="embedded")
 DIGIT_PROMPTS = ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
 MINIATURE = dict(hub_id=None, resolution=16, policy="embedded", prompts=DIGIT_PROMPTS)
+MIX_PROMPTS = ("prompts/mix_train.txt", "prompts/mix_heldout.txt")
 BACKBONES = {
     "sd35m": _real("sd3", "stabilityai/stable-diffusion-3.5-medium", 4.5),
     "sd35l": _real("sd3", "stabilityai/stable-diffusion-3.5-large", 3.5),
@@ -71,6 +72,10 @@ BACKBONES = {
     "mini-sd3": dict(MINIATURE, family="sd3", folder="miniatures/mini-sd3", guidance=1.25),
     "mini-flux": dict(MINIATURE, family="flux", folder="miniatures/mini-flux", guidance=1.5),
     "mini-sdxl": dict(MINIATURE, family="sdxl", folder="miniatures/mini-sdxl", guidance=1.25),
+    # mini-mix: the SD3 family on digits, letters, colour blobs and photo crops (miniatures/mix.py)
+    "mini-mix": dict(
+        MINIATURE, family="sd3", folder="miniatures/mini-mix", guidance=1.5, prompts=MIX_PROMPTS
+    ),
     # mini-flux distilled for few steps, as FLUX.1-schnell: no guidance input, no resolution shift
     "mini-flux-schnell": dict(
         MINIATURE, family="flux", folder="miniatures/mini-flux-schnell", guidance=None

@@ -61,7 +61,8 @@ from evidence.results import (
 )
 from policy import SchedulePolicy, make_policy, sample_increments, times_from_increments
 from prompts import TUNING_SEED, context_noise, heldout_contexts, load_prompt_file
-from rewards import digit_of, load_reward
+from rewards import load_reward
+from rewards.digits import digit_of
 
 CELLS = {"mini-sd3": 2, "mini-sdxl": 2}  # miniature: the digit whose prompts make its contexts
 STEPS, CONTEXTS, ROLLOUTS, ITERATIONS, CURVE = 2, 4, 2, 30, 2

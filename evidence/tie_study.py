@@ -59,7 +59,8 @@ from evidence.results import (
 )
 from policy import SchedulePolicy, make_policy
 from prompts import TUNING_SEED, heldout_contexts, load_prompt_file
-from rewards import digit_of, load_reward
+from rewards import load_reward
+from rewards.digits import digit_of
 
 NAME = "mini-sd3"
 PAIRS = ((2, 8), (2, 3), (3, 8), (1, 7), (4, 9), (0, 6))  # candidate digit pairs, {2, 8} first

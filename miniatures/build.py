@@ -1,6 +1,6 @@
 """
 Trained miniature text-to-image pipelines: real SD3, Flux and SD-XL architectures, small enough to
-train on a laptop CPU and to ship in the repository (miniatures/, about 11 MB with the reward
+train on a laptop CPU and to ship in the repository (miniatures/, about 19 MB with the reward
 models).
 
     python -m miniatures.build --family classifier   # the digit reward's classifier (a minute)
@@ -9,6 +9,9 @@ models).
     python -m miniatures.build --family sdxl         # miniatures/mini-sdxl
     python -m miniatures.build --family flux-schnell # mini-flux distilled for 4 steps (15 minutes)
     python -m miniatures.build --family preference   # the preference reward's scorer (minutes)
+    python -m miniatures.build --family mix             # mini-mix (miniatures/mix.py; 37 minutes)
+    python -m miniatures.build --family mix-classifier  # its classifier (minutes)
+    python -m miniatures.build --family mix-preference  # its preference scorer (minutes)
 
 How each miniature's default guidance was chosen and what the shipped folders reach:
 evidence/miniatures.py.
@@ -47,7 +50,11 @@ Each pipeline is the family's real layout in miniature:
   through T5 alone, and without them an unseen word derails it);
 - mini-sdxl: UNet2DConditionModel with the text/time added conditioning, epsilon prediction on
   SD-XL's noise table (scaled-linear betas 0.00085..0.012, 1,000 steps), prompts dropped to zero
-  embeddings (the SD-XL pipeline's force_zeros_for_empty_prompt).
+  embeddings (the SD-XL pipeline's force_zeros_for_empty_prompt);
+- mini-mix: mini-sd3's recipe, a wider and deeper transformer (DENOISER_SIZES) and more updates,
+  on four kinds of content (miniatures/mix.py: digits, printed letters, colour blobs, photo crops;
+  28 classes named by a word of the prompt); its classifier and preference scorer are built as the
+  digits' are, on its images no pipeline saw, and their configurations carry the class marks.
 """
 
 import argparse
@@ -62,17 +69,20 @@ import torch
 import torch.nn.functional as F
 
 import backbones
+from miniatures import mix
 from miniatures.data import SIDE, digit_splits, prompt_lists, split
 from miniatures.layouts import autoencoder, family_pipeline
 from policy import increments_from_times, times_from_increments
 from prompts import context_noise, heldout_contexts
-from rewards.digits import DigitClassifier, PreferenceScorer, digit_of
+from rewards.digits import DIGITS, DigitClassifier, PreferenceScorer, digit_of
 from rewards.images import quantize
 
-FAMILIES = ("sd3", "flux", "sdxl")
+FAMILIES = ("sd3", "flux", "sdxl")  # the digit miniatures
+LAYOUTS = dict(mix="sd3")  # mini-mix is the SD3 family on mixed content (miniatures/mix.py)
+MIX = ("mix", "mix-classifier", "mix-preference")  # mini-mix and its reward models
 FOLDER = os.path.dirname(os.path.abspath(__file__))  # miniatures/: the weights beside this code
 TEXT_LENGTH = 12  # tokens per prompt (CLIP and T5 alike): the longest paraphrase has 8
-LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sdxl": 4}
+LATENT_CHANNELS = {"sd3": 16, "flux": 16, "sdxl": 4, "mix": 16}
 DROP = 0.1  # fraction of training prompts replaced by the empty one (CFG)
 # flow times are drawn logit-normal, then shifted by this (SD3's high-resolution sampling): the
 # default schedules spend many steps near t = 1, where an unshifted logit-normal barely trains
@@ -91,6 +101,7 @@ FILLERS = tuple(  # in no paraphrase, training or held-out
 
 # training budget per family: denoiser updates, batch, peak learning rate (AdamW, one-cycle)
 DENOISER = dict(sd3=(6000, 64, 1e-3), flux=(6000, 64, 1e-3), sdxl=(5000, 64, 1e-3))
+DENOISER["mix"] = (8000, 64, 1e-3)
 VAE_UPDATES, VAE_BATCH, VAE_LR, VAE_KL = 800, 64, 2e-3, 1e-7
 
 
@@ -152,11 +163,16 @@ def augment(images, generator):
     return noisy.clamp(0, 1)
 
 
-def train_classifier(epochs=60, seed=0):
+def train_classifier(epochs=60, seed=0, mixed=False):
+    """The digit classifier (or mini-mix's, `mixed`: its class of mix.CLASSES) trained on the images
+    no miniature saw; its accuracy on the miniatures' images."""
     (test_images, test_labels), (images, labels) = split()
+    if mixed:
+        splits = mix.mix_splits()
+        (test_images, test_labels), (images, labels) = splits["pipelines"], splits["classifier"]
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    model = DigitClassifier()
+    model = DigitClassifier(classes=mix.MARKS if mixed else DIGITS)
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
     batches = math.ceil(len(images) / 64)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, 2e-3, total_steps=epochs * batches)
@@ -245,12 +261,12 @@ def degraded(images, labels, pool, pool_labels, generator):
 
 
 @torch.no_grad()
-def sample_bank(family, prompts, seeds):
+def sample_bank(family, prompts, seeds, class_of=digit_of):
     """A miniature's samples of the contexts (prompts[i], seeds[i]) under several schedules: the
     50-step default, the defaults at L = 1..5, and for L = 2..5 schedules drawn from Dirichlets
     around the default (concentration 100 and 10) and uniform ones (torch.distributions draws
     from the global generator, which train_preference seeds). Returns the images (S, N, 3,
-    16, 16), each one's mean squared pixel distance to its 50-step solution (S, N), the digits
+    16, 16), each one's mean squared pixel distance to its 50-step solution (S, N), the classes
     (N,)."""
     backbone = backbones.load_backbone(f"mini-{family}")
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
@@ -265,13 +281,13 @@ def sample_bank(family, prompts, seeds):
         [quantize(backbone.decode(backbone.sample(noise, cond, t))).clamp(0, 1) for t in schedules]
     )
     distance = (images - images[:1]).square().mean((2, 3, 4))
-    digits = torch.tensor([digit_of(prompt) for prompt in prompts])
+    digits = torch.tensor([class_of(prompt) for prompt in prompts])
     return images, distance, digits
 
 
-def wrong_class(digits, generator):
+def wrong_class(digits, generator, classes=10):
     """Another class than each of `digits`, uniformly."""
-    return (digits + torch.randint(1, 10, digits.shape, generator=generator)) % 10
+    return (digits + torch.randint(1, classes, digits.shape, generator=generator)) % classes
 
 
 def of_class(real, labels, digits, generator):
@@ -283,15 +299,16 @@ def of_class(real, labels, digits, generator):
     return shifted(real[torch.cat(picks)], generator)
 
 
-def preference_pairs(real, labels, banks, generator, batch=PREFERENCE_BATCH):
-    """One batch of (preferred, other, digit) pairs: `batch` of each of the five kinds."""
+def preference_pairs(real, labels, banks, generator, batch=PREFERENCE_BATCH, classes=10):
+    """One batch of (preferred, other, class) pairs: `batch` of each of the five kinds."""
     images, distance, sample_digits = banks
     digits = labels[torch.randint(len(real), (2 * batch,), generator=generator)]
     good = of_class(real, labels, digits, generator)
     # a real digit against its corruption, and against a real digit of another class
     chosen = [good]
     other = [degraded(good[:batch], digits[:batch], real, labels, generator)]
-    other.append(of_class(real, labels, wrong_class(digits[batch:], generator), generator))
+    wrong = wrong_class(digits[batch:], generator, classes)
+    other.append(of_class(real, labels, wrong, generator))
     # a real digit against a miniature's sample of its class
     schedule = torch.randint(len(images), (batch,), generator=generator)
     context = torch.randint(images.shape[1], (batch,), generator=generator)
@@ -311,26 +328,28 @@ def preference_pairs(real, labels, banks, generator, batch=PREFERENCE_BATCH):
     return torch.cat(chosen), torch.cat(other), torch.cat(digits)
 
 
-def train_preference(seed=0, log=print):
-    """The preference scorer (PreferenceScorer) from the preference split and the miniatures'
-    samples; returns it and its held-out pair accuracy per kind."""
+def train_preference(seed=0, log=print, mixed=False):
+    """The preference scorer (PreferenceScorer) from the preference split and the digit miniatures'
+    samples (or mini-mix's, `mixed`: its classes, its images and its samples)."""
     torch.manual_seed(seed)
     # late in training, gradients underflow to denormal floats, which the CPU computes 10x slower
     torch.set_flush_denormal(True)
     generator = torch.Generator().manual_seed(seed)
-    real, labels = digit_splits()["preference"]
-    prompts, seeds = heldout_contexts(prompt_lists()[0], PREFERENCE_CONTEXTS, PREFERENCE_SEED)
-    parts = [sample_bank(family, prompts, seeds) for family in FAMILIES]
+    real, labels = (mix.mix_splits() if mixed else digit_splits())["preference"]
+    paraphrases, marks = (mix.prompts(), mix.MARKS) if mixed else (prompt_lists()[0], DIGITS)
+    prompts, seeds = heldout_contexts(paraphrases, PREFERENCE_CONTEXTS, PREFERENCE_SEED)
+    class_of, names = (mix.class_of, ("mix",)) if mixed else (digit_of, FAMILIES)
+    parts = [sample_bank(name, prompts, seeds, class_of) for name in names]
     # the miniatures' banks side by side: (S, 3N, ...) images, (S, 3N) distances, (3N,) digits
     banks = tuple(
         torch.cat(tensors, dim=1 if tensors[0].dim() > 1 else 0) for tensors in zip(*parts)
     )
     log(f"preference: {banks[0].shape[0] * banks[0].shape[1]} miniature samples")
-    model = PreferenceScorer(width=16)
+    model = PreferenceScorer(width=16, classes=marks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=PREFERENCE_LR, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, PREFERENCE_LR, PREFERENCE_UPDATES)
     for update in range(PREFERENCE_UPDATES):
-        chosen, other, digits = preference_pairs(real, labels, banks, generator)
+        chosen, other, digits = preference_pairs(real, labels, banks, generator, classes=len(marks))
         scores = model(torch.cat([chosen, other])).gather(1, digits.repeat(2)[:, None]).squeeze(1)
         loss = F.softplus(scores[len(chosen) :] - scores[: len(chosen)]).mean()
         optimizer.zero_grad()
@@ -387,8 +406,11 @@ def tokenizers_and_encoders(family):
         T5Tokenizer,
     )
 
-    torch.manual_seed({"sd3": 1, "flux": 2, "sdxl": 3}[family])
+    torch.manual_seed({"sd3": 1, "flux": 2, "sdxl": 3, "mix": 4}[family])
     words = WORDS + (FILLERS if family in NOISY_PARAPHRASES else ())  # see NOISY_PARAPHRASES
+    if family == "mix":  # every word of its prompts, training and held-out, and the marks
+        text = " ".join(mix.prompts() + mix.prompts(held_out=True)).replace(",", " ")
+        words = tuple(dict.fromkeys(text.split()))
     vocab, merges = clip_vocabulary(words)
     start, end = vocab["<|startoftext|>"], vocab["<|endoftext|>"]
     clip_config = CLIPTextConfig(
@@ -442,7 +464,7 @@ def tokenizers_and_encoders(family):
         torch.nn.init.normal_(model.get_input_embeddings().weight, std=1.0)
         return model
 
-    if family == "sd3":
+    if LAYOUTS.get(family, family) == "sd3":
         return dict(
             text_encoder=clip(CLIPTextModelWithProjection),
             tokenizer=clip_tokenizer(),
@@ -483,6 +505,18 @@ DENOISER_SIZES = dict(
         pooled_projection_dim=64,
         pos_embed_max_size=SIDE // 2,
     ),
+    # mini-mix: wider and deeper, for 28 classes of four kinds of content
+    mix=dict(
+        sample_size=SIDE // 2,
+        in_channels=16,
+        num_layers=4,
+        attention_head_dim=32,
+        num_attention_heads=3,
+        joint_attention_dim=64,
+        caption_projection_dim=96,
+        pooled_projection_dim=64,
+        pos_embed_max_size=SIDE // 2,
+    ),
     # 16 channels pack 2x2 to 64; sum(axes_dims_rope) = attention_head_dim
     flux=dict(
         in_channels=64,
@@ -510,7 +544,7 @@ def build_pipeline(family, vae):
     """An untrained pipeline of `family` around a trained `vae`, seeded: the real family's layout
     (miniatures/layouts.py; mini-flux with FLUX.1-dev's guidance input) at DENOISER_SIZES."""
     text = tokenizers_and_encoders(family)
-    layout = "flux-dev" if family == "flux" else family
+    layout = dict(LAYOUTS, flux="flux-dev").get(family, family)
     return family_pipeline(layout, DENOISER_SIZES[family], lambda: vae, lambda: text, seed=10)
 
 
@@ -603,12 +637,21 @@ def flow_prediction(pipe, family, state, sigma, text, guidance=None, transformer
     )[0]
 
 
-def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print):
-    """Train pipe's transformer / UNet on the latents (N, C, 8x8) of the digits `labels` (N,)."""
+def by_class(prompts, class_of=digit_of, classes=10):
+    """The positions of the prompts that name each class."""
+    return [
+        [i for i, prompt in enumerate(prompts) if class_of(prompt) == c] for c in range(classes)
+    ]
+
+
+def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print, classes=None):
+    """Train pipe's transformer / UNet on the latents (N, C, 8x8) of the classes `labels` (N,), each
+    with a prompt that names it (classes: by_class(prompts), the digits' by default)."""
     updates, batch_size, lr = DENOISER[family]
+    family = LAYOUTS.get(family, family)  # from here on, what the layout asks
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    by_digit = [[i for i, prompt in enumerate(prompts) if digit_of(prompt) == d] for d in range(10)]
+    by_digit = classes or by_class(prompts)
     texts = encode_texts(pipe, family, prompts + [""])
     if family == "sdxl":  # the SD-XL pipeline's negative for an empty prompt is zeros
         texts = {
@@ -731,7 +774,15 @@ def latents_of(vae, images):
 def train_family(family, seed=0, out=None):
     """Train a miniature from scratch and save it with save_pretrained (safetensors)."""
     started = time.time()
-    (images, labels), _ = split()
+    ((images, labels), _), train_prompts, class_of, classes = (
+        split(),
+        prompt_lists()[0],
+        digit_of,
+        10,
+    )
+    if family == "mix":
+        (images, labels), train_prompts = mix.mix_splits()["pipelines"], mix.prompts()
+        class_of, classes = mix.class_of, len(mix.CLASSES)
     vae, error = train_vae(LATENT_CHANNELS[family], images, seed)
     print(f"{family}: VAE trained, reconstruction RMSE {error:.4f} ({time.time() - started:.0f} s)")
     pipe = build_pipeline(family, vae)
@@ -746,13 +797,13 @@ def train_family(family, seed=0, out=None):
     generator = torch.Generator().manual_seed(seed + 1)
     # one latent draw per image per epoch-like pass: 8 draws of every image from its posterior
     samples = torch.cat([scale(posterior.sample(generator)) for _ in range(8)])
-    train_prompts, _ = prompt_lists()
     if family in NOISY_PARAPHRASES:
         tokenizers = [pipe.tokenizer, pipe.tokenizer_2]
         train_prompts += noisy_paraphrases(
             train_prompts, NOISY_PARAPHRASES[family], tokenizers, seed
         )
-    train_denoiser(pipe, family, samples, labels.repeat(8), train_prompts, seed)
+    classes = by_class(train_prompts, class_of, classes)
+    train_denoiser(pipe, family, samples, labels.repeat(8), train_prompts, seed, classes=classes)
     out = out or os.path.join(FOLDER, f"mini-{family}")
     pipe.save_pretrained(out, safe_serialization=True)
     with open(os.path.join(out, "training.json"), "w") as handle:
@@ -855,7 +906,7 @@ def train_schnell(seed=0, out=None, log=print):
     tokenizers = [pipe.tokenizer, pipe.tokenizer_2]
     noisy = noisy_paraphrases(paraphrases, NOISY_PARAPHRASES["flux"], tokenizers, seed)
     prompts = paraphrases + noisy  # what the student reads
-    by_digit = [[i for i, prompt in enumerate(prompts) if digit_of(prompt) == d] for d in range(10)]
+    by_digit = by_class(prompts)
     generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(len(paraphrases), (SCHNELL_PAIRS,), generator=generator)
     noise, samples = teacher_coupling(teacher, [paraphrases[i] for i in picks], seed + 1)
@@ -910,7 +961,7 @@ def train_schnell(seed=0, out=None, log=print):
                 f"  schnell update {update + 1}/{SCHNELL_UPDATES} | loss {loss.item():.4f} | "
                 f"{time.time() - started:.0f} s"
             )
-    student.eval().requires_grad_(False).half()  # the 11 MB budget; from_pretrained upcasts
+    student.eval().requires_grad_(False).half()  # the size budget; from_pretrained upcasts
 
     out = out or os.path.join(FOLDER, "mini-flux-schnell")
     staging = out + ".partial"  # a sibling: the links' relative paths hold for both
@@ -948,7 +999,7 @@ if __name__ == "__main__":
     parser.add_argument(
         "--family",
         required=True,
-        choices=FAMILIES + ("flux-schnell", "classifier", "preference"),
+        choices=FAMILIES + ("flux-schnell", "classifier", "preference") + MIX,
         help="what to train (and overwrite); preference reads the shipped miniatures",
     )
     parser.add_argument("--seed", type=int, default=0)
@@ -956,15 +1007,16 @@ if __name__ == "__main__":
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.family == "classifier":
+    if args.family in ("classifier", "mix-classifier"):
         began = time.time()
-        model, accuracy = train_classifier(seed=args.seed)
-        model.save_pretrained(os.path.join(FOLDER, "classifier"))
+        model, accuracy = train_classifier(seed=args.seed, mixed=args.family == "mix-classifier")
+        model.save_pretrained(os.path.join(FOLDER, args.family))
         print(f"classifier: held-out accuracy {accuracy:.4f} ({time.time() - began:.0f} s)")
-    elif args.family == "preference":
+    elif args.family in ("preference", "mix-preference"):
         began = time.time()
-        train_preference(seed=args.seed).save_pretrained(os.path.join(FOLDER, "preference"))
-        print(f"preference: saved miniatures/preference ({time.time() - began:.0f} s)")
+        model = train_preference(seed=args.seed, mixed=args.family == "mix-preference")
+        model.save_pretrained(os.path.join(FOLDER, args.family))
+        print(f"{args.family}: saved miniatures/{args.family} ({time.time() - began:.0f} s)")
     elif args.family == "flux-schnell":
         train_schnell(args.seed)
     elif args.family:

@@ -8,14 +8,16 @@ How realistic the miniatures' samples are, against real handwritten digits no mi
   (reaching its k-th nearest real neighbour), recall the share of real images inside some sample's
   ball. k = 3 as in the paper.
 
-The features are the leading principal components of the reference digits' grey pixels (FID's
-Inception features have no 16x16 counterpart that sees blur). Both measures depend on N, so every
+The features are the leading principal components of the reference images' pixels, grey for the
+digits, RGB for mini-mix's colour (FID's Inception features have no 16x16 counterpart that sees
+blur). Both measures depend on N, so every
 table gives the real-against-real value at the same N (`floor`).
 """
 
 import torch
 
 from miniatures.data import digit_splits
+from miniatures.mix import mix_splits
 from prompts import context_noise
 from rewards.images import quantize
 
@@ -23,22 +25,26 @@ COMPONENTS = 32  # principal components kept
 NEIGHBOURS = 3  # k of the k-NN balls (Kynkaanniemi et al.'s default)
 
 
-def grey(images):
-    """(N, 3, H, W) images in [0, 1] -> (N, H*W) float64 grey pixels of their 8-bit form."""
-    return quantize(images).mean(1).flatten(1).double()
+def grey(images, colour=False):
+    """(N, 3, H, W) images in [0, 1] -> (N, H*W) float64 grey pixels of their 8-bit form, or with
+    `colour` (N, 3*H*W) RGB ones."""
+    pixels = quantize(images)
+    return (pixels if colour else pixels.mean(1)).flatten(1).double()
 
 
 class FeatureSpace:
-    """PCA of the reference images' grey pixels, fitted once: (N, 3, H, W) -> (N, COMPONENTS)."""
+    """PCA of the reference images' pixels (grey or colour), fitted once: (N, 3, H, W) -> (N,
+    COMPONENTS)."""
 
-    def __init__(self, reference_images, components=COMPONENTS):
-        pixels = grey(reference_images)
+    def __init__(self, reference_images, components=COMPONENTS, colour=False):
+        self.colour = colour
+        pixels = grey(reference_images, colour)
         self.mean = pixels.mean(0)
         _, _, directions = torch.linalg.svd(pixels - self.mean, full_matrices=False)
         self.directions = directions[:components].T  # (H*W, components)
 
     def __call__(self, images):
-        return (grey(images) - self.mean) @ self.directions
+        return (grey(images, self.colour) - self.mean) @ self.directions
 
 
 def frechet_distance(features, reference):
@@ -69,8 +75,8 @@ class Realism:
     """The realism measures of sample images against `reference` real images (N, 3, H, W); the
     floor from `unseen`, other real images of the same kind."""
 
-    def __init__(self, reference, unseen):
-        self.space = FeatureSpace(reference)
+    def __init__(self, reference, unseen, colour=False):
+        self.space = FeatureSpace(reference, colour=colour)
         self.reference = self.space(reference)
         self.unseen = unseen
 
@@ -88,9 +94,12 @@ class Realism:
         return self(self.unseen[order][:count])
 
 
-def realism_measure():
-    """Realism against the reference digits, its floor from the preference scorer's (both unseen by
-    every miniature; miniatures/data.py)."""
+def realism_measure(backbone=None):
+    """Realism against the reference digits (mini-mix: its reference images, in colour), its floor
+    from the preference scorer's (both unseen by every miniature; miniatures/data.py, mix.py)."""
+    if backbone == "mini-mix":
+        splits = mix_splits()
+        return Realism(splits["reference"][0], splits["preference"][0], colour=True)
     splits = digit_splits()
     return Realism(splits["reference"][0], splits["preference"][0])
 
@@ -123,11 +132,11 @@ def realism_report(backbone, methods, prompts, seeds):
     if len(seeds) <= NEIGHBOURS:  # a k-NN ball needs k other samples
         print(f"realism left out: it needs more than {NEIGHBOURS} held-out contexts")
         return {}
-    measure = realism_measure()
+    measure = realism_measure(backbone.name)
     realism = realism_table(backbone, methods, prompts, seeds, measure)
     floor = measure.floor(len(seeds))
-    print("realism against real digits (Frechet distance lower, precision and recall higher):")
-    real = f"unseen real digits, the same {len(seeds)}"  # what data as real as the data scores
+    print("realism against real images (Frechet distance lower, precision and recall higher):")
+    real = f"unseen real images, the same {len(seeds)}"  # what data as real as the data scores
     for name, row in {**realism, real: floor}.items():
         print(f"  {name}: " + ", ".join(f"{key} {value:.3f}" for key, value in row.items()))
     return dict(realism=realism, realism_floor=floor)

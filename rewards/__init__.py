@@ -17,10 +17,10 @@ with repeat_interleave), built once, and decodes with `backbone.decode` when it 
   text-rendering reward; evaluate.py also reports 1 - normalised edit distance.
 - "geneval" (geneval.py): the fraction of a GenEval prompt's requirements met; evaluate.py also
   reports GenEval's binary correctness.
-- "digit", "preference" (digits.py): the mini-* backbones' rewards, from models that
-  miniatures/build.py trains on digits no miniature saw: log p(prompted digit | image) under a
-  classifier, and a Bradley-Terry preference scorer (their HPSv2); both also report the
-  classifier's accuracy.
+- "class" ("digit" on the digit miniatures), "preference" (digits.py): the mini-* backbones'
+  rewards, from models that miniatures/build.py trains on images no miniature saw: log p(prompted
+  class | image) under a classifier, and a Bradley-Terry preference scorer (their HPSv2); both
+  also report the classifier's accuracy.
 
 Images are quantised to 8 bits before scoring, as the reward models saw them, and preprocessed on
 tensors to the same numbers as each model's own transform (tests/test_rewards.py checks this).
@@ -30,8 +30,8 @@ than dropping or clamping samples, which would bias the estimator and hide a bro
 
 import torch
 
+from rewards import digits
 from rewards.clip import CLIPReward
-from rewards.digits import DigitReward, PreferenceReward, digit_of
 from rewards.geneval import GenEvalReward, parse
 from rewards.hps import HPSReward
 from rewards.ocr import OCRReward, target_text
@@ -43,11 +43,12 @@ REWARDS = {  # name -> its loader: (backbone, device=None, **options) -> the rew
     "clip": CLIPReward,
     "ocr": OCRReward,
     "geneval": GenEvalReward,
-    "digit": DigitReward,
-    "preference": PreferenceReward,
+    "class": digits.ClassReward,
+    "digit": digits.ClassReward,  # its name on the digit miniatures
+    "preference": digits.PreferenceReward,
 }
 IMAGE_CONTENT = ("ocr", "geneval")  # read text or objects: not for the 8x8 embedded backbones
-DIGIT_REWARDS = ("digit", "preference")  # read the miniatures' 16x16 digits: mini-* only
+DIGIT_REWARDS = ("class", "digit", "preference")  # read the miniatures' 16x16 images: mini-* only
 
 
 def check_digits(name, backbone, spec):
@@ -60,9 +61,12 @@ def check_digits(name, backbone, spec):
         )
 
 
-def check_prompts(name, prompts):
-    """ValueError naming the first prompt the reward `name` cannot score."""
-    reads = {"digit": digit_of, "preference": digit_of, "ocr": target_text, "geneval": parse}
+def check_prompts(name, prompts, backbone=None):
+    """ValueError naming the first prompt the reward `name` cannot score on `backbone`."""
+    reads = {"ocr": target_text, "geneval": parse}
+    if name in DIGIT_REWARDS:  # the classes of the backbone's classifier
+        marks = digits.load_classifier(digits.reward_folder(backbone, "classifier")).classes
+        reads[name] = lambda prompt: digits.class_of(prompt, marks)
     if name in reads:
         for prompt in prompts:
             reads[name](prompt)
@@ -79,7 +83,8 @@ def metrics(reward, name, latents, prompts, noise, cond):
         return {name: values[score], f"{name} {other}": values[other]}
     if name in DIGIT_REWARDS:
         score, correct = reward.details(latents, prompts)
-        return {name: score.cpu(), "digit accuracy": correct.cpu()}
+        accuracy = "digit accuracy" if reward.model.classes == digits.DIGITS else "class accuracy"
+        return {name: score.cpu(), accuracy: correct.cpu()}
     return {name: reward(latents, prompts, noise, cond).float().cpu()}
 
 

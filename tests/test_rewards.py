@@ -19,7 +19,7 @@ import rewards.images as preprocess
 class ImageBackbone:
     """Stand-in whose latents are the images themselves: the image rewards only call decode."""
 
-    device = torch.device("cpu")
+    name, device = "images", torch.device("cpu")
 
     def decode(self, latents):
         return latents.float().clamp(0.0, 1.0)
