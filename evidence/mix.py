@@ -8,9 +8,9 @@ reaches, written into docs/RESULTS.md (section "mini-mix gates"):
 The guidance: for each of GUIDANCES, 50-step samples of TUNING contexts per kind (training
 paraphrases, tuning noise; never the held-out contexts), read by mini-mix's classifier (trained on
 images no pipeline saw): each kind's share recognised as its kind and as its class, and the realism
-of all samples against the reference images (colour features, miniatures/realism.py). Chosen: the
-most realistic guidance at which every kind passes the gates below; where none does, the one whose
-worst kind's class accuracy is highest.
+of all samples against the reference images (colour features, miniatures/realism.py). Chosen as the
+digit miniatures' guidance is (evidence/miniatures.py): the most realistic guidance at which at
+least MIN_ACCURACY of all samples show the prompted class; where none does, the most accurate.
 
 The gates, fixed before mini-mix was built and measured on HELDOUT contexts per kind (held-out
 paraphrases, held-out noise) at 50 steps and the chosen guidance: at least KIND_GATE of each kind's
@@ -28,6 +28,7 @@ from PIL import Image
 
 import backbones
 from evaluate import default_schedule
+from evidence.miniatures import MIN_ACCURACY
 from evidence.results import REPOSITORY, commit, one_line_errors, record
 from miniatures import mix
 from miniatures.realism import Realism, sample_images
@@ -95,9 +96,9 @@ def gates():
     lines = [
         f"mini-mix's classifier: {accuracy.float().mean():.3f} of the {len(accuracy)} images the "
         f"pipeline trained on (it never saw them). The guidance: 50-step samples of {TUNING} "
-        "contexts per kind (training paraphrases, tuning noise); chosen (bold): the lowest Frechet "
-        f"distance of all samples at which every kind reaches the gates ({KIND_GATE} recognised as "
-        f"its kind, {CLASS_GATE} as its class).",
+        "contexts per kind (training paraphrases, tuning noise); chosen (bold) as the digit "
+        "miniatures' guidance: the lowest Frechet distance of all samples at which at least "
+        f"{MIN_ACCURACY} of them show the prompted class.",
         "",
         "| guidance | " + " | ".join(f"{kind}: kind, class" for kind in mix.KINDS)
         + " | Frechet (all) | precision | recall |",
@@ -108,11 +109,11 @@ def gates():
         backbone = backbones.load_backbone("mini-mix", guidance=guidance)
         sweep[guidance] = measured(backbone, classifier, realism, tuning)[0]
         print(f"guidance {guidance}: {sweep[guidance]}", flush=True)
-    valid = [g for g in GUIDANCES if passes(sweep[g])]
-    worst = {g: min(sweep[g][kind]["accuracy"] for kind in mix.KINDS) for g in GUIDANCES}
-    chosen = (
-        min(valid, key=lambda g: sweep[g]["all"]["frechet"]) if valid else max(worst, key=worst.get)
-    )
+    # every kind has TUNING samples: the share of all is the mean of the kinds'
+    accuracy = {g: sum(sweep[g][kind]["accuracy"] for kind in mix.KINDS) / 4 for g in GUIDANCES}
+    valid = [g for g in GUIDANCES if accuracy[g] >= MIN_ACCURACY]
+    chosen = min(valid, key=lambda g: sweep[g]["all"]["frechet"]) if valid else None
+    chosen = chosen or max(accuracy, key=accuracy.get)
     for guidance, rows in sweep.items():
         mark = "**" if guidance == chosen else ""
         cells = [f"{rows[kind]['kind']:.3f}, {rows[kind]['accuracy']:.3f}" for kind in mix.KINDS]

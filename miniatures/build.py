@@ -505,18 +505,6 @@ DENOISER_SIZES = dict(
         pooled_projection_dim=64,
         pos_embed_max_size=SIDE // 2,
     ),
-    # mini-mix: wider and deeper, for 28 classes of four kinds of content
-    mix=dict(
-        sample_size=SIDE // 2,
-        in_channels=16,
-        num_layers=4,
-        attention_head_dim=32,
-        num_attention_heads=3,
-        joint_attention_dim=64,
-        caption_projection_dim=96,
-        pooled_projection_dim=64,
-        pos_embed_max_size=SIDE // 2,
-    ),
     # 16 channels pack 2x2 to 64; sum(axes_dims_rope) = attention_head_dim
     flux=dict(
         in_channels=64,
@@ -537,6 +525,12 @@ DENOISER_SIZES = dict(
         cross_attention_dim=64,
         norm_num_groups=8,
     ),
+)
+
+
+# mini-mix: mini-sd3's, wider and deeper, for 28 classes of four kinds of content
+DENOISER_SIZES["mix"] = dict(
+    DENOISER_SIZES["sd3"], num_layers=4, num_attention_heads=3, caption_projection_dim=96
 )
 
 
