@@ -9,7 +9,7 @@ models).
     python -m miniatures.build --family sdxl         # miniatures/mini-sdxl
     python -m miniatures.build --family flux-schnell # mini-flux distilled for 4 steps (15 minutes)
     python -m miniatures.build --family preference   # the preference reward's scorer (minutes)
-    python -m miniatures.build --family mix             # mini-mix (miniatures/mix.py; 37 minutes)
+    python -m miniatures.build --family mix             # mini-mix (miniatures/mix.py; 31 minutes)
     python -m miniatures.build --family mix-classifier  # its classifier (minutes)
     python -m miniatures.build --family mix-preference  # its preference scorer (minutes)
 

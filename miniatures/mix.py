@@ -39,7 +39,7 @@ CLASSES = (
 KIND_OF = torch.tensor([KINDS.index(kind) for kind, _ in CLASSES])  # (28,) each class's kind
 MARKS = tuple(mark for _, mark in CLASSES)  # the word of a prompt that names each class
 TEMPLATES = {  # kind: (training templates, held-out templates), "{}" where the mark goes
-    "digit": (  # prompts/digit_train.txt's and digit_heldout.txt's, in their order
+    "digit": (  # those of prompts/digit_train.txt and prompts/digit_heldout.txt, in their order
         ("a handwritten {}", "the digit {}", "a {} written by hand", "handwritten digit {}",
          "a drawing of the number {}", "the number {}, handwritten", "digit {}", "a scribbled {}",
          "number {}", "a {}", "{}", "a picture of the digit {}", "the handwritten number {}",

@@ -177,7 +177,7 @@ def test_miniature_defaults_run_on_a_cpu_with_their_paraphrases(tmp_path):
         train.check(config, world_size=1)  # no "--device cpu to insist"
         assert config.reward == "preference" and config.device is None and config.threads == 1
         prompt_files = (config.prompts, config.eval_prompts)
-        assert prompt_files == ("prompts/digit_train.txt", "prompts/digit_heldout.txt")
+        assert prompt_files == backbones.BACKBONES[name]["prompts"]
     train_prompts, heldout = data.prompt_lists()
     assert not set(train_prompts) & set(heldout)
     assert {digit_of(prompt) for prompt in heldout} == set(range(10))
@@ -256,23 +256,23 @@ def test_the_digit_miniatures_build_as_before_mini_mix(tmp_path, monkeypatch, fa
 
 def test_mini_mix_draws_the_kind_and_class_its_prompts_name():
     """mini-mix (miniatures/mix.py): held-out paraphrases, fresh noise, 50 default steps at its
-    guidance: its classifier reads the prompted kind in at least 90% and the prompted class in at
-    least 80% of 20 contexts per kind (`python -m evidence.mix --gates` measures 200); its class
-    reward is that classifier's log-probability of the prompted class; its prompt files are
-    mix.prompts()."""
+    guidance: its classifier reads the prompted kind in at least 80% and the prompted class in at
+    least 70% of 40 contexts per kind (`python -m evidence.mix --gates` holds 200 to 90% and 80%;
+    here each bound sits about 2 binomial standard errors below its gate); its class reward is
+    that classifier's log-probability of the prompted class; its prompt files are mix.prompts()."""
     assert mix.prompts() == train.load_prompt_file("prompts/mix_train.txt")
     assert mix.prompts(held_out=True) == train.load_prompt_file("prompts/mix_heldout.txt")
     backbone = backbones.load_backbone("mini-mix")
     reward = load_reward("class", backbone)
     for k, kind in enumerate(mix.KINDS):
         prompts = [p for p in mix.prompts(held_out=True) if mix.KIND_OF[mix.class_of(p)] == k]
-        prompts, seeds = heldout_contexts(prompts, 20)
+        prompts, seeds = heldout_contexts(prompts, 40)
         noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
-        latents = backbone.sample(noise, cond, backbone.default_times(50).expand(20, -1))
+        latents = backbone.sample(noise, cond, backbone.default_times(50).expand(40, -1))
         scores, correct = reward.details(latents, prompts)
         with torch.no_grad():
             log_probs = torch.log_softmax(reward.model(reward.pixels(latents)), 1)
         wanted = torch.tensor([mix.class_of(prompt) for prompt in prompts])
-        torch.testing.assert_close(scores, log_probs[torch.arange(20), wanted])
-        assert (mix.KIND_OF[log_probs.argmax(1)] == k).float().mean() >= 0.9, kind
-        assert correct.mean() >= 0.8, kind
+        torch.testing.assert_close(scores, log_probs[torch.arange(40), wanted])
+        assert (mix.KIND_OF[log_probs.argmax(1)] == k).float().mean() >= 0.8, kind
+        assert correct.mean() >= 0.7, kind
