@@ -74,7 +74,7 @@ from miniatures.data import SIDE, digit_splits, prompt_lists, split
 from miniatures.layouts import autoencoder, family_pipeline
 from policy import increments_from_times, times_from_increments
 from prompts import context_noise, heldout_contexts
-from rewards.digits import DIGITS, DigitClassifier, PreferenceScorer, digit_of
+from rewards.digits import DIGITS, DigitClassifier, PreferenceScorer, class_of, digit_of
 from rewards.images import quantize
 
 FAMILIES = ("sd3", "flux", "sdxl")  # the digit miniatures
@@ -261,13 +261,13 @@ def degraded(images, labels, pool, pool_labels, generator):
 
 
 @torch.no_grad()
-def sample_bank(family, prompts, seeds, class_of=digit_of):
+def sample_bank(family, prompts, seeds, marks=DIGITS):
     """A miniature's samples of the contexts (prompts[i], seeds[i]) under several schedules: the
     50-step default, the defaults at L = 1..5, and for L = 2..5 schedules drawn from Dirichlets
     around the default (concentration 100 and 10) and uniform ones (torch.distributions draws
     from the global generator, which train_preference seeds). Returns the images (S, N, 3,
     16, 16), each one's mean squared pixel distance to its 50-step solution (S, N), the classes
-    (N,)."""
+    (N,) the prompts name (among `marks`)."""
     backbone = backbones.load_backbone(f"mini-{family}")
     noise, cond = context_noise(backbone, seeds), backbone.encode_prompts(prompts)
     count, schedules = len(prompts), [backbone.default_times(50).expand(len(prompts), -1)]
@@ -281,7 +281,7 @@ def sample_bank(family, prompts, seeds, class_of=digit_of):
         [quantize(backbone.decode(backbone.sample(noise, cond, t))).clamp(0, 1) for t in schedules]
     )
     distance = (images - images[:1]).square().mean((2, 3, 4))
-    digits = torch.tensor([class_of(prompt) for prompt in prompts])
+    digits = torch.tensor([class_of(prompt, marks) for prompt in prompts])
     return images, distance, digits
 
 
@@ -338,8 +338,8 @@ def train_preference(seed=0, log=print, mixed=False):
     real, labels = (mix.mix_splits() if mixed else digit_splits())["preference"]
     paraphrases, marks = (mix.prompts(), mix.MARKS) if mixed else (prompt_lists()[0], DIGITS)
     prompts, seeds = heldout_contexts(paraphrases, PREFERENCE_CONTEXTS, PREFERENCE_SEED)
-    class_of, names = (mix.class_of, ("mix",)) if mixed else (digit_of, FAMILIES)
-    parts = [sample_bank(name, prompts, seeds, class_of) for name in names]
+    names = ("mix",) if mixed else FAMILIES
+    parts = [sample_bank(name, prompts, seeds, marks) for name in names]
     # the miniatures' banks side by side: (S, 3N, ...) images, (S, 3N) distances, (3N,) digits
     banks = tuple(
         torch.cat(tensors, dim=1 if tensors[0].dim() > 1 else 0) for tensors in zip(*parts)
@@ -631,21 +631,20 @@ def flow_prediction(pipe, family, state, sigma, text, guidance=None, transformer
     )[0]
 
 
-def by_class(prompts, class_of=digit_of, classes=10):
-    """The positions of the prompts that name each class."""
-    return [
-        [i for i, prompt in enumerate(prompts) if class_of(prompt) == c] for c in range(classes)
-    ]
+def by_class(prompts, marks=DIGITS):
+    """The positions of the prompts that name each class (one of `marks`)."""
+    named = [class_of(prompt, marks) for prompt in prompts]
+    return [[i for i, c in enumerate(named) if c == mark] for mark in range(len(marks))]
 
 
-def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print, classes=None):
+def train_denoiser(pipe, family, latents, labels, prompts, seed=0, log=print, marks=DIGITS):
     """Train pipe's transformer / UNet on the latents (N, C, 8x8) of the classes `labels` (N,), each
-    with a prompt that names it (classes: by_class(prompts), the digits' by default)."""
+    with a prompt that names it (one of `marks`: the digits', or mini-mix's)."""
     updates, batch_size, lr = DENOISER[family]
     family = LAYOUTS.get(family, family)  # from here on, what the layout asks
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    by_digit = classes or by_class(prompts)
+    by_digit = by_class(prompts, marks)
     texts = encode_texts(pipe, family, prompts + [""])
     if family == "sdxl":  # the SD-XL pipeline's negative for an empty prompt is zeros
         texts = {
@@ -768,15 +767,11 @@ def latents_of(vae, images):
 def train_family(family, seed=0, out=None):
     """Train a miniature from scratch and save it with save_pretrained (safetensors)."""
     started = time.time()
-    ((images, labels), _), train_prompts, class_of, classes = (
-        split(),
-        prompt_lists()[0],
-        digit_of,
-        10,
-    )
+    (images, labels), _ = split()
+    train_prompts, marks = prompt_lists()[0], DIGITS
     if family == "mix":
-        (images, labels), train_prompts = mix.mix_splits()["pipelines"], mix.prompts()
-        class_of, classes = mix.class_of, len(mix.CLASSES)
+        images, labels = mix.mix_splits()["pipelines"]
+        train_prompts, marks = mix.prompts(), mix.MARKS
     vae, error = train_vae(LATENT_CHANNELS[family], images, seed)
     print(f"{family}: VAE trained, reconstruction RMSE {error:.4f} ({time.time() - started:.0f} s)")
     pipe = build_pipeline(family, vae)
@@ -796,8 +791,7 @@ def train_family(family, seed=0, out=None):
         train_prompts += noisy_paraphrases(
             train_prompts, NOISY_PARAPHRASES[family], tokenizers, seed
         )
-    classes = by_class(train_prompts, class_of, classes)
-    train_denoiser(pipe, family, samples, labels.repeat(8), train_prompts, seed, classes=classes)
+    train_denoiser(pipe, family, samples, labels.repeat(8), train_prompts, seed, marks=marks)
     out = out or os.path.join(FOLDER, f"mini-{family}")
     pipe.save_pretrained(out, safe_serialization=True)
     with open(os.path.join(out, "training.json"), "w") as handle:

@@ -10,8 +10,8 @@ How realistic the miniatures' samples are, against real handwritten digits no mi
 
 The features are the leading principal components of the reference images' pixels, grey for the
 digits, RGB for mini-mix's colour (FID's Inception features have no 16x16 counterpart that sees
-blur). Both measures depend on N, so every
-table gives the real-against-real value at the same N (`floor`).
+blur). Both measures depend on N, so every table gives the real-against-real value at the same N
+(`floor`).
 """
 
 import torch
@@ -25,7 +25,7 @@ COMPONENTS = 32  # principal components kept
 NEIGHBOURS = 3  # k of the k-NN balls (Kynkaanniemi et al.'s default)
 
 
-def grey(images, colour=False):
+def pixels_of(images, colour=False):
     """(N, 3, H, W) images in [0, 1] -> (N, H*W) float64 grey pixels of their 8-bit form, or with
     `colour` (N, 3*H*W) RGB ones."""
     pixels = quantize(images)
@@ -38,13 +38,13 @@ class FeatureSpace:
 
     def __init__(self, reference_images, components=COMPONENTS, colour=False):
         self.colour = colour
-        pixels = grey(reference_images, colour)
+        pixels = pixels_of(reference_images, colour)
         self.mean = pixels.mean(0)
         _, _, directions = torch.linalg.svd(pixels - self.mean, full_matrices=False)
         self.directions = directions[:components].T  # (H*W, components)
 
     def __call__(self, images):
-        return (grey(images, self.colour) - self.mean) @ self.directions
+        return (pixels_of(images, self.colour) - self.mean) @ self.directions
 
 
 def frechet_distance(features, reference):

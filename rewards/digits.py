@@ -103,7 +103,8 @@ class ClassReward:
         assert images.shape[-2:] == (self.model.side,) * 2, "the digit models read 16x16 images"
         return images
 
-    def digits(self, prompts):
+    def prompted(self, prompts):
+        """The class each prompt names, by the classifier's marks."""
         classes = [class_of(prompt, self.model.classes) for prompt in prompts]
         return torch.tensor(classes, device=self.device)
 
@@ -111,9 +112,9 @@ class ClassReward:
     def details(self, latents, prompts):
         """Per sample: the reward, and 1.0 where the classifier's guess is the prompted class."""
         log_probs = torch.log_softmax(self.model(self.pixels(latents)).float(), dim=1)
-        digits = self.digits(prompts)
-        correct = (log_probs.argmax(1) == digits).float()
-        return log_probs.gather(1, digits[:, None]).squeeze(1), correct
+        wanted = self.prompted(prompts)
+        correct = (log_probs.argmax(1) == wanted).float()
+        return log_probs.gather(1, wanted[:, None]).squeeze(1), correct
 
     def __call__(self, latents, prompts, noise, cond):
         return self.details(latents, prompts)[0]
@@ -131,6 +132,6 @@ class PreferenceReward(ClassReward):
 
     @torch.no_grad()
     def details(self, latents, prompts):
-        images, digits = self.pixels(latents), self.digits(prompts)
-        correct = (self.model(images).argmax(1) == digits).float()
-        return self.scorer(images).float().gather(1, digits[:, None]).squeeze(1), correct
+        images, wanted = self.pixels(latents), self.prompted(prompts)
+        correct = (self.model(images).argmax(1) == wanted).float()
+        return self.scorer(images).float().gather(1, wanted[:, None]).squeeze(1), correct
