@@ -66,7 +66,6 @@ import json
 import logging
 import os
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from multiprocessing import get_context
 
@@ -89,7 +88,6 @@ from evidence.instance_study import (
     times_of,
 )
 from evidence.results import (
-    RUNS,
     commit,
     one_line_errors,
     record,
@@ -481,7 +479,7 @@ def cell_lines(name, steps, found, trained, seeds, control_seeds):
 
 
 def main(args):
-    started, clock = commit(), time.time()
+    started = commit()
     this_commit_only(args.out_dir)  # no cache of other code is read
     cells = [(name, steps) for name in args.backbones for steps in args.steps]
     with ThreadPoolExecutor(args.jobs) as threads:  # REINFORCE's global runs, each in a worker
@@ -501,12 +499,12 @@ def main(args):
                 row = f"{control} control, {kind}" if control else kind
                 pending[key + (row, seed)] = pool.submit(training, *job)
         trained = {job: future.result() for job, future in pending.items()}
-    lines = report(args, {key: found[key] for key in cells}, trained, started, clock)
+    lines = report(args, {key: found[key] for key in cells}, trained)
     print("\n".join(lines))
     record("ceiling", " ".join(["python -m evidence.ceiling", *sys.argv[1:]]), lines, at=started)
 
 
-def report(args, found, trained, started, clock):
+def report(args, found, trained):
     """The section: the rules, the setup, each cell's tables, the verdict and how it ran. found:
     (name, L) -> oracle(); trained: (name, L, row, seed) -> training(), row a kind or
     "<control> control, <kind>"."""
@@ -559,11 +557,10 @@ def report(args, found, trained, started, clock):
     )
     lines += ["", f"Verdict: {conclusion}." + (f" Deciding: {named}." if deciding else "")]
     jobs = list(found.values()) + list(trained.values())
-    read, minutes = sum(job["read"] for job in jobs), (time.time() - clock) / 60
-    return lines + ["", f"Ran at {started} in {minutes:.0f} min with {args.jobs} worker "
-                    f"process(es) on {os.cpu_count()} cores: {len(jobs) - read} of its {len(jobs)} "
-                    f"jobs computed here, {read} read from this code's earlier run; REINFORCE's "
-                    f"global runs: {RUNS['trained']} trained, {RUNS['read']} read."]  # fmt: skip
+    read = sum(job["read"] for job in jobs)
+    return lines + ["", f"{len(jobs) - read} of its {len(jobs)} jobs computed here, {read} read "
+                    "from this code's earlier run (REINFORCE's global runs are the trainings "
+                    "below)."]  # fmt: skip
 
 
 if __name__ == "__main__":

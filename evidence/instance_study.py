@@ -48,7 +48,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from multiprocessing import get_context
 
@@ -63,7 +62,6 @@ from evidence.results import (
     one_line_errors,
     record,
     run_training,
-    runs_line,
     this_commit_only,
     write_json_atomic,
 )
@@ -516,7 +514,7 @@ def plot(path, results):
 
 
 def main(args):
-    started, clock = commit(), time.time()
+    started = commit()
     this_commit_only(args.out_dir)  # no cache of other code is read
     cells = [(name, steps) for name in args.backbones for steps in args.steps]
     with ThreadPoolExecutor(args.jobs) as threads:
@@ -545,7 +543,7 @@ def main(args):
     middle = {key: result["rows"] for key, result in results.items() if key[1] == middle}
     plot(os.path.join(REPOSITORY, "docs", "instance.png"), middle)
     figure = "Each context's best schedule against the best single one: [docs/instance.png]"
-    lines += ["", figure + "(instance.png)", "", runs_line(started, clock, args.jobs)]
+    lines += ["", figure + "(instance.png)"]
     print("\n".join(lines))
     command = " ".join(["python -m evidence.instance_study", *sys.argv[1:]])
     record("instance", command, lines, at=started)

@@ -37,7 +37,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -54,7 +53,6 @@ from evidence.results import (
     one_line_errors,
     record,
     run_training,
-    runs_line,
     this_commit_only,
     write_json_atomic,
     write_lines_atomic,
@@ -376,7 +374,7 @@ def plot(path, results):
 
 
 def main(args):
-    started, clock = commit(), time.time()
+    started = commit()
     this_commit_only(args.out_dir)  # no cache of other code is read
     summary = (
         f"K = {ROLLOUTS}, B = {CONTEXTS} contexts (RLOO at 2B: {2 * CONTEXTS}), L = {STEPS}, flat "
@@ -401,7 +399,6 @@ def main(args):
     path = os.path.join(REPOSITORY, "docs", "regime.png")
     plot(path, results)
     lines.append("\nLearning curves and the JS weight: [docs/regime.png](regime.png)")
-    lines += ["", runs_line(started, clock, args.jobs)]
     print("\n".join(lines))
     record(
         "regime", " ".join(["python -m evidence.regime_study", *sys.argv[1:]]), lines, at=started

@@ -99,12 +99,19 @@ def record(name, command, lines, at=None, path=RESULTS):
     """Write (or replace) the section `name` of docs/RESULTS.md: its command, the commit it ran at
     (`at`, taken when the command started; default: now) and `lines`."""
     existing = sections(open(path).read()) if os.path.exists(path) else {}
-    existing[name] = ["", f"`{command}`", "", f"at commit {at or commit()}", "", *lines, ""]
-    body = list(HEADER)
-    for section, section_lines in existing.items():
-        body += ["", f"<!-- section: {section} -->", *section_lines, f"<!-- end: {section} -->"]
+    at = at or commit()
+    existing[name] = ["", f"`{command}`", "", f"at commit {at}", "", *lines, "", runs_line(at), ""]
+    write_page(existing, path)
+
+
+def write_page(found, path=RESULTS):
+    """docs/RESULTS.md from its sections (name -> lines): the header, the claims table, then the
+    sections under their headings, as evidence/stale.py declares them."""
+    from evidence import stale  # the page's layout; stale reads the page through this module
+
+    body = [*HEADER, "", *stale.page(found)]
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_lines_atomic(path, ["\n".join(body) + "\n"])
+    write_lines_atomic(path, ["\n".join(body).rstrip("\n") + "\n"])
 
 
 def write_lines_atomic(path, lines):
@@ -162,15 +169,17 @@ def loaded(config):
     return LOADED[key]
 
 
+STARTED = time.time()  # the command's start: this module is imported before any study's work
 WORKERS = None  # run_training's processes, started once: each imports torch and the models once
 RUNS = dict(trained=0, read=0)  # this process's runs: trained here, or read from this code's
 
 
-def runs_line(started, clock, jobs):
-    """What a section says of how it ran: its time, its worker processes and its cached runs."""
-    minutes, runs = (time.time() - clock) / 60, RUNS["trained"] + RUNS["read"]
-    return (f"Ran at {started} in {minutes:.0f} min with {jobs} worker process(es) on "
-            f"{os.cpu_count()} cores: {RUNS['trained']} of its {runs} trainings run here, "
+def runs_line(started):
+    """What a section says of how it ran: its time since the command started, the cores and the
+    training runs it ran or read."""
+    minutes, runs = (time.time() - STARTED) / 60, RUNS["trained"] + RUNS["read"]
+    return (f"Ran at {started} in {minutes:.0f} min on {os.cpu_count()} cores: "
+            f"{RUNS['trained']} of its {runs} trainings run here, "
             f"{RUNS['read']} read from runs this code finished before.")  # fmt: skip
 
 

@@ -30,7 +30,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -43,7 +42,6 @@ from evidence.results import (
     interval,
     one_line_errors,
     record,
-    runs_line,
     this_commit_only,
     write_lines_atomic,
 )
@@ -85,7 +83,7 @@ def arm_lines(arm, runs):
 
 
 def main(args):
-    started, clock = commit(), time.time()
+    started = commit()
     this_commit_only(args.out_dir)
     lead, seeds = plan()
     for path, prompts in zip(tie_study.prompt_files(args.out_dir), tie_study.pair_prompts((2, 8))):
@@ -139,8 +137,6 @@ def main(args):
     lines += [
         f"- the bound predicts +0.000; the exploratory run measured +{ARM_A_LEAD} on the area; "
         f"the spread here {statistics.stdev(tie_study.differences(a['js'], a['rloo'], 1)):.3f}.",
-        "",
-        runs_line(started, clock, args.jobs),
     ]
     print("\n".join(lines))
     command = " ".join(["python -m evidence.tie_confirm", *sys.argv[1:]])

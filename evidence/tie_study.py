@@ -36,7 +36,6 @@ import math
 import os
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -52,7 +51,6 @@ from evidence.results import (
     one_line_errors,
     record,
     run_training,
-    runs_line,
     this_commit_only,
     write_json_atomic,
     write_lines_atomic,
@@ -448,7 +446,7 @@ def run_arm(args, pool, backbone, reward, arm, chosen, mean):
 
 
 def main(args):
-    started, clock = commit(), time.time()
+    started = commit()
     this_commit_only(args.out_dir)  # no cache of other code is read
     torch.set_num_threads(1)
     backbone = backbones.load_backbone(NAME)
@@ -467,7 +465,6 @@ def main(args):
         for arm, (title, rates_of) in arms.items():
             found = run_arm(args, pool, backbone, reward, arm, rates_of, mean)
             lines += arm_lines(title, rates_of, *found)
-    lines += ["", runs_line(started, clock, args.jobs)]
     print("\n".join(lines))
     record("tie", " ".join(["python -m evidence.tie_study", *sys.argv[1:]]), lines, at=started)
 

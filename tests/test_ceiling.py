@@ -4,7 +4,6 @@ rules on hand-made rows."""
 
 import argparse
 import math
-import time
 
 import pytest
 import torch
@@ -91,7 +90,7 @@ def test_the_ceiling_finds_an_optimum_the_prompt_sets(tmp_path, monkeypatch):
     assert reward["instance"] > -bound
     for row in ("global", "average"):
         assert reward[row] == pytest.approx(single.mean(), abs=0.02)
-    lines = ceiling.report(args, {("digits", STEPS): found}, trained, "abc", time.time())
+    lines = ceiling.report(args, {("digits", STEPS): found}, trained)
     assert lines[0].startswith("The rule")
     assert any(line.startswith(f"Verdict: {ceiling.GAINS}. Deciding: ") for line in lines)
 

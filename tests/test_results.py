@@ -20,7 +20,8 @@ def test_a_section_is_written_under_its_command_and_commit_and_replaced_alone(tm
     assert text.startswith("# Results\n")
     found = results.sections(text)
     assert list(found) == ["first", "second"]  # replaced in place, order kept
-    assert found["first"] == ["", "`python a.py`", "", "at commit 0ff1ce", "", *lines, ""]
+    assert found["first"][:-2] == ["", "`python a.py`", "", "at commit 0ff1ce", "", *lines, ""]
+    assert found["first"][-2].startswith("Ran at 0ff1ce in ")  # its minutes, cores and runs
     assert found["second"][1:4] == ["`python b.py --x`", "", "at commit def456"]
     assert "| 1 |" not in text
 

@@ -1,0 +1,232 @@
+"""
+Which sections of docs/RESULTS.md still match the code that measured them, and the claims table
+that opens the page.
+
+    python -m evidence.stale           # the check: fails on a section stale and not kept
+    python -m evidence.stale --write   # first rewrites the claims table from the sections
+
+SECTIONS declares, per section, the heading it stands under and the files its numbers depend on
+(not the code that writes sections). A section is stale where one of those files differs between
+the commit it ran at and HEAD (`git diff --quiet <commit> HEAD -- <files>`), or where it ran with
+uncommitted changes. KEPT stands a stale section, with the reason it still holds; TO_RERUN lists
+one still to rerun, shown as stale (here and in the claims table) without failing the check. The
+check also fails where the claims table on the page is not the one the sections give now, so the
+page never calls a section current that is not. Without the repository's history it fails: a
+section's commit must be found to be compared.
+"""
+
+import argparse
+import re
+import subprocess
+import sys
+
+from evidence.results import REPOSITORY, RESULTS, one_line_errors, sections, write_page
+
+DIGIT_MINIATURES = ("miniatures/mini-sd3", "miniatures/mini-flux", "miniatures/mini-sdxl")
+# what a held-out sample and its scores depend on: the loop, the models, the rewards, the prompts
+SAMPLING = ("rollout.py", "evaluate.py", "backbones", "rewards", "prompts", "miniatures/data.py")
+SAMPLING += ("miniatures/realism.py", "miniatures/preference", "miniatures/classifier")
+# and a trained policy's: the method and the studies' training runs
+TRAINING = SAMPLING + ("train.py", "policy.py", "baselines.py", "evidence/results.py")
+
+MIX = SAMPLING + ("miniatures/mini-mix", "miniatures/mix-classifier", "miniatures/mix.py")
+MIX += ("evidence/mix.py", "evidence/miniatures.py")
+SCHNELL = ("miniatures/mini-flux-schnell",)
+BOUND = ("toy_js.py", "baselines.py", "evidence/bound.py")
+REGIME = TRAINING + BOUND + ("miniatures/mini-sd3", "evidence/regime_study.py")
+REGIME += ("evidence/baseline_study.py",)
+ABLATION = TRAINING + DIGIT_MINIATURES + ("evidence/ablation.py",)
+INSTANCE = ABLATION + ("evidence/instance_study.py",)
+BENCH = TRAINING + DIGIT_MINIATURES + ("comparator", "miniatures/layouts.py", "sample.py")
+
+# section -> (the heading it stands under, the files its numbers depend on)
+SECTIONS = {
+    "miniatures": ("The method", ABLATION),
+    "distilled": ("The method", ABLATION + SCHNELL),
+    "baselines": ("The baselines", TRAINING + DIGIT_MINIATURES + ("evidence/baseline_study.py",)),
+    "regime": ("The baselines", REGIME),
+    "tie": ("The baselines", REGIME + ("evidence/tie_study.py",)),
+    "tie-confirm": ("The baselines", REGIME + ("evidence/tie_study.py", "evidence/tie_confirm.py")),
+    "toy_js": ("The baselines", ("toy_js.py", "baselines.py", "evidence/toy_js.py")),
+    "bound": ("The baselines", BOUND),
+    "embedded digits-prompt digits-noise": ("Instance-level", TRAINING + ("evidence/ablation.py",)),
+    "instance": ("Instance-level", INSTANCE),
+    "ceiling": ("Instance-level", INSTANCE + ("evidence/ceiling.py",)),
+    "comparator": ("The comparator", ABLATION + ("comparator", "evidence/comparator_study.py")),
+    "guidance": ("The miniatures", SAMPLING + DIGIT_MINIATURES + ("evidence/miniatures.py",)),
+    "agreement": ("The miniatures", SAMPLING + DIGIT_MINIATURES + ("evidence/miniatures.py",)),
+    "check": (
+        "The miniatures",
+        SAMPLING + DIGIT_MINIATURES + SCHNELL + ("evidence/miniatures.py",),
+    ),
+    "mini-mix gates": ("The miniatures", MIX),
+    "mini-mix gates, guidance by the gates' thresholds": ("The miniatures", MIX),
+    "bench all on cpu": ("Cost", BENCH + ("evidence/bench.py",)),
+    "bench policy on cpu": ("Cost", ("policy.py", "comparator", "evidence/bench.py")),
+}
+
+# section -> why it stands though a file it depends on changed since it ran
+KEPT = {
+    "tie": "the exploratory record that tie-confirm's plan cites, its numbers those of its commit",
+    "mini-mix gates, guidance by the gates' thresholds": (
+        "the record of the first guidance rule, replaced at edfac171a254 (README discloses it)"
+    ),
+}
+# section -> the rerun it waits for
+TO_RERUN = {}
+
+# One row per claim and place measured: (the claim, whose, where it was measured, the section,
+# its headline row's first characters, the row's column (None: the line's first mean ± interval,
+# or the line itself), which of the rows so starting (0: the first))
+CLAIMS = [
+    ("A schedule learned with JS beats the default at few steps", "paper",
+     "mini-sd3, L = 3, seed 0: held-out gain", "miniatures",
+     "- `python train.py --backbone mini-sd3 --seed 0`", None, 0),
+    ("JS beats cross-context RLOO", "paper", "mini-sd3, L = 2, default start, 5 seeds",
+     "baselines", "| js - xctx (reward, paired) |", "mini-sd3 L=2", 1),
+    ("JS beats RLOO", "paper", "mini-sd3, L = 2, flat start, 5 seeds", "baselines",
+     "| js - rloo (reward, paired) |", "mini-sd3 L=2", 0),
+    ("JS beats RLOO", "paper", "mini-sd3 at the tie, B = 4, 148 fresh seeds: area", "tie-confirm",
+     "- JS - rloo: area", None, 0),
+    ("JS beats cross-context RLOO", "paper", "mini-sd3 at the tie, B = 4, 148 fresh seeds: area",
+     "tie-confirm", "- JS - xctx: area", None, 0),
+    ("JS's estimate of each context's mean has lower MSE than RLOO's", "paper",
+     "simulated rewards, 72 cells", "toy_js", "- JS below RLOO in", None, 0),
+    ("A schedule per context beats one for all", "paper",
+     "digits-prompt, L = 4: share of the per-class oracle's gap, 3 seeds",
+     "embedded digits-prompt digits-noise", "| learned instance, js |", "gap captured (spread)", 0),
+    ("A schedule per context beats one for all", "paper",
+     "mini-sd3, L = 3: learned global - instance averaged", "miniatures",
+     "- mini-sd3, L = 3: learned global", None, 0),
+    ("TPDM-style PPO trails the single-pass policy", "paper",
+     "mini-sd3, L = 3: step-wise PPO - single-pass", "comparator",
+     "| step-wise, PPO with TPDM's settings", "minus single-pass (paired by seed)", 1),
+    ("A learned schedule nears the distilled model", "paper",
+     "mini-flux against mini-flux-schnell, L = 2", "distilled",
+     "- L = 2, preference: mini-flux default", None, 0),
+    ("JS leads RLOO where contexts are alike", "project",
+     "mini-sd3, one digit, B = 4, 15 seeds: endpoint", "regime", "| js |",
+     "- RLOO, endpoint (paired)", 0),
+    ("The bound's closed forms match simulation", "project", "24 simulated cells", "bound",
+     "- closed forms against 24 simulated cells", None, 0),
+    ("The preference reward ranks step counts as the Frechet distance does", "project",
+     "mini-sd3, 6 step counts", "agreement", "- mini-sd3: rank correlation", None, 0),
+    ("An instance policy trained on the reward gains on the miniatures", "project",
+     "mini-sd3, mini-flux, mini-sdxl, L = 3", "ceiling", "Verdict:", None, 0),
+    ("mini-mix follows its prompts' kinds and classes", "project",
+     "200 held-out contexts per kind", "mini-mix gates", "Gates:", None, 0),
+    ("The policy costs little beside the model", "project",
+     "mini-sd3: a training iteration against its model calls", "bench all on cpu",
+     "mini-sd3 training iteration", None, 0),
+]  # fmt: skip
+
+HEADINGS = ["The method", "The baselines", "Instance-level", "The comparator", "The miniatures"]
+HEADINGS += ["Cost"]
+CLAIMS_TITLE = "## Claims"
+
+
+def git(*args):
+    done = subprocess.run(["git", *args], cwd=REPOSITORY, capture_output=True, text=True)
+    return done.returncode, done.stdout.strip()
+
+
+def ran_at(lines):
+    """The commit a section names ("at commit <hex>[ with uncommitted changes]")."""
+    return next(line[len("at commit ") :] for line in lines if line.startswith("at commit "))
+
+
+def status(name, lines):
+    """'current', 'kept: <why>' or 'stale: <why>', against HEAD."""
+    at = ran_at(lines)
+    if name not in SECTIONS:
+        raise ValueError(
+            f"section {name!r} of docs/RESULTS.md is not declared in evidence/stale.py"
+        )
+    if at.endswith(" with uncommitted changes"):
+        why = "ran with uncommitted changes"
+    else:
+        code, _ = git("cat-file", "-e", f"{at}^{{commit}}")
+        if code != 0:
+            raise ValueError(
+                f"section {name!r}: its commit {at} is not in this repository's history"
+            )
+        _, changed = git("diff", "--name-only", at, "HEAD", "--", *SECTIONS[name][1])
+        if not changed:
+            return "current"
+        why = "changed since: " + ", ".join(changed.splitlines()[:3])
+    if name in KEPT:
+        return f"kept: {KEPT[name]}"
+    return f"stale, to rerun ({TO_RERUN[name]})" if name in TO_RERUN else f"stale: {why}"
+
+
+def headline(lines, row, column, occurrence):
+    """What a claim cites: a table cell, the first `mean ± interval` of a line, or the line."""
+    found = [i for i, line in enumerate(lines) if line.startswith(row)][occurrence]
+    line = lines[found]
+    if column is not None:
+        header = next(lines[i] for i in range(found, -1, -1) if column in lines[i])
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        return cells[[cell.strip() for cell in header.strip("|").split("|")].index(column)]
+    interval = re.search(r"[-+]?\d[\d.]* ± [\d.]+", line)
+    return interval.group(0) if interval else line.lstrip("- ").strip()
+
+
+def claims_table(found):
+    """The claims table's lines, from the sections `found` (name -> lines)."""
+    lines = [
+        CLAIMS_TITLE,
+        "",
+        "| claim | whose | measured on | result | section | commit | status |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|")
+    for claim, whose, where, name, row, column, occurrence in CLAIMS:
+        if name not in found:
+            continue
+        number = headline(found[name], row, column, occurrence).replace("|", "/")
+        state = status(name, found[name]).split(":")[0]
+        at = ran_at(found[name])[:12]
+        lines.append(f"| {claim} | {whose} | {where} | {number} | {name} | {at} | {state} |")
+    return lines
+
+
+def page(found):
+    """The page's body below its header: the claims table, then each heading's sections."""
+    body = [*claims_table(found), ""]
+    for heading in [*HEADINGS, None]:  # None: sections not declared yet, last
+        names = [name for name in found if SECTIONS.get(name, (None,))[0] == heading]
+        body += [f"## {heading}", ""] if heading and names else []
+        for name in names:
+            body += [f"<!-- section: {name} -->", *found[name], f"<!-- end: {name} -->", ""]
+    return body
+
+
+def main(write):
+    if git("rev-parse", "HEAD")[0] != 0:
+        raise ValueError("evidence.stale needs the repository's git history (a clone, not a copy)")
+    text = open(RESULTS).read()
+    found = sections(text)
+    if write:
+        write_page(found)
+        text = open(RESULTS).read()
+    failures = []
+    for name, lines in found.items():
+        state = status(name, lines)
+        print(f"{name}: {state}")
+        if state.startswith("stale:"):
+            failures.append(name)
+        if name in KEPT and state == "current" or name in TO_RERUN and state == "current":
+            failures.append(f"{name} (current: its entry in KEPT or TO_RERUN is not needed)")
+    table = "\n".join(claims_table(found))
+    if table not in text:
+        failures.append("the claims table (python -m evidence.stale --write rewrites it)")
+    if failures:
+        sys.exit("error: stale and not kept: " + "; ".join(failures))
+    print(f"{len(found)} sections: none stale that is not kept or listed to rerun")
+
+
+parser = argparse.ArgumentParser("python -m evidence.stale", description=__doc__.split("\n")[1])
+parser.add_argument("--write", action="store_true", help="first rewrite the claims table")
+
+if __name__ == "__main__":
+    with one_line_errors():
+        main(parser.parse_args().write)
