@@ -76,48 +76,51 @@ KEPT = {
 TO_RERUN = {}
 
 # One row per claim and place measured: (the claim, whose, where it was measured, the section,
-# its headline row's first characters, the row's column (None: the line's first mean ± interval,
-# or the line itself), which of the rows so starting (0: the first))
+# its headline line's first characters, the column of that table row or a pattern the line
+# matches, which of the lines so starting (0: the first)). The claims table cites it.
+INTERVAL = r"[-+]?\d[\d.]* ± [\d.]+"
 CLAIMS = [
     ("A schedule learned with JS beats the default at few steps", "paper",
      "mini-sd3, L = 3, seed 0: held-out gain", "miniatures",
-     "- `python train.py --backbone mini-sd3 --seed 0`", None, 0),
+     "- `python train.py --backbone mini-sd3 --seed 0`", INTERVAL, 0),
     ("JS beats cross-context RLOO", "paper", "mini-sd3, L = 2, default start, 5 seeds",
      "baselines", "| js - xctx (reward, paired) |", "mini-sd3 L=2", 1),
     ("JS beats RLOO", "paper", "mini-sd3, L = 2, flat start, 5 seeds", "baselines",
      "| js - rloo (reward, paired) |", "mini-sd3 L=2", 0),
     ("JS beats RLOO", "paper", "mini-sd3 at the tie, B = 4, 148 fresh seeds: area", "tie-confirm",
-     "- JS - rloo: area", None, 0),
+     "- JS - rloo: area", INTERVAL, 0),
     ("JS beats cross-context RLOO", "paper", "mini-sd3 at the tie, B = 4, 148 fresh seeds: area",
-     "tie-confirm", "- JS - xctx: area", None, 0),
+     "tie-confirm", "- JS - xctx: area", INTERVAL, 0),
     ("JS's estimate of each context's mean has lower MSE than RLOO's", "paper",
-     "simulated rewards, 72 cells", "toy_js", "- JS below RLOO in", None, 0),
+     "simulated rewards: cells where JS is below RLOO", "toy_js", "- JS below RLOO in",
+     r"\d+ of \d+ cells", 0),
     ("A schedule per context beats one for all", "paper",
      "digits-prompt, L = 4: share of the per-class oracle's gap, 3 seeds",
      "embedded digits-prompt digits-noise", "| learned instance, js |", "gap captured (spread)", 0),
     ("A schedule per context beats one for all", "paper",
      "mini-sd3, L = 3: learned global - instance averaged", "miniatures",
-     "- mini-sd3, L = 3: learned global", None, 0),
+     "- mini-sd3, L = 3: learned global", INTERVAL, 0),
     ("TPDM-style PPO trails the single-pass policy", "paper",
      "mini-sd3, L = 3: step-wise PPO - single-pass", "comparator",
      "| step-wise, PPO with TPDM's settings", "minus single-pass (paired by seed)", 1),
     ("A learned schedule nears the distilled model", "paper",
-     "mini-flux against mini-flux-schnell, L = 2", "distilled",
-     "- L = 2, preference: mini-flux default", None, 0),
+     "L = 2: learned mini-flux - mini-flux-schnell's default", "distilled",
+     "- L = 2, preference reward per context", INTERVAL, 0),
     ("JS leads RLOO where contexts are alike", "project",
      "mini-sd3, one digit, B = 4, 15 seeds: endpoint", "regime", "| js |",
      "- RLOO, endpoint (paired)", 0),
     ("The bound's closed forms match simulation", "project", "24 simulated cells", "bound",
-     "- closed forms against 24 simulated cells", None, 0),
+     "- closed forms against 24 simulated cells", r"largest \|z\| = [\d.]+", 0),
     ("The preference reward ranks step counts as the Frechet distance does", "project",
-     "mini-sd3, 6 step counts", "agreement", "- mini-sd3: rank correlation", None, 0),
+     "mini-sd3, 6 step counts: rank correlation", "agreement", "- mini-sd3: rank correlation",
+     r"preference reward [-\d.]+", 0),
     ("An instance policy trained on the reward gains on the miniatures", "project",
-     "mini-sd3, mini-flux, mini-sdxl, L = 3", "ceiling", "Verdict:", None, 0),
+     "mini-sd3, mini-flux, mini-sdxl, L = 3", "ceiling", "Verdict:", r"(?<=Verdict: )[^:]*", 0),
     ("mini-mix follows its prompts' kinds and classes", "project",
-     "200 held-out contexts per kind", "mini-mix gates", "Gates:", None, 0),
+     "200 held-out contexts per kind", "mini-mix gates", "Gates:", r"(?<=Gates: )[^.]*", 0),
     ("The policy costs little beside the model", "project",
      "mini-sd3: a training iteration against its model calls", "bench all on cpu",
-     "mini-sd3 training iteration", None, 0),
+     "mini-sd3 training iteration", r"[\d.]+x$", 0),
 ]  # fmt: skip
 
 HEADINGS = ["The method", "The baselines", "Instance-level", "The comparator", "The miniatures"]
@@ -160,15 +163,14 @@ def status(name, lines):
 
 
 def headline(lines, row, column, occurrence):
-    """What a claim cites: a table cell, the first `mean ± interval` of a line, or the line."""
+    """What a claim cites from the `occurrence`-th line starting with `row`: a table row's cell
+    under the header `column`, or on any other line the first match of the pattern `column`."""
     found = [i for i, line in enumerate(lines) if line.startswith(row)][occurrence]
-    line = lines[found]
-    if column is not None:
-        header = next(lines[i] for i in range(found, -1, -1) if column in lines[i])
-        cells = [cell.strip() for cell in line.strip("|").split("|")]
-        return cells[[cell.strip() for cell in header.strip("|").split("|")].index(column)]
-    interval = re.search(r"[-+]?\d[\d.]* ± [\d.]+", line)
-    return interval.group(0) if interval else line.lstrip("- ").strip()
+    if not row.startswith("|"):
+        return re.search(column, lines[found]).group(0)
+    header = next(lines[i] for i in range(found, -1, -1) if column in lines[i])
+    cells = [cell.strip() for cell in lines[found].strip("|").split("|")]
+    return cells[[cell.strip() for cell in header.strip("|").split("|")].index(column)]
 
 
 def claims_table(found):

@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from scipy import stats
 
-from evidence import tie_study
+from evidence import bound, tie_study
 from evidence.regime_study import gains
 from evidence.results import (
     commit,
@@ -51,6 +51,7 @@ RHO = {0: 0.66, 10: 0.68, 20: 0.88, 30: 0.97}  # along the JS tuning run at arm 
 DOUBLING_AREA = 0.345  # RLOO at 2B - RLOO, area, arm B
 SPREADS = dict(rloo=0.185, xctx=0.266)  # per-seed spread of JS - row on the area, arm B
 ARM_A_LEAD, ARM_A_SPREAD = 0.104, 0.257  # JS - RLOO on the area in arm A, and its spread
+EXPLORATORY_XCTX = (0.028, 0.058, 83)  # JS - cross-context, area, arm B: mean, 95% half, seeds
 RATES = dict(B=dict.fromkeys(("js", "rloo", "xctx"), 1e-3), A=dict(js=9e-3, rloo=9e-3))
 POWER = 0.8
 
@@ -71,6 +72,33 @@ def plan():
 def one_sided_p(values):
     """p of a paired t-test that the mean difference is above 0."""
     return float(stats.ttest_1samp(values, 0.0, alternative="greater").pvalue)
+
+
+def beside_the_plan(b):
+    """Written after the run, not part of its plan: arm B's lead over cross-context against the
+    variance model's largest lead at the tie (eq. 10's factor at B = 4 times the doubling gain) and
+    against the exploratory run's lead, and the two runs pooled with inverse-variance weights."""
+    ratio = bound.largest_factor_over_best(2, 4)[0]
+    better = min(bound.rloo_variance(2), bound.cross_context_variance(ratio, 2, 4))
+    largest = math.log2(better / bound.plug_in_variance(ratio, 2, 4)) * DOUBLING_AREA
+    values = tie_study.differences(b["js"], b["xctx"], 1)
+    runs = [(statistics.mean(values), statistics.stdev(values) / math.sqrt(len(values)))]
+    mean, half, count = EXPLORATORY_XCTX
+    runs.append((mean, half / stats.t.ppf(0.975, count - 1)))
+    weights = [1 / error**2 for _, error in runs]
+    pooled = sum(w * m for w, (m, _) in zip(weights, runs)) / sum(weights)
+    z = (runs[0][0] - mean) / math.hypot(runs[0][1], runs[1][1])
+
+    def batch(lead):  # the batch factor a lead is worth, the reward linear in log2 of the batch
+        return f"{2 ** (lead / DOUBLING_AREA):.2f}x"
+
+    return [
+        f"- Beside the plan (written after the run): JS - xctx on the area {runs[0][0]:+.3f}, "
+        f"worth {batch(runs[0][0])} cross-context's batch at the doubling gain; the variance "
+        f"model's largest lead at the tie {largest:+.3f} ({batch(largest)}; eq. 10 at B = 4); the "
+        f"exploratory run's {mean:+.3f} ± {half:.3f} (z = {z:.1f} for the difference); both runs "
+        f"pooled {pooled:+.3f} ± {1.96 / math.sqrt(sum(weights)):.3f} ({batch(pooled)})."
+    ]
 
 
 def arm_lines(arm, runs):
@@ -124,6 +152,7 @@ def main(args):
     verdict = "beats both" if both < 0.05 else "is not shown to beat both"
     lines += [
         f"- JS {verdict} at 5%: intersection-union p {both:.3g} (the larger one-sided p).",
+        *beside_the_plan(b),
         "",
         f"### Arm A replicated: each row at its exploratory best rate, {RATES['A']['js']:g}",
         "",
