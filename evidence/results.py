@@ -96,22 +96,21 @@ def sections(text):
 
 
 def record(name, command, lines, at=None, path=RESULTS):
-    """Write (or replace) the section `name` of docs/RESULTS.md: its command, the commit it ran at
-    (`at`, taken when the command started; default: now) and `lines`."""
-    existing = sections(open(path).read()) if os.path.exists(path) else {}
+    """Write the section `name` of docs/RESULTS.md, in place of its last version or else at the
+    end: its command, the commit it ran at (`at`, taken when the command started; default: now),
+    `lines` and how it ran. `python -m evidence.stale --write` then sets a new section under its
+    heading and writes the claims table from the sections."""
     at = at or commit()
-    existing[name] = ["", f"`{command}`", "", f"at commit {at}", "", *lines, "", runs_line(at), ""]
-    write_page(existing, path)
-
-
-def write_page(found, path=RESULTS):
-    """docs/RESULTS.md from its sections (name -> lines): the header, the claims table, then the
-    sections under their headings, as evidence/stale.py declares them."""
-    from evidence import stale  # the page's layout; stale reads the page through this module
-
-    body = [*HEADER, "", *stale.page(found)]
+    start, end = f"<!-- section: {name} -->", f"<!-- end: {name} -->"
+    body = ["", f"`{command}`", "", f"at commit {at}", "", *lines, "", runs_line(at), ""]
+    block = "\n".join([start, *body, end])
+    text = open(path).read() if os.path.exists(path) else "\n".join(HEADER) + "\n"
+    if start in text:
+        text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    write_lines_atomic(path, ["\n".join(body).rstrip("\n") + "\n"])
+    write_lines_atomic(path, [text])
 
 
 def write_lines_atomic(path, lines):

@@ -16,11 +16,19 @@ section's commit must be found to be compared.
 """
 
 import argparse
+import os
 import re
 import subprocess
 import sys
 
-from evidence.results import REPOSITORY, RESULTS, one_line_errors, sections, write_page
+from evidence.results import (
+    HEADER,
+    REPOSITORY,
+    RESULTS,
+    one_line_errors,
+    sections,
+    write_lines_atomic,
+)
 
 DIGIT_MINIATURES = ("miniatures/mini-sd3", "miniatures/mini-flux", "miniatures/mini-sdxl")
 # what a held-out sample and its scores depend on: the loop, the models, the rewards, the prompts
@@ -126,6 +134,12 @@ CLAIMS = [
 HEADINGS = ["The method", "The baselines", "Instance-level", "The comparator", "The miniatures"]
 HEADINGS += ["Cost"]
 CLAIMS_TITLE = "## Claims"
+CLAIMS_NOTE = (
+    "Each claim (the paper's, or this project's) with the headline its section measured. Status: "
+    "current where no file the section's numbers depend on changed since its commit, kept where "
+    "evidence/stale.py gives the reason it still stands, stale where it waits for its command to "
+    "run again. `python -m evidence.stale` checks this table; `--write` rewrites it."
+)
 
 
 def git(*args):
@@ -159,7 +173,7 @@ def status(name, lines):
         why = "changed since: " + ", ".join(changed.splitlines()[:3])
     if name in KEPT:
         return f"kept: {KEPT[name]}"
-    return f"stale, to rerun ({TO_RERUN[name]})" if name in TO_RERUN else f"stale: {why}"
+    return f"stale, to rerun: {TO_RERUN[name]}; {why}" if name in TO_RERUN else f"stale: {why}"
 
 
 def headline(lines, row, column, occurrence):
@@ -177,6 +191,8 @@ def claims_table(found):
     """The claims table's lines, from the sections `found` (name -> lines)."""
     lines = [
         CLAIMS_TITLE,
+        "",
+        CLAIMS_NOTE,
         "",
         "| claim | whose | measured on | result | section | commit | status |",
     ]
@@ -202,8 +218,15 @@ def page(found):
     return body
 
 
+def write_page(found, path=RESULTS):
+    """docs/RESULTS.md from its sections (name -> lines): the header, the claims table, then the
+    sections under their headings."""
+    body = [*HEADER, "", *page(found)]
+    write_lines_atomic(path, ["\n".join(body).rstrip("\n") + "\n"])
+
+
 def main(write):
-    if git("rev-parse", "HEAD")[0] != 0:
+    if not os.path.exists(os.path.join(REPOSITORY, ".git")):
         raise ValueError("evidence.stale needs the repository's git history (a clone, not a copy)")
     text = open(RESULTS).read()
     found = sections(text)
@@ -216,7 +239,7 @@ def main(write):
         print(f"{name}: {state}")
         if state.startswith("stale:"):
             failures.append(name)
-        if name in KEPT and state == "current" or name in TO_RERUN and state == "current":
+        if state == "current" and (name in KEPT or name in TO_RERUN):
             failures.append(f"{name} (current: its entry in KEPT or TO_RERUN is not needed)")
     table = "\n".join(claims_table(found))
     if table not in text:

@@ -34,25 +34,18 @@ def random_rewards(contexts, rollouts, seed=0, spread=2.0):
 # hand-computed values
 
 
-def test_rloo_and_cross_context_hand_values():
+def test_rloo_cross_context_and_james_stein_hand_values():
     # [1, 2, 6]: others' means (2+6)/2 = 4, (1+6)/2 = 3.5, (1+2)/2 = 1.5
     assert torch.allclose(rloo(torch.tensor([[1.0, 2.0, 6.0]])), torch.tensor([[4.0, 3.5, 1.5]]))
     # K = 2: the other rollout
-    assert torch.equal(
-        rloo(HAND), torch.tensor([[3.0, 1.0], [6.0, 2.0], [8.0, 4.0]], dtype=torch.float64)
-    )
+    assert torch.equal(rloo(HAND), HAND.new_tensor([[3.0, 1.0], [6.0, 2.0], [8.0, 4.0]]))
     # cross-context: total 24, B*K - 1 = 5: (24 - r) / 5
-    expected = torch.tensor([[23.0, 21.0], [22.0, 18.0], [20.0, 16.0]], dtype=torch.float64) / 5
+    expected = HAND.new_tensor([[23.0, 21.0], [22.0, 18.0], [20.0, 16.0]]) / 5
     assert torch.allclose(cross_context(HAND), expected)
-
-
-def test_james_stein_hand_values():
     assert shrinkage(HAND).item() == pytest.approx(HAND_WEIGHT, rel=1e-12)
     assert shrinkage(HAND).shape == ()
     # b = (23/73) * rloo + (50/73) * xctx, e.g. b[0, 0] = (23*3 + 50*4.6) / 73 = 299/73
-    expected = (
-        torch.tensor([[299.0, 233.0], [358.0, 226.0], [384.0, 252.0]], dtype=torch.float64) / 73
-    )
+    expected = HAND.new_tensor([[299.0, 233.0], [358.0, 226.0], [384.0, 252.0]]) / 73
     assert torch.allclose(james_stein(HAND), expected, rtol=1e-12)
 
 
@@ -65,17 +58,13 @@ def test_james_stein_follows_the_written_formula():
     # s2's literal reading (docs/DESIGN.md), the dispersion around b_rloo, is K/(K-1) times it
     literal = (rewards - rloo(rewards)).square().mean()
     assert literal.item() == pytest.approx(rollouts / (rollouts - 1) * within.item(), rel=1e-12)
-    spread = (rewards.mean(dim=1) - cross_context(rewards).mean(dim=1)).square().sum() / (
-        contexts - 1
-    )
+    deviations = rewards.mean(dim=1) - cross_context(rewards).mean(dim=1)
+    spread = deviations.square().sum() / (contexts - 1)
     between = torch.clamp(spread - within / rollouts, min=0)
     weight = (within / (rollouts - 1)) / (within / (rollouts - 1) + between)
     assert shrinkage(rewards).item() == pytest.approx(weight.item(), rel=1e-12)
-    assert torch.allclose(
-        james_stein(rewards),
-        (1 - weight) * rloo(rewards) + weight * cross_context(rewards),
-        rtol=1e-12,
-    )
+    mix = (1 - weight) * rloo(rewards) + weight * cross_context(rewards)
+    assert torch.allclose(james_stein(rewards), mix, rtol=1e-12)
 
 
 def test_unbiased_weight_is_the_weight_without_that_context():
@@ -141,9 +130,8 @@ def test_weight_is_one_when_contexts_do_not_differ_and_degenerate_batches():
 @pytest.mark.parametrize("name", sorted(BASELINES))
 def test_equivariant_detached_and_in_the_rewards_dtype(name):
     rewards = random_rewards(6, 3, seed=6)
-    assert torch.allclose(
-        BASELINES[name](2.5 * rewards - 40.0), 2.5 * BASELINES[name](rewards) - 40.0, atol=1e-10
-    )
+    scaled = BASELINES[name](2.5 * rewards - 40.0)
+    assert torch.allclose(scaled, 2.5 * BASELINES[name](rewards) - 40.0, atol=1e-10)
     baseline = BASELINES[name](rewards.float().requires_grad_(True))
     assert baseline.shape == (6, 3) and baseline.dtype == torch.float32
     assert not baseline.requires_grad

@@ -24,11 +24,8 @@ def test_frechet_distance_of_diagonal_gaussians_by_hand():
     """b = 2 a + (1, 1): |mu|^2 = 2, covariances scaled by 4, so the trace term is
     sum_i (sqrt(v_i) - sqrt(4 v_i))^2 = sum_i v_i = 2/3 + 8/3; 16/3 in all, with a and b swapped
     too, and after a common rotation (non-diagonal covariances)."""
-    angle = 0.7
-    rotation = torch.tensor(
-        [[math.cos(angle), -math.sin(angle)], [math.sin(angle), math.cos(angle)]],
-        dtype=torch.float64,
-    )
+    cos, sin = math.cos(0.7), math.sin(0.7)  # a rotation by 0.7 radians
+    rotation = torch.tensor([[cos, -sin], [sin, cos]], dtype=torch.float64)
     other = 2 * CROSS + 1
     for a, b in ((CROSS, other), (other, CROSS), (CROSS @ rotation, other @ rotation)):
         assert frechet_distance(a, b) == pytest.approx(16 / 3, rel=1e-9)
@@ -66,9 +63,8 @@ def test_real_digits_are_more_realistic_than_blurred_or_averaged_ones():
     real, labels = real[:256], labels[:256]
     blurred = miniature.blurred(real, torch.full((len(real),), 1.2, dtype=real.dtype))
     means = torch.stack([real[labels == label].mean(0) for label in labels])
-    scores = {
-        name: realism(images) for name, images in dict(real=real, blur=blurred, mean=means).items()
-    }
+    sets = dict(real=real, blur=blurred, mean=means)
+    scores = {name: realism(images) for name, images in sets.items()}
     for worse in ("blur", "mean"):
         assert scores["real"]["frechet"] < scores[worse]["frechet"] / 2
         assert scores["real"]["recall"] > scores[worse]["recall"] + 0.5

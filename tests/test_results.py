@@ -2,12 +2,16 @@
 door of a study's folder and the key of the runs it keeps."""
 
 import os
+import re
 import subprocess
+import sys
 
 import pytest
 from conftest import SCRIPTS
 
-from evidence import results
+from evidence import results, stale
+
+REPOSITORY = results.REPOSITORY
 
 
 def test_a_section_is_written_under_its_command_and_commit_and_replaced_alone(tmp_path):
@@ -74,3 +78,45 @@ def test_without_git_the_code_is_unknown_and_no_other_runs_cache_is_read(tmp_pat
     (tmp_path / "cell.json").write_text("{}")
     results.this_commit_only(str(tmp_path))  # this run's own cells are read
     assert sorted(os.listdir(tmp_path)) == ["cell.json", "commit.txt"]
+
+
+def test_a_section_is_stale_where_a_file_it_depends_on_changed_and_kept_only_by_its_entry(
+    tmp_path, monkeypatch
+):
+    git(tmp_path, "init", "-q")
+    (tmp_path / "train.py").write_text("rate = 1\n")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "code")
+    at = git(tmp_path, "rev-parse", "HEAD")[:12]
+    monkeypatch.setattr(stale, "REPOSITORY", str(tmp_path))
+    monkeypatch.setattr(stale, "SECTIONS", {"s": ("H", ("train.py",)), "t": ("H", ("toy.py",))})
+    (tmp_path / "toy.py").write_text("seed = 0\n")  # toy.py is new: t's numbers changed too
+    (tmp_path / "train.py").write_text("rate = 2\n")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-qm", "rate")
+    assert stale.status("s", [f"at commit {at}"]).startswith("stale: changed since: train.py")
+    assert stale.status("s", [f"at commit {git(tmp_path, 'rev-parse', 'HEAD')}"]) == "current"
+    assert stale.status("s", [f"at commit {at} with uncommitted changes"]).startswith("stale")
+    monkeypatch.setitem(stale.KEPT, "t", "a measured reason")
+    assert stale.status("t", [f"at commit {at}"]) == "kept: a measured reason"
+    with pytest.raises(ValueError, match="not in this repository's history"):
+        stale.status("s", ["at commit 0123456789ab"])
+
+
+@pytest.mark.skipif(not os.path.isdir(os.path.join(REPOSITORY, ".git")), reason="a copy: no git")
+def test_no_section_of_the_results_is_stale_unless_kept_or_listed_and_the_claims_are_current():
+    done = subprocess.run([sys.executable, "-m", "evidence.stale"], cwd=REPOSITORY, text=True,
+                          capture_output=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_readmes_results_are_the_numbers_of_the_sections_they_name():
+    readme = open(os.path.join(REPOSITORY, "README.md")).read()
+    found = results.sections(open(results.RESULTS).read())
+    summary = readme[readme.index("## Results") : readme.index("## Tests")]
+    for bullet in summary.split("\n- ")[1:]:
+        bullet = " ".join(bullet.split())
+        names = [name for name in re.findall(r'"([^"]+)"', bullet) if name in found]
+        cited = "\n".join(line for name in names for line in found[name])
+        numbers = re.findall(r"\d+\.\d+(?: ± \d+\.\d+)?", bullet)  # a mean with its interval
+        assert names and [n for n in numbers if n not in cited] == [], bullet

@@ -21,11 +21,9 @@ def tiny_hps(tmp_path_factory):
     Same code as ViT-H-14 (open_clip CLIP, 224 px input, the real 49408-token vocabulary and
     77-token context, so hpsv2's own tokenizer applies), only narrow and shallow."""
     folder = tmp_path_factory.mktemp("hps")
-    config = dict(
-        embed_dim=16,
-        vision_cfg=dict(image_size=224, layers=2, width=32, head_width=16, patch_size=32),
-        text_cfg=dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=2),
-    )
+    vision = dict(image_size=224, layers=2, width=32, head_width=16, patch_size=32)
+    text = dict(context_length=77, vocab_size=49408, width=32, heads=2, layers=2)
+    config = dict(embed_dim=16, vision_cfg=vision, text_cfg=text)
     (folder / f"{TINY}.json").write_text(json.dumps(config))
     open_clip.add_model_config(folder / f"{TINY}.json")
     torch.manual_seed(0)
@@ -49,12 +47,8 @@ def hps_reference(tiny_hps, tmp_path_factory):
     img_score.model_dict.update(model=model, preprocess_val=preprocess_val)
     root = img_score.root_path
     img_score.root_path = str(tmp_path_factory.mktemp("hps-root"))  # score() creates this folder
-    yield (
-        lambda image, prompt: (
-            100.0
-            * float(img_score.score(to_pil(image), prompt, cp=tiny_hps, hps_version="v2.1")[0])
-        )
-    )
+    options = dict(cp=tiny_hps, hps_version="v2.1")
+    yield lambda image, prompt: 100.0 * float(img_score.score(to_pil(image), prompt, **options)[0])
     img_score.model_dict.clear()
     img_score.model_dict.update(saved)
     img_score.root_path = root
@@ -65,14 +59,11 @@ def hps_reference(tiny_hps, tmp_path_factory):
 )
 def test_preprocess_matches_hps_transform(tiny_hps, height, width):
     # the transform hpsv2 scores with: create_model_and_transforms(..., light_augmentation=True)
-    _, _, preprocess_val = open_clip.create_model_and_transforms(
-        TINY, None, light_augmentation=True
-    )
-    images = torch.rand(
-        2, 3, height, width, generator=torch.Generator().manual_seed(height + width)
-    )
+    _, _, transform = open_clip.create_model_and_transforms(TINY, None, light_augmentation=True)
+    generator = torch.Generator().manual_seed(height + width)
+    images = torch.rand(2, 3, height, width, generator=generator)
     ours = hps.hps_preprocess(images, 224)
-    reference = torch.stack([preprocess_val(to_pil(image)) for image in images])
+    reference = torch.stack([transform(to_pil(image)) for image in images])
     assert ours.shape == reference.shape
     assert torch.allclose(ours, reference, rtol=0, atol=1e-6)
 
@@ -88,17 +79,14 @@ def test_reward_matches_hpsv2_score(tiny_hps, hps_reference):
     prompts = ["a red cube", "a dog", "a red cube", "two cats, oil painting", "a handwritten 3"]
     scores = reward(images, prompts, None, None)
     assert scores.dtype == torch.float32 and scores.shape == (5,)
-    expected = torch.tensor(
-        [hps_reference(image, prompt) for image, prompt in zip(images, prompts)]
-    )
+    expected = torch.tensor(list(map(hps_reference, images, prompts)))
     assert torch.allclose(scores, expected, rtol=0, atol=1e-4)
 
 
 def test_checkpoint_loads_strictly(tiny_hps, tmp_path):
     state = torch.load(tiny_hps, weights_only=True)["state_dict"]
     state.pop("text_projection")
-    torch.save({"state_dict": state}, tmp_path / "incomplete.pt")
+    incomplete = str(tmp_path / "incomplete.pt")
+    torch.save({"state_dict": state}, incomplete)
     with pytest.raises(RuntimeError, match="text_projection"):
-        rewards.load_reward(
-            "hpsv2", ImageBackbone(), checkpoint=str(tmp_path / "incomplete.pt"), model_name=TINY
-        )
+        rewards.load_reward("hpsv2", ImageBackbone(), checkpoint=incomplete, model_name=TINY)

@@ -40,15 +40,9 @@ def test_default_times_reproduce_the_pipeline(tiny, steps):
     handle = backbone.model.register_forward_hook(lambda *_: calls.append(1))
     ours = backbone.sample(noise, cond, backbone.default_times(steps).expand(len(PROMPTS), -1))
     assert len(calls) == steps  # CFG rides in the same forward
-    theirs = pipe(
-        prompt=PROMPTS,
-        num_inference_steps=steps,
-        guidance_scale=backbone.guidance or 0.0,
-        height=RESOLUTION,
-        width=RESOLUTION,
-        latents=noise.clone(),
-        output_type="latent",
-    ).images
+    options = dict(num_inference_steps=steps, guidance_scale=backbone.guidance or 0.0)
+    options |= dict(height=RESOLUTION, width=RESOLUTION, output_type="latent")
+    theirs = pipe(prompt=PROMPTS, latents=noise.clone(), **options).images
     handle.remove()
     assert ours.shape == theirs.shape
     # float32 on CPU: the loop does the same arithmetic; what remains is rounding
@@ -79,11 +73,9 @@ def test_learned_schedules_run_exactly_as_given_per_sample(tiny):
     # per-sample schedules in one batch equal each sample alone
     times = torch.tensor([[1.0, 0.8, 0.4, 0.05], [1.0, 0.5, 0.2, 0.1]])
     batched = backbone.sample(noise, cond, times)
-    for i in range(2):
-        single = backbone.sample(
-            noise[i : i + 1], {k: v[i : i + 1] for k, v in cond.items()}, times[i : i + 1]
-        )
-        assert relative_error(single, batched[i : i + 1]) < 1e-5
+    for one in (slice(0, 1), slice(1, 2)):
+        single = backbone.sample(noise[one], {k: v[one] for k, v in cond.items()}, times[one])
+        assert relative_error(single, batched[one]) < 1e-5
 
 
 def test_decode_matches_the_pipeline(tiny):
@@ -92,10 +84,8 @@ def test_decode_matches_the_pipeline(tiny):
     images = backbone.decode(latents)
     assert images.shape == (3, 3, RESOLUTION, RESOLUTION) and images.dtype == torch.float32
     # chunked decode equals the pipeline's own decode
-    decoded = pipe.image_processor.postprocess(
-        pipe.vae.decode(_pipeline_vae_input(pipe, latents), return_dict=False)[0],
-        output_type="pt",
-    )
+    raw = pipe.vae.decode(_pipeline_vae_input(pipe, latents), return_dict=False)[0]
+    decoded = pipe.image_processor.postprocess(raw, output_type="pt")
     assert torch.allclose(images, decoded, atol=1e-5)
 
 
@@ -135,10 +125,8 @@ def test_default_times_match_the_library_facts():
     # 1024 tokens (512 px on the real model): 0.63
     mu = 0.5 + (1024 - 256) * (1.15 - 0.5) / (4096 - 256)
     half = math.exp(mu) / (math.exp(mu) + 1.0)  # time_shift(mu, 1, 0.5)
-    assert torch.allclose(
-        from_pipeline(tiny_pipeline("flux-dev"), resolution=128).default_times(2),
-        torch.tensor([1.0, half, 0.0]),
-    )
+    smaller = from_pipeline(tiny_pipeline("flux-dev"), resolution=128)
+    assert torch.allclose(smaller.default_times(2), torch.tensor([1.0, half, 0.0]))
     # no shift: linspace(1, 1/N, N), then 0
     schnell = from_pipeline(tiny_pipeline("flux-schnell"), resolution=256)
     assert torch.allclose(schnell.default_times(4), torch.tensor([1.0, 0.75, 0.5, 0.25, 0.0]))
