@@ -215,7 +215,7 @@ def claims_table(found):
     for claim, whose, where, name, row, column, occurrence in CLAIMS:
         if name not in found:
             continue
-        number = headline(found[name], row, column, occurrence).replace("|", "/")
+        number = headline(found[name], row, column, occurrence).replace("|", "\\|")
         state = status(name, found[name]).split(":")[0]
         at = ran_at(found[name])[:12]
         lines.append(f"| {claim} | {whose} | {where} | {number} | {name} | {at} | {state} |")
