@@ -91,7 +91,6 @@ TO_RERUN = {
     "instance": "its oracles and predictors took 207 min of one thread",
     "ceiling": "87 min on 2 cores",
     "guidance": "50-step samples of 512 contexts at 10 guidances per miniature",
-    "regime": "25 min on 2 cores",
     "bench all on cpu": "about 3 min",
     "bench policy on cpu": "under a minute",
 }
