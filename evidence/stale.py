@@ -86,7 +86,6 @@ TO_RERUN = {
     "miniatures": "seeding changed since: at 8d0c4e2 `python train.py --backbone mini-sd3 --seed "
     "0` gives +2.519 ± 0.125 where the section's seed 0 has +2.535 ± 0.125",
     "distilled": "trains mini-flux and mini-flux-schnell at L = 2 to 5 over 3 seeds",
-    "baselines": "about 55 min on 2 cores",
     "embedded digits-prompt digits-noise": "trains 6 rows x 3 seeds on each backbone",
     "instance": "its oracles and predictors took 207 min of one thread",
     "ceiling": "87 min on 2 cores",
