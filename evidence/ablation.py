@@ -425,7 +425,7 @@ def miniature_evidence(args):
             n: score["preference"].mean().item()
             for n, score in score_table(
                 backbone, preference_only, prompts, seeds, defaults, batch_size=128
-            ).items()
+            )[0].items()
         }
         default_realism = realism_table(backbone, defaults, prompts, seeds, measure)
         minus_frechet = {n: -row["frechet"] for n, row in default_realism.items()}
@@ -442,7 +442,7 @@ def miniature_evidence(args):
             shifts = {s: fixed_schedule(shifted(default, s)) for s in SHIFTS}
             fit = score_table(
                 backbone, preference_only, fit_prompts, fit_seeds, shifts, batch_size=128
-            )
+            )[0]
             best = max(SHIFTS, key=lambda s: fit[s]["preference"].mean().item())
             shift_row = f"best time shift (x{best})"
             methods = {"default": fixed_schedule(default), shift_row: shifts[best]}
@@ -456,7 +456,7 @@ def miniature_evidence(args):
                     if training == "instance":  # what of it one schedule for all contexts keeps
                         times = policy_schedule(policy, backbone)(fit_noise, fit_cond)
                         methods[f"{AVERAGED}, seed {seed}"] = fixed_schedule(times.mean(0))
-            scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)
+            scores = score_table(backbone, rewards, prompts, seeds, methods, batch_size=128)[0]
             realism = realism_table(backbone, methods, prompts, seeds, measure)
             rows = {"default": ["default"], shift_row: [shift_row]}
             rows.update(
@@ -615,7 +615,7 @@ def distilled_comparison(args):
     def measured(name, methods):  # row -> per-context scores and realism of each method
         backbone = models[name]
         reward = {"preference": load_reward("preference", backbone)}
-        scores = score_table(backbone, reward, prompts, seeds, methods, batch_size=128)
+        scores = score_table(backbone, reward, prompts, seeds, methods, batch_size=128)[0]
         realism = realism_table(backbone, methods, prompts, seeds, measure)
         return {row: dict(scores[row], **realism[row]) for row in methods}
 
