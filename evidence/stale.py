@@ -46,6 +46,7 @@ REGIME = TRAINING + BOUND + ("miniatures/mini-sd3", "evidence/regime_study.py")
 REGIME += ("evidence/baseline_study.py",)
 ABLATION = TRAINING + DIGIT_MINIATURES + ("evidence/ablation.py",)
 INSTANCE = ABLATION + ("evidence/instance_study.py",)
+COMPARATOR = ("evidence/comparator_study.py",)
 BENCH = TRAINING + DIGIT_MINIATURES + ("comparator", "miniatures/layouts.py", "sample.py")
 
 # section -> (the heading it stands under, the files its numbers depend on)
@@ -61,7 +62,7 @@ SECTIONS = {
     "embedded digits-prompt digits-noise": ("Instance-level", TRAINING + ("evidence/ablation.py",)),
     "instance": ("Instance-level", INSTANCE),
     "ceiling": ("Instance-level", INSTANCE + ("evidence/ceiling.py",)),
-    "comparator": ("The comparator", ABLATION + ("comparator", "evidence/comparator_study.py")),
+    "comparator": ("The comparator", TRAINING + DIGIT_MINIATURES + ("comparator",) + COMPARATOR),
     "guidance": ("The miniatures", SAMPLING + DIGIT_MINIATURES + ("evidence/miniatures.py",)),
     "agreement": ("The miniatures", SAMPLING + DIGIT_MINIATURES + ("evidence/miniatures.py",)),
     "check": (
