@@ -84,8 +84,6 @@ KEPT = {
 }
 # section -> what its rerun takes (its command heads the section), or what was measured meanwhile
 TO_RERUN = {
-    "miniatures": "seeding changed since: at 8d0c4e2 `python train.py --backbone mini-sd3 --seed "
-    "0` gives +2.519 ± 0.125 where the section's seed 0 has +2.535 ± 0.125",
     "distilled": "trains mini-flux and mini-flux-schnell at L = 2 to 5 over 3 seeds",
     "embedded digits-prompt digits-noise": "trains 6 rows x 3 seeds on each backbone",
     "instance": "its oracles and predictors took 207 min of one thread",
