@@ -89,8 +89,6 @@ TO_RERUN = {
     "instance": "its oracles and predictors took 207 min of one thread",
     "ceiling": "87 min on 2 cores",
     "guidance": "50-step samples of 512 contexts at 10 guidances per miniature",
-    "bench all on cpu": "about 3 min",
-    "bench policy on cpu": "under a minute",
 }
 
 # One row per claim and place measured: (the claim, whose, where it was measured, the section,
