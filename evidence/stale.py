@@ -195,8 +195,9 @@ def headline(lines, row, column, occurrence):
     return cells[[cell.strip() for cell in header.strip("|").split("|")].index(column)]
 
 
-def claims_table(found):
-    """The claims table's lines, from the sections `found` (name -> lines)."""
+def claims_table(found, states):
+    """The claims table's lines, from the sections `found` (name -> lines) and their `states`
+    (name -> status())."""
     lines = [
         CLAIMS_TITLE,
         "",
@@ -209,15 +210,15 @@ def claims_table(found):
         if name not in found:
             continue
         number = headline(found[name], row, column, occurrence).replace("|", "\\|")
-        state = status(name, found[name]).split(":")[0]
+        state = states[name].split(":")[0]
         at = ran_at(found[name])[:12]
         lines.append(f"| {claim} | {whose} | {where} | {number} | {name} | {at} | {state} |")
     return lines
 
 
-def page(found):
+def page(found, states):
     """The page's body below its header: the claims table, then each heading's sections."""
-    body = [*claims_table(found), ""]
+    body = [*claims_table(found, states), ""]
     for heading in [*HEADINGS, None]:  # None: sections not declared yet, last
         names = [name for name in found if SECTIONS.get(name, (None,))[0] == heading]
         body += [f"## {heading}", ""] if heading and names else []
@@ -226,14 +227,10 @@ def page(found):
     return body
 
 
-def rendered(found):
+def rendered(found, states):
     """docs/RESULTS.md's text from its sections (name -> lines): the header, the claims table, then
     the sections under their headings."""
-    return "\n".join([*HEADER, "", *page(found)]).rstrip("\n") + "\n"
-
-
-def write_page(found, path=RESULTS):
-    write_lines_atomic(path, [rendered(found)])
+    return "\n".join([*HEADER, "", *page(found, states)]).rstrip("\n") + "\n"
 
 
 def main(write):
@@ -241,18 +238,18 @@ def main(write):
         raise ValueError("evidence.stale needs the repository's git history (a clone, not a copy)")
     text = open(RESULTS).read()
     found = sections(text)
+    states = {name: status(name, lines) for name, lines in found.items()}  # git, once each
     if write:
-        write_page(found)
-        text = open(RESULTS).read()
+        text = rendered(found, states)
+        write_lines_atomic(RESULTS, [text])
     failures = []
-    for name, lines in found.items():
-        state = status(name, lines)
+    for name, state in states.items():
         print(f"{name}: {state}")
         if state.startswith("stale:"):
             failures.append(name)
         if state == "current" and (name in KEPT or name in TO_RERUN):
             failures.append(f"{name} (current: its entry in KEPT or TO_RERUN is not needed)")
-    if text != rendered(found):
+    if text != rendered(found, states):
         failures.append("the claims table or the headings (python -m evidence.stale --write)")
     if failures:
         sys.exit("error: stale and not kept: " + "; ".join(failures))
